@@ -1,0 +1,3 @@
+from opt_serving.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,149 @@
+"""One frozen config for every OPT size, with named presets.
+
+Field names follow Hugging Face's `OPTConfig` so a `config.json` round-trips
+between the two; `from_hf_json` / `to_hf_dict` do the translation.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class OPTConfig:
+    vocab_size: int = 50272
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    ffn_dim: int = 3072
+    max_position_embeddings: int = 2048
+    # OPT-350m embeds into 512 and projects in/out of the 1024-wide decoder.
+    word_embed_proj_dim: int = 768
+    # Pre-LayerNorm (every size but 350m); post-LN models have no final layer norm.
+    do_layer_norm_before: bool = True
+    activation_function: str = "relu"
+    layer_norm_elementwise_affine: bool = True
+    enable_bias: bool = True
+    pad_token_id: int = 1
+    bos_token_id: int = 2
+    eos_token_id: int = 2
+    # learned positions are stored with fairseq's offset of 2 extra rows
+    position_offset: int = 2
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def has_project_in_out(self) -> bool:
+        return self.word_embed_proj_dim != self.hidden_size
+
+    @property
+    def has_final_layer_norm(self) -> bool:
+        # HF OPT: final layer norm exists only for pre-LN models (350m has none)
+        return self.do_layer_norm_before
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by "
+                f"num_attention_heads {self.num_attention_heads}")
+        if self.activation_function != "relu":
+            raise ValueError(f"only relu OPT models are supported, got {self.activation_function!r}")
+
+    def num_params(self) -> int:
+        """Parameter count, from the per-tensor shapes of the numpy folder."""
+        from opt_serving.model.weights import param_shapes
+        total = 0
+        for shape in param_shapes(self).values():
+            n = 1
+            for d in shape:
+                n *= d
+            total += n
+        return total
+
+    def replace(self, **changes: Any) -> "OPTConfig":
+        return dataclasses.replace(self, **changes)
+
+    # ---- Hugging Face config.json ----
+    _HF_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                  "ffn_dim", "max_position_embeddings", "word_embed_proj_dim",
+                  "do_layer_norm_before", "activation_function",
+                  "layer_norm_elementwise_affine", "enable_bias", "pad_token_id",
+                  "bos_token_id", "eos_token_id")
+
+    def to_hf_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self._HF_FIELDS}
+        d.update(model_type="opt", architectures=["OPTForCausalLM"], dropout=0.0,
+                 attention_dropout=0.0, layerdrop=0.0, init_std=0.02,
+                 use_cache=True, torch_dtype="float32")
+        return d
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> "OPTConfig":
+        kwargs = {k: d[k] for k in cls._HF_FIELDS if k in d and d[k] is not None}
+        if "word_embed_proj_dim" not in kwargs:
+            kwargs["word_embed_proj_dim"] = kwargs.get("hidden_size", cls.hidden_size)
+        if "hidden_size" in kwargs and "ffn_dim" not in kwargs:
+            kwargs["ffn_dim"] = 4 * kwargs["hidden_size"]
+        return cls(**kwargs)
+
+    @classmethod
+    def from_hf_json(cls, path: str | Path) -> "OPTConfig":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no config.json at {path}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+        return cls.from_hf_dict(data)
+
+    def save_hf_json(self, path: str | Path) -> None:
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        path.write_text(json.dumps(self.to_hf_dict(), indent=2, sort_keys=True) + "\n")
+
+
+def _opt(hidden, layers, heads, **kw) -> OPTConfig:
+    return OPTConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                     ffn_dim=4 * hidden, word_embed_proj_dim=kw.pop("word_embed_proj_dim", hidden),
+                     **kw)
+
+
+# The embedded default model: small enough to build in a second, big enough to
+# exercise every code path (several layers and heads).
+TINY_VOCAB_SIZE = 1024
+
+OPT_CONFIGS: dict[str, OPTConfig] = {
+    "tiny": _opt(128, 4, 4, vocab_size=TINY_VOCAB_SIZE, max_position_embeddings=512),
+    "125m": _opt(768, 12, 12),
+    "350m": _opt(1024, 24, 16, word_embed_proj_dim=512, do_layer_norm_before=False),
+    "1.3b": _opt(2048, 24, 32),
+    "2.7b": _opt(2560, 32, 32),
+    "6.7b": _opt(4096, 32, 32),
+    "13b": _opt(5120, 40, 40),
+    "30b": _opt(7168, 48, 56),
+    "66b": _opt(9216, 64, 72),
+    "175b": _opt(12288, 96, 96),
+}
+
+
+def size_from_name(model_name: str) -> str:
+    """'alpa/opt-2.7b' -> '2.7b'; 'opt-tiny' -> 'tiny'."""
+    base = model_name.rsplit("/", 1)[-1].lower()
+    if base.startswith("opt-"):
+        base = base[len("opt-"):]
+    if base not in OPT_CONFIGS:
+        known = ", ".join(f"opt-{k}" for k in OPT_CONFIGS)
+        raise ValueError(f"unknown OPT model {model_name!r}; known sizes: {known}")
+    return base
+
+
+def get_config(name: str) -> OPTConfig:
+    return OPT_CONFIGS[size_from_name(name)]

@@ -1,0 +1,36 @@
+"""opt_serving: serve Meta's OPT models on JAX/Flax over a Ray cluster."""
+import os
+
+from setuptools import find_packages, setup
+
+ext_modules = []
+if os.environ.get("OPT_SERVING_NO_CEXT") != "1" and os.path.exists("opt_serving/_speedups.pyx"):
+    try:
+        import numpy
+        from Cython.Build import cythonize
+        from setuptools import Extension
+        ext_modules = cythonize(
+            [Extension("opt_serving._speedups", ["opt_serving/_speedups.pyx"],
+                       include_dirs=[numpy.get_include()])],
+            compiler_directives={"language_level": "3"}, quiet=True)
+    except ImportError:  # no Cython: the pure-Python fallback is used
+        ext_modules = []
+
+setup(
+    name="opt_serving",
+    version="0.1.0",
+    description="Serve OPT language models (125M-175B) on JAX/Flax with Ray Serve",
+    packages=find_packages(include=["opt_serving", "opt_serving.*"]),
+    package_data={"opt_serving": ["service/static/*", "*.pyx"]},
+    python_requires=">=3.11",
+    install_requires=[
+        "jax>=0.10,<0.11", "jaxlib>=0.10,<0.11", "flax>=0.12,<0.13",
+        "ray[serve]>=2.50,<2.61", "numpy>=2.0,<2.5", "transformers>=5.0,<5.30",
+        "tokenizers>=0.22,<0.24", "safetensors>=0.4", "torch>=2.4",
+        "fastapi>=0.115", "uvicorn>=0.30", "pydantic>=2.7,<3",
+        "prometheus_client>=0.20", "tqdm>=4.66", "psutil>=5.9", "pyyaml>=6",
+    ],
+    extras_require={"test": ["pytest>=8", "requests>=2.31", "httpx>=0.27", "openai>=1.40"]},
+    ext_modules=ext_modules,
+    entry_points={"console_scripts": ["opt-serving=opt_serving.cli:main"]},
+)
