@@ -20,6 +20,16 @@ $(STAMP): requirements.txt requirements-dev.txt setup.py pyproject.toml
 
 setup: $(STAMP)
 
+# The web page test drives Debian's headless Chromium. Installed when missing and
+# we may (root, apt available); otherwise that one test skips with its reason.
+$(VENV)/.chromium: | $(STAMP)
+	@if [ ! -x /usr/bin/chromium ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing chromium for the web page test"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) \
+	    || echo "chromium install failed: tests/test_service_chromium.py will skip"; \
+	fi
+	@touch $@
+
 opt_serving/_speedups.so.stamp: $(STAMP) opt_serving/_speedups.pyx
 	PYTHON=$(PY) ./build.sh
 	@touch $@
@@ -29,7 +39,7 @@ build: opt_serving/_speedups.so.stamp
 serve: build
 	$(PY) -m opt_serving serve --host $(HOST) --port $(PORT)
 
-test: build
+test: build $(VENV)/.chromium
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 clean:

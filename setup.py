@@ -30,7 +30,9 @@ setup(
         "fastapi>=0.115", "uvicorn>=0.30", "pydantic>=2.7,<3",
         "prometheus_client>=0.20", "tqdm>=4.66", "psutil>=5.9", "pyyaml>=6",
     ],
-    extras_require={"test": ["pytest>=8", "requests>=2.31", "httpx>=0.27", "openai>=1.40"]},
+    extras_require={"test": ["pytest>=8", "requests>=2.31", "httpx>=0.27", "openai>=1.40",
+                             "schemathesis>=4.0,<5", "selenium>=4.20,<5"],
+                    "bench": ["httpx>=0.27", "py-spy>=0.3.14"]},
     ext_modules=ext_modules,
     entry_points={"console_scripts": ["opt-serving=opt_serving.cli:main"]},
 )

@@ -77,9 +77,13 @@ def load_array(path: str | os.PathLike, mmap: bool = True) -> np.ndarray:
     if not path.exists():
         raise FileNotFoundError(f"missing weight file {path}")
     try:
-        return np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+        arr = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
     except (ValueError, OSError, EOFError) as e:
         raise ValueError(f"corrupt weight file {path}: {e}") from None
+    if arr.dtype == np.dtype("V2"):  # np.save records bfloat16 as 2 raw bytes
+        import ml_dtypes
+        arr = arr.view(ml_dtypes.bfloat16)
+    return arr
 
 
 def load_checked(folder: str | os.PathLike, name: str, shape: tuple[int, ...],
@@ -117,3 +121,125 @@ def save_numpy_folder(folder: str | os.PathLike, cfg: OPTConfig,
             raise ValueError(f"{name}: shape {tuple(arr.shape)} != expected {shape}")
         save_array(folder / name, arr)
     cfg.save_hf_json(folder)
+
+
+# ---- Flax param tree (opt_serving.model.opt.OPT) <-> metaseq keys ----
+
+_GLOBAL_PATHS = {
+    "decoder.embed_tokens.weight": (("embed_tokens", "embedding"), False),
+    "decoder.embed_positions.weight": (("embed_positions", "embedding"), False),
+    "decoder.layer_norm.weight": (("layer_norm", "ln", "scale"), False),
+    "decoder.layer_norm.bias": (("layer_norm", "ln", "bias"), False),
+    "decoder.project_in_dim.weight": (("project_in", "kernel"), True),
+    "decoder.project_out_dim.weight": (("project_out", "kernel"), True),
+}
+
+
+def flax_path(name: str) -> tuple[tuple[str, ...], bool]:
+    """Metaseq key -> (path in the Flax param tree, whether to transpose [out, in] -> [in, out])."""
+    if name in _GLOBAL_PATHS:
+        return _GLOBAL_PATHS[name]
+    parts = name.split(".")
+    if len(parts) < 5 or parts[:2] != ["decoder", "layers"]:
+        raise KeyError(f"not an OPT parameter name: {name!r}")
+    layer, module, leaf = f"layers_{parts[2]}", parts[3:-1], parts[-1]
+    if module[-1].endswith("layer_norm"):
+        return (layer, *module, "ln", {"weight": "scale", "bias": "bias"}[leaf]), False
+    return (layer, *module, {"weight": "kernel", "bias": "bias"}[leaf]), leaf == "weight"
+
+
+# HF OPTForCausalLM state-dict names that differ from metaseq's
+_HF_RENAMES = (("decoder.project_in.", "decoder.project_in_dim."),
+               ("decoder.project_out.", "decoder.project_out_dim."),
+               ("decoder.final_layer_norm.", "decoder.layer_norm."))
+
+
+def hf_key_to_metaseq(key: str) -> str | None:
+    """'model.decoder.project_in.weight' -> 'decoder.project_in_dim.weight'; None for lm_head (tied)."""
+    if key.startswith("lm_head."):
+        return None
+    key = key.removeprefix("model.")
+    for hf, ms in _HF_RENAMES:
+        if key.startswith(hf):
+            return ms + key[len(hf):]
+    return key
+
+
+def metaseq_key_to_hf(name: str) -> str:
+    for hf, ms in _HF_RENAMES:
+        if name.startswith(ms):
+            return "model." + hf + name[len(ms):]
+    return "model." + name
+
+
+def _set_path(tree: dict, path: tuple[str, ...], value) -> None:
+    for p in path[:-1]:
+        tree = tree.setdefault(p, {})
+    tree[path[-1]] = value
+
+
+def params_from_arrays(cfg: OPTConfig, arrays, dtype=None, progress: bool = False) -> dict:
+    """Metaseq-keyed arrays (a mapping, or a callable name -> array) -> Flax param tree on device.
+
+    One tensor at a time: each is converted (transpose, dtype) into one host
+    copy, put on the device, and dropped, so a memory-mapped folder is never
+    held twice."""
+    import jax
+    import jax.numpy as jnp
+    dtype = jnp.dtype(dtype or jnp.float32)
+    get = arrays if callable(arrays) else arrays.__getitem__
+    shapes = param_shapes(cfg)
+    names = shapes.items()
+    if progress:
+        from tqdm import tqdm
+        names = tqdm(names, desc="loading weights", unit="tensor")
+    tree: dict = {}
+    for name, shape in names:
+        arr = get(name)
+        if tuple(arr.shape) != tuple(shape):
+            raise ValueError(f"shape mismatch for {name}: got {tuple(arr.shape)}, "
+                             f"the config expects {tuple(shape)}")
+        path, transpose = flax_path(name)
+        host = np.asarray(arr.T if transpose else arr)
+        _set_path(tree, path, jax.device_put(np.ascontiguousarray(host, dtype=dtype)))
+        del host
+    return tree
+
+
+def load_params(folder: str | os.PathLike, cfg: OPTConfig | None = None, dtype=None,
+                progress: bool = False) -> tuple[OPTConfig, dict]:
+    """A numpy folder -> (config, Flax param tree), memory-mapped and shape-checked per file."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"numpy weights folder {folder} does not exist")
+    if cfg is None:
+        cfg = OPTConfig.from_hf_json(folder / "config.json")
+    shapes = param_shapes(cfg)
+    return cfg, params_from_arrays(cfg, lambda n: load_checked(folder, n, shapes[n]), dtype,
+                                   progress)
+
+
+def params_from_hf_state_dict(cfg: OPTConfig, state_dict, dtype=None) -> dict:
+    """A Hugging Face OPTForCausalLM state dict (torch tensors or arrays) -> Flax param tree."""
+    arrays = {}
+    for k, v in state_dict.items():
+        name = hf_key_to_metaseq(k)
+        if name is not None:
+            arrays[name] = v.detach().float().cpu().numpy() if hasattr(v, "detach") else np.asarray(v)
+    missing = sorted(set(param_shapes(cfg)) - set(arrays))
+    if missing:
+        raise KeyError(f"HF state dict lacks {missing[:5]}")
+    return params_from_arrays(cfg, arrays, dtype)
+
+
+def params_to_arrays(cfg: OPTConfig, params: dict) -> dict[str, np.ndarray]:
+    """Flax param tree -> metaseq-keyed numpy arrays in torch [out, in] layout (for saving)."""
+    out = {}
+    for name in param_shapes(cfg):
+        path, transpose = flax_path(name)
+        node = params
+        for p in path:
+            node = node[p]
+        a = np.asarray(node)
+        out[name] = a.T if transpose else a
+    return out

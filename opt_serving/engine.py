@@ -1,0 +1,539 @@
+"""Continuous batching over a fixed number of decode slots (JetStream's shape).
+
+Two layers, one file:
+  * a slot model (`OPTSlots` here, `FakeSlots` in `testing/fake_engine.py`) owns the KV cache and the jitted
+    steps: `prefill(tokens, settings) -> Prefix`, `insert(prefix, slot)`, `step() -> StepResult` (one decode over
+    every slot), `free(slot)`. Sampling settings are per-slot arrays, so requests with different settings share
+    a step.
+  * `Engine`, the scheduler: a bounded queue and a background thread that admits queued requests into free
+    slots, steps, and hands each request its tokens through a callback (called on the engine thread; the
+    generator forwards them to asyncio with `loop.call_soon_threadsafe`). EOS, max_tokens, the context limit,
+    a callback asking to stop (stop strings) and `cancel()` (client disconnects) free the slot before the next
+    step.
+No HTTP and no Ray here.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from typing import Any, Callable, Optional, Protocol, Sequence
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+# top alternatives computed for every token; OpenAI's `logprobs` goes up to 5
+MAX_TOP_LOGPROBS = 5
+# bad words live in fixed-shape per-slot arrays so the decode step compiles once
+MAX_BAD_WORDS, MAX_BAD_WORD_LEN = 8, 8
+
+
+class QueueFull(RuntimeError):
+    """The engine's request queue is at capacity (the service answers 429 with Retry-After)."""
+
+
+class EngineClosed(RuntimeError):
+    """The engine was closed (shutdown) before or while serving the request."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotSettings:
+    """One request's decoding settings; the slot model turns them into per-slot arrays."""
+    max_tokens: int = 16
+    min_tokens: int = 0             # stop tokens are masked out until this many tokens are generated
+    temperature: float = 0.0        # 0 = greedy
+    top_k: int = 0                  # 0 = off
+    top_p: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # HF's: over prompt and generated tokens
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()   # finish "stop" when sampled (EOS); min_tokens holds back the first
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # HF's: a word's last token is banned after its prefix
+    no_repeat_ngram_size: int = 0
+    prompt_logprobs: bool = False   # score the prompt too (echo with logprobs)
+
+
+@dataclasses.dataclass
+class TokenInfo:
+    """One token with the model's log-probability (log-softmax of raw logits) and the top alternatives."""
+    id: int
+    logprob: Optional[float]                  # None for a prompt's first token
+    top: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # best first
+
+
+@dataclasses.dataclass
+class EngineOutput:
+    """What a request's callback receives: prompt scores once, then each new token; the last has finish_reason."""
+    tokens: list[TokenInfo]
+    is_prompt: bool = False
+    finish_reason: Optional[str] = None   # "stop" | "length" | "cancelled" | "error"
+    error: Optional[BaseException] = None
+
+
+@dataclasses.dataclass
+class Prefix:
+    """A prefilled request, ready to be inserted into a slot."""
+    length: int                      # prompt tokens
+    first: TokenInfo                 # the first generated token (sampled by prefill)
+    prompt: Optional[list[TokenInfo]]  # prompt scores when settings.prompt_logprobs
+    state: Any                       # the slot model's own (e.g. a batch-1 KV cache)
+    settings: SlotSettings
+
+
+@dataclasses.dataclass
+class StepResult:
+    """One decode step over all slots (rows of inactive slots are garbage)."""
+    tokens: np.ndarray        # int32 [slots]
+    logprobs: np.ndarray      # float32 [slots]
+    top_ids: np.ndarray       # int32 [slots, MAX_TOP_LOGPROBS]
+    top_logprobs: np.ndarray  # float32 [slots, MAX_TOP_LOGPROBS]
+
+    def token(self, slot: int) -> TokenInfo:
+        top = [(int(i), float(lp)) for i, lp in zip(self.top_ids[slot], self.top_logprobs[slot])]
+        return TokenInfo(int(self.tokens[slot]), float(self.logprobs[slot]), top)
+
+
+class SlotModel(Protocol):
+    num_slots: int
+    max_seq_len: int
+    vocab_size: int
+
+    def warmup(self) -> None: ...
+    def prefill(self, tokens: Sequence[int], settings: SlotSettings) -> Prefix: ...
+    def insert(self, prefix: Prefix, slot: int) -> None: ...
+    def step(self) -> StepResult: ...
+    def free(self, slot: int) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The scheduler
+# ---------------------------------------------------------------------------------------------------------
+
+Callback = Callable[[EngineOutput], Optional[bool]]
+
+
+class EngineRequest:
+    """A handle on a submitted request; `Engine.cancel(handle)` stops it."""
+    _ids = itertools.count()
+
+    def __init__(self, prompt: list[int], settings: SlotSettings, on_output: Callback):
+        self.id = next(self._ids)
+        self.prompt = prompt
+        self.settings = settings
+        self.on_output = on_output
+        self.slot: Optional[int] = None
+        self.generated = 0
+        self.cancelled = False
+        self.done = False
+        self.submitted_at = time.monotonic()
+
+
+@dataclasses.dataclass
+class EngineStats:
+    queue_length: int
+    running: int              # occupied slots
+    num_slots: int
+    steps: int                # decode steps run
+    step_tokens: int          # tokens produced by decode steps (sum of active slots per step)
+    prefills: int
+    generated_tokens: int     # all generated tokens, prefill's first tokens included
+    prompt_tokens: int
+    last_step_batch: int      # active slots in the latest step
+    active_per_step: dict[int, int]  # {active slots: number of steps with that many}
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.step_tokens / self.steps if self.steps else 0.0
+
+
+class Engine:
+    """Scheduler thread over a slot model: bounded queue, admission into free slots, one step for all."""
+
+    def __init__(self, model: SlotModel, max_queue: int = 256, start: bool = True):
+        self.model = model
+        self.max_queue = max_queue
+        self._queue: collections.deque[EngineRequest] = collections.deque()
+        self._slots: list[Optional[EngineRequest]] = [None] * model.num_slots
+        self._cv = threading.Condition()
+        self._closing = False
+        self._thread: Optional[threading.Thread] = None
+        self._steps = self._step_tokens = self._prefills = self._generated = self._prompt_tokens = 0
+        self._last_batch = 0
+        self._active_hist: collections.Counter[int] = collections.Counter()
+        if start:
+            self.start()
+
+    # ---- public, thread-safe ----
+    @property
+    def num_slots(self) -> int:
+        return self.model.num_slots
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.model.max_seq_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    def warmup(self) -> None:
+        """Compile every prefill bucket and the decode step now, not at the first request."""
+        self.model.warmup()
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="opt-engine", daemon=True)
+            self._thread.start()
+
+    def submit(self, prompt: Sequence[int], settings: SlotSettings, on_output: Callback) -> EngineRequest:
+        """Queue a request. `on_output` runs on the engine thread for the prompt scores (if asked), every
+        new token and the finish; it returns True to stop the request (its slot is freed at once).
+        Raises QueueFull, EngineClosed, or ValueError for a prompt that cannot fit."""
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("prompt is empty")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        need = len(prompt) + max(settings.max_tokens, 0)
+        if need > self.max_seq_len:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({settings.max_tokens}) = {need} "
+                             f"exceeds the maximum context length of {self.max_seq_len} tokens")
+        words = settings.bad_words_ids
+        if len(words) > MAX_BAD_WORDS or any(not 0 < len(w) <= MAX_BAD_WORD_LEN for w in words):
+            raise ValueError(f"bad_words_ids: at most {MAX_BAD_WORDS} words of 1 to {MAX_BAD_WORD_LEN} tokens each")
+        req = EngineRequest(prompt, settings, on_output)
+        with self._cv:
+            if self._closing:
+                raise EngineClosed("the engine is shut down")
+            if len(self._queue) >= self.max_queue:
+                raise QueueFull(f"request queue is full ({self.max_queue} waiting)")
+            self._queue.append(req)
+            self._cv.notify()
+        return req
+
+    def cancel(self, req: EngineRequest) -> None:
+        """Stop a request (client gone); its slot is freed before the next step. No callback follows."""
+        with self._cv:
+            req.cancelled = True
+            if req.slot is None and req in self._queue:
+                self._queue.remove(req)
+                req.done = True
+            self._cv.notify()
+
+    def stats(self) -> EngineStats:
+        with self._cv:
+            return EngineStats(
+                queue_length=len(self._queue), running=sum(r is not None for r in self._slots),
+                num_slots=self.num_slots, steps=self._steps, step_tokens=self._step_tokens,
+                prefills=self._prefills, generated_tokens=self._generated,
+                prompt_tokens=self._prompt_tokens, last_step_batch=self._last_batch,
+                active_per_step=dict(self._active_hist))
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the thread; queued and running requests finish with EngineClosed."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        with self._cv:
+            pending = list(self._queue) + [r for r in self._slots if r is not None]
+            self._queue.clear()
+        for req in pending:
+            self._fail(req, EngineClosed("the engine shut down before the request finished"))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- engine thread ----
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._closing or self._queue or any(self._slots)):
+                    self._cv.wait()
+                if self._closing:
+                    return
+            # cancelled requests leave their slots before anything else runs
+            for req in self._slots:
+                if req is not None and req.cancelled:
+                    self._release(req)
+            with self._cv:
+                admit = []
+                free = self._slots.count(None)
+                while self._queue and len(admit) < free:
+                    req = self._queue.popleft()
+                    if not req.cancelled:
+                        admit.append(req)
+            for req in admit:
+                try:
+                    self._admit(req, self._slots.index(None))
+                except Exception as e:  # this request fails, the others carry on
+                    log.exception("request %d: prefill failed", req.id)
+                    self._fail(req, e)
+            if any(self._slots):
+                try:
+                    self._step()
+                except Exception as e:  # a failed step fails the requests in it, the engine keeps serving
+                    log.exception("engine step failed")
+                    for req in [r for r in self._slots if r is not None]:
+                        self._fail(req, e)
+
+    def _admit(self, req: EngineRequest, slot: int) -> None:
+        prefix = self.model.prefill(req.prompt, req.settings)
+        with self._cv:
+            self._prefills += 1
+            self._prompt_tokens += len(req.prompt)
+        if prefix.prompt is not None and self._emit(req, EngineOutput(prefix.prompt, is_prompt=True)):
+            return
+        if req.settings.max_tokens <= 0:  # scoring only (echo with max_tokens=0)
+            self._finish(req, EngineOutput([], finish_reason="length"))
+            return
+        req.slot = slot
+        self._slots[slot] = req
+        self.model.insert(prefix, slot)
+        self._deliver(req, prefix.first)
+
+    def _step(self) -> None:
+        result = self.model.step()
+        active = [r for r in self._slots if r is not None]
+        with self._cv:
+            self._steps += 1
+            self._step_tokens += len(active)
+            self._last_batch = len(active)
+            self._active_hist[len(active)] += 1
+        for req in active:
+            self._deliver(req, result.token(req.slot))
+
+    def _deliver(self, req: EngineRequest, tok: TokenInfo) -> None:
+        """Hand one new token to the request and free its slot if it finished."""
+        if req.cancelled:  # cancelled during the step: the token is dropped
+            self._release(req)
+            return
+        req.generated += 1
+        with self._cv:
+            self._generated += 1
+        s = req.settings
+        reason = None
+        if tok.id in s.stop_token_ids and req.generated > s.min_tokens:
+            reason = "stop"
+        elif req.generated >= s.max_tokens or len(req.prompt) + req.generated >= self.max_seq_len:
+            reason = "length"
+        out = EngineOutput([tok], finish_reason=reason)
+        if reason is not None:
+            self._finish(req, out)
+        elif self._emit(req, out):
+            self._release(req)
+
+    def _emit(self, req: EngineRequest, out: EngineOutput) -> bool:
+        """Call the request's callback; True means the request is over (asked to stop, cancelled or failed)."""
+        if req.cancelled:
+            self._release(req)
+            return True
+        try:
+            stop = bool(req.on_output(out))
+        except Exception:
+            log.exception("request %d: output callback failed; cancelling it", req.id)
+            stop = True
+        if stop:
+            self._release(req)
+        return stop
+
+    def _finish(self, req: EngineRequest, out: EngineOutput) -> None:
+        if not req.cancelled:
+            self._emit(req, out)
+        self._release(req)
+
+    def _release(self, req: EngineRequest) -> None:
+        req.done = True
+        if req.slot is not None:
+            self.model.free(req.slot)
+            self._slots[req.slot] = None
+            req.slot = None
+
+    def _fail(self, req: EngineRequest, error: BaseException) -> None:
+        if not req.done and not req.cancelled:
+            try:
+                req.on_output(EngineOutput([], finish_reason="error", error=error))
+            except Exception:
+                log.exception("request %d: output callback failed", req.id)
+        try:
+            self._release(req)
+        except Exception:  # the slot model may be the thing that broke
+            log.exception("request %d: could not free its slot", req.id)
+            if req.slot is not None:
+                self._slots[req.slot] = None
+                req.slot = None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The real slot model: OPT on one device (jax/ models)
+# ---------------------------------------------------------------------------------------------------------
+
+
+
+def _raw_scores(logits):
+    """The model's own log-probabilities (before any processor) and the top alternatives, per row."""
+    import jax
+    lp = jax.nn.log_softmax(logits, axis=-1)
+    top_lp, top_ids = jax.lax.top_k(lp, MAX_TOP_LOGPROBS)
+    return lp, top_ids.astype("int32"), top_lp
+
+
+class OPTSlots:
+    """`SlotModel` over the Flax OPT in `model/opt.py`: one batch-`num_slots` KV cache of `max_seq_len` entries.
+
+    Prompts are right-padded to a bucket (powers of two from 16), so a slot's tokens sit at cache entries
+    0..n-1 and each decode writes at the token's own position. Per-slot sampling state and settings are
+    `sampling.State` / `sampling.Settings` rows; all prefill buckets, their inserts, the decode step and free
+    compile in `warmup()`."""
+
+    def __init__(self, cfg, params, num_slots: int = 8, max_seq_len: Optional[int] = None):
+        # jax is imported here, not at the top, so the fake engine (service tests) stays light to import
+        import jax
+        import jax.numpy as jnp
+        from opt_serving import sampling
+        from opt_serving.model import kv_cache, opt
+        self.cfg, self.params = cfg, params
+        self.num_slots = num_slots
+        self.max_seq_len = min(max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.vocab_size = cfg.vocab_size
+        dtype = opt.param_dtype(params)
+        L, V = self.max_seq_len, cfg.vocab_size
+        self.buckets = sorted({kv_cache.bucket_length(n, L) for n in [1] + [2 ** i for i in range(4, 16)] + [L]
+                               if n <= L})
+        self.cache = kv_cache.init_cache(cfg, num_slots, L, dtype)
+        empty = jnp.zeros((num_slots, 1), jnp.int32)
+        # own buffers per leaf (init_state shares one for length and prompt_length): the step donates them
+        self.state = jax.tree_util.tree_map(jnp.copy, sampling.init_state(empty, empty, V, L))
+        self.settings = self._settings_row(SlotSettings(), num_slots)
+        self.active = jnp.zeros(num_slots, jnp.bool_)
+
+        def prefill(params, ids, mask, length, settings):
+            cache = kv_cache.init_cache(cfg, 1, ids.shape[1], dtype)
+            logits, cache = opt.prefill(cfg, params, cache, ids, mask)  # [1, bucket, V]
+            # right-padded prompt: its own sampling state, history = the prompt, `length` tokens long
+            history = jnp.zeros((1, L), jnp.int32).at[:, :ids.shape[1]].set(ids * mask)
+            seen = jnp.zeros((1, V), jnp.bool_).at[0, jnp.where(mask[0] > 0, ids[0], V)].set(True, mode="drop")
+            n = jnp.reshape(length, (1,))
+            state = sampling.State(history=history, length=n, prompt_length=n, seen=seen,
+                                   counts=jnp.zeros((1, V), jnp.int32))
+            last = jax.lax.dynamic_index_in_dim(logits[0], length - 1, keepdims=True)  # [1, V]
+            tok, _ = sampling.sample(last, state, settings)
+            lp, top_ids, top_lp = _raw_scores(last)
+            first = (tok, jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0], top_ids, top_lp)
+            # prompt scores: position i predicts token i+1
+            plp, ptop, ptop_lp = _raw_scores(logits[0])
+            prompt = (jnp.take_along_axis(plp, jnp.roll(ids[0], -1)[:, None], axis=-1)[:, 0], ptop, ptop_lp)
+            return cache, sampling.update_state(state, tok), first, prompt
+
+        def insert(cache, state, settings, active, pcache, row_state, row_settings, slot):
+            cache = kv_cache.insert(cache, pcache, slot)
+            put = lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r.astype(a.dtype), slot, axis=0)
+            return (cache, jax.tree_util.tree_map(put, state, row_state),
+                    jax.tree_util.tree_map(put, settings, row_settings), active.at[slot].set(True))
+
+        def step(params, cache, state, settings, active):
+            rows = jnp.arange(num_slots)
+            pos = jnp.where(active, state.length - 1, 0)  # the newest token goes in at its own position
+            tokens = state.history[rows, pos]
+            logits, cache = opt.decode(cfg, params, cache, tokens, pos, pos)
+            tok, _ = sampling.sample(logits, state, settings)
+            lp, top_ids, top_lp = _raw_scores(logits)
+            new = sampling.update_state(state, tok)
+            # free slots keep their state, so their positions never run past the cache
+            keep = lambda a, b: jnp.where(active.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
+            state = jax.tree_util.tree_map(keep, new, state)
+            return cache, state, (tok, jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0], top_ids, top_lp)
+
+        def free(cache, active, slot):
+            return kv_cache.free_slot(cache, slot), active.at[slot].set(False)
+
+        self._prefill = jax.jit(prefill)
+        self._insert = jax.jit(insert, donate_argnums=(0, 1, 2, 3))
+        self._step = jax.jit(step, donate_argnums=(1, 2))
+        self._free = jax.jit(free, donate_argnums=(0, 1))
+
+    @staticmethod
+    def _settings_row(s: SlotSettings, batch: int = 1):
+        from opt_serving import sampling
+        bad = np.full((batch, MAX_BAD_WORDS, MAX_BAD_WORD_LEN), -1, np.int32)
+        if len(s.bad_words_ids) > MAX_BAD_WORDS or any(len(w) > MAX_BAD_WORD_LEN for w in s.bad_words_ids):
+            raise ValueError(f"at most {MAX_BAD_WORDS} bad words of up to {MAX_BAD_WORD_LEN} tokens each")
+        for i, w in enumerate(s.bad_words_ids):
+            bad[:, i, :len(w)] = w
+        row = sampling.make_settings(
+            batch, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+            repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty, no_repeat_ngram_size=s.no_repeat_ngram_size,
+            min_new_tokens=s.min_tokens, eos_token_id=s.stop_token_ids[0] if s.stop_token_ids else -1,
+            seed=s.seed % 2 ** 63)
+        return row.replace(bad_words=bad)
+
+    def prefill(self, tokens: Sequence[int], settings: SlotSettings) -> Prefix:
+        from opt_serving.model.kv_cache import bucket_length
+        n = len(tokens)
+        b = bucket_length(n, self.max_seq_len)
+        ids = np.full((1, b), self.cfg.pad_token_id, np.int32)
+        ids[0, :n] = tokens   # right padding: the prompt owns cache entries 0..n-1
+        mask = np.zeros((1, b), np.int32)
+        mask[0, :n] = 1
+        row_settings = self._settings_row(settings)
+        pcache, row_state, first, scores = self._prefill(self.params, ids, mask, np.int32(n), row_settings)
+        tok, lp, top_ids, top_lp = (np.asarray(a) for a in first)
+        first = TokenInfo(int(tok[0]), float(lp[0]), list(zip(top_ids[0].tolist(), top_lp[0].tolist())))
+        prompt = None
+        if settings.prompt_logprobs:
+            plp, ptop, ptop_lp = (np.asarray(a) for a in scores)
+            prompt = [TokenInfo(int(tokens[0]), None)] + [
+                TokenInfo(int(tokens[i + 1]), float(plp[i]), list(zip(ptop[i].tolist(), ptop_lp[i].tolist())))
+                for i in range(n - 1)]
+        return Prefix(length=n, first=first, prompt=prompt, state=(pcache, row_state, row_settings),
+                      settings=settings)
+
+    def insert(self, prefix: Prefix, slot: int) -> None:
+        pcache, row_state, row_settings = prefix.state
+        self.cache, self.state, self.settings, self.active = self._insert(
+            self.cache, self.state, self.settings, self.active, pcache, row_state, row_settings, np.int32(slot))
+
+    def step(self) -> StepResult:
+        self.cache, self.state, out = self._step(self.params, self.cache, self.state, self.settings,
+                                                 self.active)
+        return StepResult(*(np.asarray(a) for a in out))
+
+    def free(self, slot: int) -> None:
+        self.cache, self.active = self._free(self.cache, self.active, np.int32(slot))
+
+    def warmup(self) -> None:
+        """Compile every prefill bucket, its insert, the decode step and free, with throwaway requests."""
+        for b in self.buckets:
+            prefix = self.prefill([self.cfg.bos_token_id] * min(b, self.max_seq_len - 1), SlotSettings())
+            self.insert(prefix, 0)
+        self.step()
+        self.free(0)
+
+
+def load_engine(model_name: str, path=None, dtype: str = "float32", num_slots: int = 16,
+                max_seq_len: Optional[int] = None, max_queue: int = 256, warmup: bool = True,
+                dummy: bool = False) -> Engine:
+    """An engine serving `jax/opt-*` weights from a numpy folder (or its parent holding `<size>-np/`).
+    `facebook/opt-*` names are served by the same JAX model; `alpa/` needs the parallel backend."""
+    from opt_serving.model.wrapper import get_model
+    if model_name.startswith("alpa/"):
+        raise NotImplementedError(f"{model_name}: alpa/ models are served by the pipeline stages of "
+                                  "opt_serving.parallel, which this engine does not drive yet; use jax/")
+    if model_name.startswith("facebook/"):
+        model_name = "jax/" + model_name[len("facebook/"):]
+    m = get_model(model_name, path, dtype=dtype, dummy=dummy)
+    slots = OPTSlots(m.config, m.params, num_slots=num_slots, max_seq_len=max_seq_len)
+    if warmup:
+        slots.warmup()
+    return Engine(slots, max_queue=max_queue)

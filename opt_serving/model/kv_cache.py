@@ -1,0 +1,98 @@
+"""The preallocated KV cache: layout, init, and insert-a-prefill-into-a-slot.
+
+A cache is a plain dict pytree, so it can be donated to a jitted step and
+sharded like any other array tree:
+
+    {"k":    tuple of num_layers arrays [batch, heads, max_len, head_dim],
+     "v":    tuple of num_layers arrays [batch, heads, max_len, head_dim],
+     "mask": bool [batch, max_len]}   # True where that row's entry holds a real token
+
+One array per layer (not one stacked array) so a step reads and updates each
+layer's cache in place; a stacked cache sliced per layer can be copied by XLA.
+`[heads, max_len, head_dim]` keeps a decode step's q.k and p.v products plain
+batched matrix-vector products over (batch, heads).
+
+Entries are written at explicit indices: prefill writes 0..S-1 of every row,
+decode writes each row at its own index, and `mask` says which entries a row
+attends to. The engine's slots can therefore hold prompts of different lengths.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from opt_serving.config import OPTConfig
+
+# Prompt lengths are padded up to one of these so only a few prefills compile.
+MIN_BUCKET = 16
+
+
+def init_cache(cfg: OPTConfig, batch: int, max_len: int, dtype=jnp.float32) -> dict:
+    """An empty cache of `max_len` entries per row (nothing valid yet)."""
+    shape = (batch, cfg.num_attention_heads, max_len, cfg.head_dim)
+    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers))
+    return {"k": zeros(), "v": zeros(), "mask": jnp.zeros((batch, max_len), jnp.bool_)}
+
+
+def cache_max_len(cache: dict) -> int:
+    return cache["mask"].shape[1]
+
+
+def cache_batch(cache: dict) -> int:
+    return cache["mask"].shape[0]
+
+
+def bucket_length(n: int, limit: int, min_bucket: int = MIN_BUCKET) -> int:
+    """Smallest power of two >= n (at least `min_bucket`), capped at `limit`."""
+    if n > limit:
+        raise ValueError(f"length {n} exceeds the limit of {limit} positions")
+    b = min_bucket
+    while b < n:
+        b *= 2
+    return min(b, limit)
+
+
+def _insert(decode_cache: dict, prefill_cache: dict, slot) -> dict:
+    p_len = cache_max_len(prefill_cache)
+    d_len = cache_max_len(decode_cache)
+    if p_len > d_len:
+        raise ValueError(f"prefill cache holds {p_len} entries, the decode cache only {d_len}")
+    if cache_batch(prefill_cache) != 1:
+        raise ValueError("insert takes a batch-1 prefill cache")
+    slot = jnp.asarray(slot, jnp.int32)
+    zero = jnp.zeros((), jnp.int32)
+    k = tuple(jax.lax.dynamic_update_slice(d, p, (slot, zero, zero, zero))
+              for d, p in zip(decode_cache["k"], prefill_cache["k"]))
+    v = tuple(jax.lax.dynamic_update_slice(d, p, (slot, zero, zero, zero))
+              for d, p in zip(decode_cache["v"], prefill_cache["v"]))
+    # the whole mask row is replaced, so stale entries of the slot's last user are invalid
+    row = jnp.zeros((1, d_len), jnp.bool_).at[:, :p_len].set(prefill_cache["mask"])
+    mask = jax.lax.dynamic_update_slice(decode_cache["mask"], row, (slot, zero))
+    return {"k": k, "v": v, "mask": mask}
+
+
+# slot is traced: one compile per (decode cache, prefill bucket) shape pair.
+insert = jax.jit(_insert, donate_argnums=(0,))
+insert.__doc__ = """insert(decode_cache, prefill_cache, slot) -> decode_cache
+
+Copy a batch-1 prefilled cache (entries 0..P-1, P = its bucketed length) into
+row `slot` of the engine's decode cache; the slot's later entries become invalid.
+The decode cache is donated; `slot` may be a traced int32 scalar."""
+
+
+def free_slot(cache: dict, slot) -> dict:
+    """Mark every entry of row `slot` invalid (its k/v stay but are never attended)."""
+    return {**cache, "mask": _clear_row(cache["mask"], jnp.asarray(slot, jnp.int32))}
+
+
+@jax.jit
+def _clear_row(mask, slot):
+    row = jnp.zeros((1, mask.shape[1]), jnp.bool_)
+    return jax.lax.dynamic_update_slice(mask, row, (slot, jnp.int32(0)))
+
+
+def reorder(cache: dict, index) -> dict:
+    """Gather rows of the cache (beam search: each beam continues from a parent beam)."""
+    take = lambda a: jnp.take(a, index, axis=0)
+    return {"k": tuple(map(take, cache["k"])), "v": tuple(map(take, cache["v"])),
+            "mask": take(cache["mask"])}

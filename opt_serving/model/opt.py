@@ -1,0 +1,258 @@
+"""Flax OPT for every size, with pure jitted prefill / decode steps over a KV cache.
+
+Pre-LN models (125m, 1.3b, ... 175b) and OPT-350m (post-LN, 512-wide embeddings
+projected in and out of the decoder, no final layer norm). Learned positions
+with fairseq's offset of 2, ReLU, logits tied to the token embedding.
+
+Params, activations and the cache are in the model dtype; layer norms and the
+attention softmax run in float32, and logits come back as float32.
+
+The engine-facing functions (cfg is static, the cache is donated):
+    prefill(cfg, params, cache, input_ids[B,S], attention_mask[B,S]) -> (logits[B,S,V], cache)
+    decode(cfg, params, cache, tokens[B], positions[B], write_index[B]) -> (logits[B,V], cache)
+"""
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from opt_serving.config import OPTConfig
+from opt_serving.model.kv_cache import init_cache
+
+LN_EPS = 1e-5  # torch.nn.LayerNorm's default, which OPT uses
+
+
+class LayerNorm(nn.Module):
+    """Layer norm computed in float32 whatever the model dtype."""
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        y = nn.LayerNorm(epsilon=LN_EPS, dtype=jnp.float32, param_dtype=self.dtype,
+                         name="ln")(x.astype(jnp.float32))
+        return y.astype(self.dtype)
+
+
+class SelfAttention(nn.Module):
+    cfg: OPTConfig
+    dtype: Any = jnp.float32
+
+    def setup(self):
+        h = self.cfg.hidden_size
+        dense = partial(nn.Dense, h, dtype=self.dtype, param_dtype=self.dtype)
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (
+            dense(name=n) for n in ("q_proj", "k_proj", "v_proj", "out_proj"))
+
+    def __call__(self, x, attend: Callable):
+        cfg = self.cfg
+        b, s, _ = x.shape
+        split = lambda t: t.reshape(b, s, cfg.num_attention_heads, cfg.head_dim)  # [B, S, H, D]
+        # OPT scales q after its bias, as HF and metaseq do
+        q = split(self.q_proj(x) * (cfg.head_dim ** -0.5))
+        k, v = split(self.k_proj(x)), split(self.v_proj(x))
+        ctx, cache_out = attend(q, k, v)  # ctx [B, S, H, D]
+        return self.out_proj(ctx.reshape(b, s, cfg.hidden_size)), cache_out
+
+
+class DecoderLayer(nn.Module):
+    cfg: OPTConfig
+    dtype: Any = jnp.float32
+
+    def setup(self):
+        cfg, dt = self.cfg, self.dtype
+        self.self_attn = SelfAttention(cfg, dt)
+        self.self_attn_layer_norm = LayerNorm(dt)
+        self.fc1 = nn.Dense(cfg.ffn_dim, dtype=dt, param_dtype=dt)
+        self.fc2 = nn.Dense(cfg.hidden_size, dtype=dt, param_dtype=dt)
+        self.final_layer_norm = LayerNorm(dt)
+
+    def __call__(self, h, attend: Callable):
+        pre = self.cfg.do_layer_norm_before
+        residual = h
+        x = self.self_attn_layer_norm(h) if pre else h
+        x, cache_out = self.self_attn(x, attend)
+        h = residual + x
+        if not pre:
+            h = self.self_attn_layer_norm(h)
+        residual = h
+        x = self.final_layer_norm(h) if pre else h
+        h = residual + self.fc2(nn.relu(self.fc1(x)))
+        if not pre:
+            h = self.final_layer_norm(h)
+        return h, cache_out
+
+
+class OPT(nn.Module):
+    """The decoder plus tied LM head. `attends[i]` implements layer i's attention
+    (prefill or decode, with its cache) and returns (context, new layer cache)."""
+    cfg: OPTConfig
+    dtype: Any = jnp.float32
+
+    def setup(self):
+        cfg, dt = self.cfg, self.dtype
+        self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.word_embed_proj_dim,
+                                     dtype=dt, param_dtype=dt)
+        self.embed_positions = nn.Embed(cfg.max_position_embeddings + cfg.position_offset,
+                                        cfg.hidden_size, dtype=dt, param_dtype=dt)
+        if cfg.has_project_in_out:
+            self.project_in = nn.Dense(cfg.hidden_size, use_bias=False, dtype=dt, param_dtype=dt)
+            self.project_out = nn.Dense(cfg.word_embed_proj_dim, use_bias=False, dtype=dt,
+                                        param_dtype=dt)
+        self.layers = [DecoderLayer(cfg, dt) for _ in range(cfg.num_hidden_layers)]
+        if cfg.has_final_layer_norm:
+            self.layer_norm = LayerNorm(dt)
+
+    def __call__(self, input_ids, positions, attends, all_logits: bool = True):
+        cfg = self.cfg
+        h = self.embed_tokens(input_ids)  # [B, S, word_embed_proj_dim]
+        if cfg.has_project_in_out:
+            h = self.project_in(h)
+        h = h + self.embed_positions(positions + cfg.position_offset)
+        caches = []
+        # unrolled on purpose: a scan carrying the cache copies it every step
+        for layer, attend in zip(self.layers, attends):
+            h, c = layer(h, attend)
+            caches.append(c)
+        if not all_logits:
+            h = h[:, -1:]
+        if cfg.has_final_layer_norm:
+            h = self.layer_norm(h)
+        if cfg.has_project_in_out:
+            h = self.project_out(h)
+        emb = self.embed_tokens.embedding
+        logits = jnp.einsum("bsd,vd->bsv", h, emb, preferred_element_type=jnp.float32)
+        return logits, caches
+
+
+def _masked_softmax(scores, mask):
+    """Softmax in float32 over the last axis where `mask` (fully masked rows stay finite)."""
+    scores = jnp.where(mask, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+    return jax.nn.softmax(scores, axis=-1)
+
+
+def _prefill_attend(k_cache, v_cache, attention_mask):
+    """Causal self-attention over the prompt; writes k/v into entries 0..S-1."""
+    def attend(q, k, v):  # each [B, S, H, D]
+        s = q.shape[1]
+        causal = jnp.tril(jnp.ones((s, s), jnp.bool_))
+        mask = causal[None, None] & attention_mask[:, None, None, :].astype(jnp.bool_)  # [B,1,S,S]
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+        probs = _masked_softmax(scores, mask).astype(q.dtype)
+        ctx = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+        zero = jnp.int32(0)
+        # [B, H, S, D] into the cache's [B, H, max_len, D]
+        kc = jax.lax.dynamic_update_slice(k_cache, k.transpose(0, 2, 1, 3).astype(k_cache.dtype),
+                                          (zero, zero, zero, zero))
+        vc = jax.lax.dynamic_update_slice(v_cache, v.transpose(0, 2, 1, 3).astype(v_cache.dtype),
+                                          (zero, zero, zero, zero))
+        return ctx, (kc, vc)
+    return attend
+
+
+def _decode_attend(k_cache, v_cache, mask, write_index):
+    """One new token per row, written at that row's own index, attending to its valid entries."""
+    def attend(q, k, v):  # each [B, 1, H, D]
+        rows = jnp.arange(q.shape[0])
+        kc = k_cache.at[rows, :, write_index].set(k[:, 0].astype(k_cache.dtype))  # scatter [B,H,D]
+        vc = v_cache.at[rows, :, write_index].set(v[:, 0].astype(v_cache.dtype))
+        scores = jnp.einsum("bhd,bhtd->bht", q[:, 0], kc)
+        probs = _masked_softmax(scores, mask[:, None, :]).astype(q.dtype)
+        ctx = jnp.einsum("bht,bhtd->bhd", probs, vc)
+        return ctx[:, None], (kc, vc)
+    return attend
+
+
+def prefill_positions(attention_mask):
+    """HF's positions for a left-padded batch: count of real tokens before, pads at -1."""
+    m = attention_mask.astype(jnp.int32)
+    return jnp.cumsum(m, axis=1) * m - 1
+
+
+def _prefill(cfg, params, cache, input_ids, attention_mask, all_logits=True):
+    dtype = cache["k"][0].dtype
+    b, s = input_ids.shape
+    if s > cache["mask"].shape[1]:
+        raise ValueError(f"prompt of {s} tokens does not fit a cache of {cache['mask'].shape[1]}")
+    attends = [_prefill_attend(kc, vc, attention_mask)
+               for kc, vc in zip(cache["k"], cache["v"])]
+    logits, caches = OPT(cfg, dtype).apply({"params": params}, input_ids,
+                                           prefill_positions(attention_mask), attends, all_logits)
+    # prefill starts the rows afresh: only the prompt's real tokens are valid
+    mask = jnp.zeros_like(cache["mask"]).at[:, :s].set(attention_mask.astype(jnp.bool_))
+    new_cache = {"k": tuple(c[0] for c in caches), "v": tuple(c[1] for c in caches), "mask": mask}
+    return (logits if all_logits else logits[:, 0]), new_cache
+
+
+def _decode(cfg, params, cache, tokens, positions, write_index):
+    dtype = cache["k"][0].dtype
+    rows = jnp.arange(tokens.shape[0])
+    mask = cache["mask"].at[rows, write_index].set(True)
+    attends = [_decode_attend(kc, vc, mask, write_index)
+               for kc, vc in zip(cache["k"], cache["v"])]
+    logits, caches = OPT(cfg, dtype).apply({"params": params}, tokens[:, None],
+                                           positions[:, None], attends)
+    new_cache = {"k": tuple(c[0] for c in caches), "v": tuple(c[1] for c in caches), "mask": mask}
+    return logits[:, 0], new_cache
+
+
+prefill = jax.jit(_prefill, static_argnums=(0,), static_argnames=("all_logits",),
+                  donate_argnums=(2,))
+prefill.__doc__ = """prefill(cfg, params, cache, input_ids[B,S], attention_mask[B,S], all_logits=True)
+    -> (logits float32 [B,S,V] (or [B,V] for the last position when all_logits=False), cache)
+
+Left-padded prompts; positions come from the mask as in HF (cumsum(mask)-1, +2
+offset). Writes cache entries 0..S-1 and resets each row's validity to the
+prompt's real tokens. The cache is donated; pass S bucketed (bucket_length)."""
+
+decode = jax.jit(_decode, static_argnums=(0,), donate_argnums=(2,))
+decode.__doc__ = """decode(cfg, params, cache, tokens[B], positions[B], write_index[B])
+    -> (logits float32 [B,V], cache)
+
+One token per row: `positions` are 0-based token positions (the +2 offset is
+added inside), `write_index` the cache entry each row writes; each row attends
+to its valid entries plus the new one. The cache is donated."""
+
+
+def forward(cfg: OPTConfig, params, input_ids, attention_mask=None):
+    """Full-sequence logits without keeping a cache (reference and tests)."""
+    input_ids = jnp.asarray(input_ids)
+    if attention_mask is None:
+        attention_mask = jnp.ones_like(input_ids)
+    dtype = param_dtype(params)
+    cache = init_cache(cfg, input_ids.shape[0], input_ids.shape[1], dtype)
+    return prefill(cfg, params, cache, input_ids, jnp.asarray(attention_mask))[0]
+
+
+def param_dtype(params):
+    return jax.tree_util.tree_leaves(params)[0].dtype
+
+
+def init_params(cfg: OPTConfig, seed: int = 0, dtype=jnp.float32, std: float = 0.02):
+    """Random params (normal(0, std) weights, zero biases, unit norms), as `dummy=True` uses.
+
+    Drawn on the host one tensor at a time (no compile, never two copies of the model)."""
+    rng = np.random.default_rng(seed)
+
+    def make(path, leaf):
+        name = path[-1].key
+        if name == "bias":
+            return jnp.zeros(leaf.shape, dtype)
+        if name == "scale":
+            return jnp.ones(leaf.shape, dtype)
+        host = rng.standard_normal(leaf.shape, np.float32) * np.float32(std)
+        return jax.device_put(host.astype(dtype))
+
+    return jax.tree_util.tree_map_with_path(make, param_tree_shapes(cfg))
+
+
+def param_tree_shapes(cfg: OPTConfig) -> dict:
+    """The Flax param tree's shapes, without allocating it."""
+    b = jnp.zeros((1, 1), jnp.int32)
+    attends = [lambda q, k, v: (q, None)] * cfg.num_hidden_layers
+    return jax.eval_shape(lambda: OPT(cfg).init(jax.random.PRNGKey(0), b, b, attends)["params"])
+

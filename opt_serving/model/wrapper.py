@@ -1,0 +1,389 @@
+"""get_model(name, path, ...) and a Hugging Face style generate() for the Flax OPT.
+
+Names: `facebook/opt-*` -> HF PyTorch OPTForCausalLM (the reference and baseline),
+`jax/opt-*` -> the Flax model on one device, `alpa/opt-*` -> the parallel backend.
+
+generate() mirrors transformers 5.23 (`_sample` and the vectorised `_beam_search`)
+so tokens match HF's; the whole decoding loop is one jitted `lax.while_loop`,
+so there is no host round trip per token, and beam search reorders the cache on device.
+"""
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from opt_serving import sampling
+from opt_serving.config import OPTConfig, get_config, size_from_name
+from opt_serving.model import kv_cache, opt, weights
+
+PREFIXES = ("facebook/", "jax/", "alpa/")
+
+
+def resolve_numpy_folder(path: str | Path, model_name: str) -> Path:
+    """`path` itself, or Alpa's `<path>/<name>-np` (also accepting `<path>/<size>-np`)."""
+    path = Path(path)
+    size = size_from_name(model_name)
+    candidates = [path, path / f"opt-{size}-np", path / f"{size}-np"]
+    for c in candidates:
+        if (c / "config.json").exists() or (c / "decoder.embed_tokens.weight").exists():
+            return c
+    raise FileNotFoundError(f"no numpy weights folder for {model_name!r}: tried "
+                            + ", ".join(str(c) for c in candidates))
+
+
+def _dtype(dtype) -> jnp.dtype:
+    if isinstance(dtype, str):
+        dtype = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}.get(dtype, dtype)
+    return jnp.dtype(dtype)
+
+
+def get_model(model_name: str, path: str | Path | None = None, dtype=jnp.float32,
+              tensor_parallel: int | None = None, pipeline_parallel: int | None = None,
+              dummy: bool = False, seed: int = 0, **kwargs):
+    """Load an OPT model by name (see the module docstring for the prefixes)."""
+    if not model_name.startswith(PREFIXES):
+        raise ValueError(f"unknown model {model_name!r}: the name must start with one of "
+                         f"{', '.join(PREFIXES)} (e.g. 'jax/opt-125m')")
+    size_from_name(model_name)  # unknown sizes fail here, naming the known ones
+    if model_name.startswith("alpa/"):
+        try:
+            from opt_serving.parallel import backend
+        except ImportError:
+            raise NotImplementedError(
+                f"{model_name}: the alpa/ backend (opt_serving.parallel.backend) is not available "
+                "in this build; use jax/ for one device") from None
+        return backend.get_alpa_model(model_name, path, dtype=dtype, tensor_parallel=tensor_parallel,
+                                      pipeline_parallel=pipeline_parallel, dummy=dummy, **kwargs)
+    if tensor_parallel not in (None, 1) or pipeline_parallel not in (None, 1):
+        raise ValueError(f"{model_name} runs on one device; use alpa/ for parallelism")
+    if model_name.startswith("facebook/"):
+        return _get_hf_model(model_name, path, dtype, dummy, seed)
+    dtype = _dtype(dtype)
+    if dummy:
+        cfg = get_config(model_name)
+        return OPTModel(cfg, opt.init_params(cfg, seed, dtype))
+    if path is None:
+        raise ValueError(f"{model_name}: give path= (the numpy weights folder) or dummy=True")
+    folder = resolve_numpy_folder(path, model_name)
+    cfg = (OPTConfig.from_hf_json(folder) if (folder / "config.json").exists()
+           else get_config(model_name))
+    cfg, params = weights.load_params(folder, cfg, dtype, progress=kwargs.get("progress", False))
+    return OPTModel(cfg, params)
+
+
+def _get_hf_model(model_name, path, dtype, dummy, seed):
+    import torch
+    import transformers
+    torch_dtype = {"float32": torch.float32, "float16": torch.float16,
+                   "bfloat16": torch.bfloat16}[str(_dtype(dtype))]
+    if dummy or path is None:
+        if not dummy:
+            raise ValueError(f"{model_name}: give path= (an HF folder or numpy folder) or dummy=True")
+        torch.manual_seed(seed)
+        hf_cfg = transformers.OPTConfig(**get_config(model_name).to_hf_dict())
+        return transformers.OPTForCausalLM(hf_cfg).to(torch_dtype).eval()
+    path = Path(path)
+    if (path / "config.json").exists() and (any(path.glob("*.safetensors"))
+                                            or any(path.glob("pytorch_model*.bin"))):
+        return transformers.OPTForCausalLM.from_pretrained(path, dtype=torch_dtype).eval()
+    folder = resolve_numpy_folder(path, model_name)
+    cfg, arrays = weights.load_numpy_folder(folder)
+    model = transformers.OPTForCausalLM(transformers.OPTConfig(**cfg.to_hf_dict()))
+    state = {weights.metaseq_key_to_hf(k): torch.from_numpy(np.array(v, np.float32))
+             for k, v in arrays.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise ValueError(f"numpy folder {folder} does not fit OPTForCausalLM: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    model.tie_weights()
+    return model.to(torch_dtype).eval()
+
+
+@dataclasses.dataclass
+class GenerateOutput:
+    """HF's GenerateDecoderOnlyOutput / GenerateBeamDecoderOnlyOutput fields we fill."""
+    sequences: Any
+    scores: tuple | None = None
+    sequences_scores: Any = None
+
+
+class OPTModel:
+    """The Flax OPT on one device: params + config, the jitted steps, and generate()."""
+
+    def __init__(self, cfg: OPTConfig, params):
+        self.config = cfg
+        self.params = params
+        self.dtype = opt.param_dtype(params)
+
+    # engine-facing pass-throughs
+    def init_cache(self, batch: int, max_len: int):
+        return kv_cache.init_cache(self.config, batch, max_len, self.dtype)
+
+    def prefill(self, cache, input_ids, attention_mask, all_logits=True):
+        return opt.prefill(self.config, self.params, cache, input_ids, attention_mask,
+                           all_logits=all_logits)
+
+    def decode(self, cache, tokens, positions, write_index):
+        return opt.decode(self.config, self.params, cache, tokens, positions, write_index)
+
+    def __call__(self, input_ids, attention_mask=None):
+        return opt.forward(self.config, self.params, input_ids, attention_mask)
+
+    def generate(self, input_ids=None, attention_mask=None, max_length=None, max_new_tokens=None,
+                 min_length=None, min_new_tokens=None, do_sample=False, temperature=1.0, top_k=50,
+                 top_p=1.0, num_beams=1, num_return_sequences=1, repetition_penalty=1.0,
+                 no_repeat_ngram_size=0, bad_words_ids=None, eos_token_id=None, pad_token_id=None,
+                 output_scores=False, return_dict_in_generate=False, seed=None,
+                 length_penalty=1.0, early_stopping=False, **unused):
+        if unused:
+            raise TypeError(f"generate() got unsupported arguments: {sorted(unused)}")
+        is_torch = type(input_ids).__module__.startswith("torch")
+        ids = np.asarray(input_ids.cpu().numpy() if is_torch else input_ids, np.int32)
+        if ids.ndim == 1:
+            ids = ids[None]
+        if ids.ndim != 2 or ids.shape[1] == 0:
+            raise ValueError(f"input_ids must be [batch, seq] with seq > 0, got shape {ids.shape}")
+        cfg = self.config
+        if ids.min() < 0 or ids.max() >= cfg.vocab_size:
+            raise ValueError(f"input_ids must lie in [0, {cfg.vocab_size}), got {ids.min()}..{ids.max()}")
+        if attention_mask is None:
+            mask = np.ones_like(ids)
+        else:
+            mask = np.asarray(attention_mask.cpu().numpy() if hasattr(attention_mask, "cpu")
+                              else attention_mask, np.int32)
+            if mask.shape != ids.shape:
+                raise ValueError(f"attention_mask shape {mask.shape} != input_ids shape {ids.shape}")
+        b, s = ids.shape
+        if max_new_tokens is None:
+            max_new_tokens = (max_length if max_length is not None else 20) - s
+        if max_new_tokens < 1:
+            raise ValueError(f"nothing to generate: the prompt has {s} tokens and max_length is "
+                             f"{max_length}; set max_new_tokens")
+        if s + max_new_tokens > cfg.max_position_embeddings:
+            raise ValueError(f"prompt ({s} tokens) + {max_new_tokens} new tokens exceeds the model's "
+                             f"limit of {cfg.max_position_embeddings} positions")
+        eos = cfg.eos_token_id if eos_token_id is None else int(eos_token_id)
+        pad = (cfg.pad_token_id if cfg.pad_token_id is not None else eos) \
+            if pad_token_id is None else int(pad_token_id)
+        if do_sample and temperature <= 0:
+            raise ValueError(f"do_sample needs temperature > 0, got {temperature}")
+        if seed is None:
+            seed = int(np.random.randint(0, 2 ** 31))
+        settings = dict(
+            temperature=temperature if do_sample else 0.0,
+            top_k=(top_k or 0) if do_sample else 0, top_p=top_p if do_sample else 1.0,
+            repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size or 0,
+            min_length=min_length or 0, min_new_tokens=min_new_tokens or 0, eos_token_id=eos,
+            bad_words_ids=bad_words_ids)
+        if num_beams > 1:
+            if do_sample:
+                raise NotImplementedError("beam sampling (num_beams > 1 with do_sample) is not supported")
+            if num_return_sequences > num_beams:
+                raise ValueError(f"num_return_sequences ({num_return_sequences}) > num_beams ({num_beams})")
+            ids, mask = np.repeat(ids, num_beams, 0), np.repeat(mask, num_beams, 0)
+            st = sampling.make_settings(b * num_beams, seed=seed, **settings)
+            seqs, scores, seq_scores = _beam_search(
+                cfg, self.params, jnp.asarray(ids), jnp.asarray(mask), st, max_new_tokens, num_beams,
+                num_return_sequences, float(length_penalty), bool(early_stopping is True), eos, pad,
+                output_scores)
+            seqs, beam_idx = np.asarray(seqs[0]), np.asarray(seqs[1])
+            out_len = s + int(((beam_idx + 1) != 0).sum(1).max())
+            seqs = seqs[:, :out_len]
+            n_steps = out_len - s
+        else:
+            if num_return_sequences > 1:
+                if not do_sample:
+                    raise ValueError("greedy search returns one sequence per prompt; "
+                                     "use do_sample or num_beams for num_return_sequences > 1")
+                ids, mask = np.repeat(ids, num_return_sequences, 0), np.repeat(mask, num_return_sequences, 0)
+            rows = ids.shape[0]
+            # bucket the prompt width (extra left pads) and the new-token budget so that
+            # prompts of nearby lengths share one compiled loop
+            sb = kv_cache.bucket_length(s, cfg.max_position_embeddings)
+            extra = sb - s
+            ids = np.concatenate([np.full((rows, extra), pad, np.int32), ids], 1)
+            mask = np.concatenate([np.zeros((rows, extra), np.int32), mask], 1)
+            if settings["min_length"]:
+                settings["min_length"] += extra  # HF's min_length counts the history we lengthened
+            st = sampling.make_settings(rows, seed=np.asarray(seed) + np.arange(rows), **settings)
+            new_bucket = kv_cache.bucket_length(max_new_tokens, 1 << 30)
+            seqs, steps, scores = _sample_loop(cfg, self.params, jnp.asarray(ids), jnp.asarray(mask),
+                                               st, jnp.int32(max_new_tokens), new_bucket, pad,
+                                               output_scores)
+            n_steps = int(steps)
+            seqs = np.asarray(seqs)[:, extra:sb + n_steps]
+            seq_scores = None
+        if is_torch:
+            import torch
+            seqs = torch.from_numpy(np.array(seqs, np.int64))
+        if not return_dict_in_generate:
+            return seqs
+        score_steps = None
+        if output_scores:
+            sc = np.asarray(scores)[:n_steps]
+            score_steps = tuple(sc)
+            if is_torch:
+                import torch
+                score_steps = tuple(torch.from_numpy(np.array(x)) for x in score_steps)
+        if seq_scores is not None:
+            seq_scores = np.asarray(seq_scores)
+            if is_torch:
+                import torch
+                seq_scores = torch.from_numpy(np.array(seq_scores))
+        return GenerateOutput(sequences=seqs, scores=score_steps, sequences_scores=seq_scores)
+
+
+def _start(cfg, params, ids, mask, max_new):
+    """Prefill a cache sized for the whole generation; next-token logits [B, V]."""
+    b, s = ids.shape
+    cache = kv_cache.init_cache(cfg, b, s + max_new, opt.param_dtype(params))
+    return opt._prefill(cfg, params, cache, ids, mask, all_logits=False)
+
+
+@partial(jax.jit, static_argnums=(0, 6, 7, 8))
+def _sample_loop(cfg, params, ids, mask, st, max_new, new_bucket, pad, output_scores):
+    """HF `_sample`: greedy or sampled rows, finished rows filled with pad; stops when all are done.
+
+    `max_new` is traced; buffers are sized by the static `new_bucket` >= max_new."""
+    b, s = ids.shape
+    total = s + new_bucket
+    n_real = jnp.sum(mask, axis=1).astype(jnp.int32)
+    logits, cache = _start(cfg, params, ids, mask, new_bucket)
+    state = sampling.init_state(ids, mask, cfg.vocab_size, total)
+    scores_buf = jnp.zeros((new_bucket if output_scores else 0, b, cfg.vocab_size), jnp.float32)
+
+    def pick(logits, state, unfinished, scores_buf, i):
+        scores = sampling.warp(sampling.process_logits(logits, state, st), st)
+        tok = jnp.where(unfinished, sampling.choose(scores, state, st), pad)
+        if output_scores:
+            scores_buf = scores_buf.at[i].set(scores)
+        state = sampling.update_state(state, tok)
+        unfinished = unfinished & (tok != st.eos_token_id)
+        return tok, state, unfinished, scores_buf
+
+    tok, state, unfinished, scores_buf = pick(logits, state, jnp.ones((b,), jnp.bool_), scores_buf, 0)
+
+    def cond(c):
+        i, _, _, _, unfinished, _ = c
+        return (i < max_new) & jnp.any(unfinished)
+
+    def body(c):
+        i, tok, cache, state, unfinished, scores_buf = c
+        idx = jnp.full((b,), s + i - 1, jnp.int32)
+        logits, cache = opt._decode(cfg, params, cache, tok, n_real + i - 1, idx)
+        tok, state, unfinished, scores_buf = pick(logits, state, unfinished, scores_buf, i)
+        return i + 1, tok, cache, state, unfinished, scores_buf
+
+    steps, _, _, state, _, scores_buf = jax.lax.while_loop(
+        cond, body, (jnp.int32(1), tok, cache, state, unfinished, scores_buf))
+    return state.history, steps, scores_buf
+
+
+def _gather_beams(x, idx):
+    """x [B, K, ...], idx [B, K'] -> [B, K', ...]"""
+    return jax.vmap(lambda a, i: jnp.take(a, i, axis=0))(x, idx)
+
+
+@partial(jax.jit, static_argnums=(0, 5, 6, 7, 8, 9, 10, 11, 12))
+def _beam_search(cfg, params, ids, mask, st, max_new, k, n_return, length_penalty, early_stop,
+                 eos, pad, output_scores):
+    """A port of transformers 5.23 `_beam_search` (vectorised, one EOS token), on device."""
+    bk, s = ids.shape
+    b = bk // k
+    v = cfg.vocab_size
+    max_length = s + max_new
+    keep = 2 * k  # beams_to_keep = max(2, 1 + n_eos) * num_beams
+    top_mask = jnp.arange(keep) < k
+    fill = pad if pad else eos
+    n_real = jnp.sum(mask, axis=1).astype(jnp.int32)  # [B*K]; equal within a batch item
+    prompt_seen = sampling.init_state(ids, mask, v, max_length)
+
+    running = jnp.full((b, k, max_length), fill, jnp.int32).at[:, :, :s].set(ids.reshape(b, k, s))
+    seqs = running
+    running_scores = jnp.zeros((b, k), jnp.float32).at[:, 1:].set(-1e9)
+    beam_scores = jnp.full((b, k), -1e9, jnp.float32)
+    finished = jnp.zeros((b, k), jnp.bool_)
+    unsat = jnp.ones((b, 1), jnp.bool_)
+    running_idx = jnp.full((b, k, max_new), -1, jnp.int32)
+    beam_idx = running_idx
+    scores_buf = jnp.zeros((max_new if output_scores else 0, bk, v), jnp.float32)
+    logits, cache = _start(cfg, params, ids, mask, max_new)
+
+    def step(c):
+        (cur, logits, cache, running, running_scores, running_idx, seqs, beam_scores, beam_idx,
+         finished, unsat, _, scores_buf) = c
+        hist = running.reshape(bk, max_length)
+        state = _state_from_history(prompt_seen, hist, cur, v)
+        log_probs = sampling.process_logits(jax.nn.log_softmax(logits.astype(jnp.float32), -1),
+                                            state, st)
+        if output_scores:
+            scores_buf = scores_buf.at[cur - s].set(log_probs)
+        acc = (log_probs.reshape(b, k, v) + running_scores[:, :, None]).reshape(b, k * v)
+        topk_lp, topk_i = jax.lax.top_k(acc, keep)
+        cur_beam, topk_ids = topk_i // v, (topk_i % v).astype(jnp.int32)
+        t_idx = _gather_beams(running_idx, cur_beam)
+        t_seq = _gather_beams(running, cur_beam)
+        t_seq = jax.lax.dynamic_update_slice(t_seq, topk_ids[:, :, None], (0, 0, cur))
+        flat_parent = (cur_beam + jnp.arange(b)[:, None] * k).astype(jnp.int32)
+        t_idx = jax.lax.dynamic_update_slice(t_idx, flat_parent[:, :, None], (0, 0, cur - s))
+        hits = (cur + 1 >= max_length) | (topk_ids == eos)
+        # e. best unfinished beams continue
+        t_run_lp = topk_lp + hits.astype(jnp.float32) * -1.0e9
+        nxt = jax.lax.top_k(t_run_lp, k)[1]
+        running = _gather_beams(t_seq, nxt)
+        running_scores = _gather_beams(t_run_lp, nxt)
+        running_idx = _gather_beams(t_idx, nxt)
+        # f. finished hypotheses merge into the kept ones by length-normalised score
+        did = hits & top_mask[None, :]
+        t_lp = topk_lp / ((cur + 1 - s).astype(jnp.float32) ** length_penalty)
+        full = jnp.all(finished, axis=-1, keepdims=True) & early_stop
+        t_lp = t_lp + full * -1.0e9 + (~unsat) * -1.0e9 + (~did) * -1.0e9
+        m_seq = jnp.concatenate([seqs, t_seq], 1)
+        m_sc = jnp.concatenate([beam_scores, t_lp], 1)
+        m_idx = jnp.concatenate([beam_idx, t_idx], 1)
+        m_fin = jnp.concatenate([finished, did], 1)
+        top = jax.lax.top_k(m_sc, k)[1]
+        seqs, beam_scores = _gather_beams(m_seq, top), _gather_beams(m_sc, top)
+        beam_idx, finished = _gather_beams(m_idx, top), _gather_beams(m_fin, top)
+        # g. the cache follows the surviving beams
+        parents = jax.lax.dynamic_slice_in_dim(running_idx, cur - s, 1, axis=2).reshape(bk)
+        cache = kv_cache.reorder(cache, parents)
+        cur = cur + 1
+        best = running_scores[:, :1] / ((cur - s).astype(jnp.float32) ** length_penalty)
+        worst = jnp.where(finished, jnp.min(beam_scores, axis=1, keepdims=True), -1.0e9)
+        unsat = unsat & jnp.any(best > worst, axis=-1, keepdims=True)
+        go = jnp.any(unsat) & ~(jnp.all(finished) & early_stop) & ~jnp.all(hits)
+        # next logits: feed each surviving beam's newest token
+        last = jax.lax.dynamic_slice_in_dim(running, cur - 1, 1, axis=2).reshape(bk)
+        logits, cache = jax.lax.cond(
+            go & (cur < max_length),
+            lambda: opt._decode(cfg, params, cache, last, n_real + (cur - 1 - s),
+                                jnp.full((bk,), cur - 1, jnp.int32)),
+            lambda: (logits, cache))
+        return (cur, logits, cache, running, running_scores, running_idx, seqs, beam_scores,
+                beam_idx, finished, unsat, go, scores_buf)
+
+    c = (jnp.int32(s), logits, cache, running, running_scores, running_idx, seqs, beam_scores,
+         beam_idx, finished, unsat, jnp.bool_(True), scores_buf)
+    c = jax.lax.while_loop(lambda c: c[11], step, c)
+    seqs, beam_scores, beam_idx, scores_buf = c[6], c[7], c[8], c[12]
+    flat = lambda x: x[:, :n_return].reshape((b * n_return,) + x.shape[2:])
+    return (flat(seqs), flat(beam_idx)), scores_buf, flat(beam_scores)
+
+
+def _state_from_history(prompt_state, hist, cur, v):
+    """A sampling.State for beams whose history was just reordered (seen = prompt + generated)."""
+    bk, L = hist.shape
+    gen = (jnp.arange(L)[None, :] >= prompt_state.prompt_length[:, None]) & (jnp.arange(L) < cur)
+    rows = jnp.broadcast_to(jnp.arange(bk)[:, None], (bk, L))
+    seen = prompt_state.seen.at[rows, jnp.where(gen, hist, v)].set(True, mode="drop")
+    counts = jnp.zeros((bk, v), jnp.int32).at[rows, jnp.where(gen, hist, v)].add(1, mode="drop")
+    return sampling.State(history=hist, length=jnp.full((bk,), cur, jnp.int32),
+                          prompt_length=prompt_state.prompt_length, seen=seen, counts=counts)

@@ -1,0 +1,9 @@
+"""The HTTP service. `app` is the Ray Serve application builder: `serve run opt_serving.service:app model=... path=...`.
+
+`create_app(generator)` gives the plain FastAPI app (no Ray), e.g. for tests against the fake engine.
+"""
+from opt_serving.service.app import ServeArgs, build_app, create_app
+
+app = build_app
+
+__all__ = ["app", "build_app", "create_app", "ServeArgs"]

@@ -1,0 +1,106 @@
+"""`opt-serving serve`: run the HTTP service on Ray Serve, starting Ray locally if none is running.
+
+Ctrl-C or SIGTERM: Serve stops taking requests, lets in-flight ones finish for up to
+--drain-timeout seconds (then fails them), and the Ray processes this command started are stopped, so
+nothing is left behind (metaseq's server needed `killall python`).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import threading
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="model name, e.g. facebook/opt-125m, jax/opt-2.7b, alpa/opt-175b (default: the embedded "
+                        "tiny model)")
+    p.add_argument("--path", default=None, help="numpy weight folder (default: the embedded tiny model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-batch-size", type=int, default=16, help="decode slots (requests advanced per step)")
+    p.add_argument("--max-seq-len", type=int, default=None, help="prompt + generated tokens (default: the model's)")
+    p.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond which the answer is 429")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is cut off")
+    p.add_argument("--api-key", action="append", default=[],
+                   help="accept only requests with `Authorization: Bearer KEY` (repeatable; also "
+                        "$OPT_SERVING_API_KEYS, comma separated)")
+    p.add_argument("--num-replicas", type=int, default=None, help="model replicas (default 1)")
+    p.add_argument("--num-cpus", type=int, default=None, help="CPUs for a Ray started here (default: all)")
+    p.add_argument("--ray-address", default=None,
+                   help="Ray cluster to use: an address, or 'local' to always start a private one (default: the "
+                        "running cluster if there is one, else a new local one)")
+    p.add_argument("--drain-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests get to finish on shutdown")
+
+
+def _start_ray(address: str | None, num_cpus: int | None) -> bool:
+    """Connect to a Ray cluster, or start a local one. Returns True when we started it."""
+    import ray
+    if ray.is_initialized():
+        return False
+    if address != "local":
+        try:
+            ray.init(address=address or "auto", log_to_driver=False)
+            return False
+        except ConnectionError:
+            if address:
+                raise
+    ray.init(address="local", include_dashboard=False, num_cpus=num_cpus, log_to_driver=False)
+    return True
+
+
+def run(args: argparse.Namespace) -> int:
+    from ray import serve
+
+    from opt_serving.service.app import ServeArgs, build_app
+
+    keys = list(args.api_key) + [k for k in os.environ.get("OPT_SERVING_API_KEYS", "").split(",") if k]
+    serve_args = ServeArgs(model=args.model, path=args.path, dtype=args.dtype, max_batch_size=args.max_batch_size,
+                           max_seq_len=args.max_seq_len, max_queue=args.max_queue,
+                           request_timeout=args.request_timeout, api_keys=keys, num_replicas=args.num_replicas,
+                           graceful_shutdown_timeout_s=args.drain_timeout)
+    stop = threading.Event()
+    signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.getsignal(s) for s in signals}
+
+    def take_signals() -> None:
+        # Ctrl-C / SIGTERM only set `stop`; the shutdown below runs in the main thread. Taken again after
+        # ray.init, which installs a SIGTERM handler that exits without stopping the processes it started.
+        for s in signals:
+            signal.signal(s, lambda *_: stop.set())
+
+    take_signals()
+    started_ray = False
+    try:
+        started_ray = _start_ray(args.ray_address, args.num_cpus)
+        take_signals()
+        if stop.is_set():
+            return 130
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(build_app(serve_args), name="opt", route_prefix="/", blocking=False)
+        take_signals()
+        host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+        print(f"opt-serving: serving {serve_args.model or 'the embedded tiny model'} at http://{host}:{args.port}/ "
+              f"(OpenAI base_url http://{host}:{args.port}/v1); Ctrl-C to stop", flush=True)
+        stop.wait()
+        print("opt-serving: shutting down (draining in-flight requests)", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        # second Ctrl-C while draining should not leave a half-stopped cluster: ignore it
+        for s in previous:
+            signal.signal(s, signal.SIG_IGN)
+        try:
+            import ray
+            if ray.is_initialized():
+                if started_ray:
+                    serve.shutdown()
+                else:  # someone else's cluster: remove only our application
+                    serve.delete("opt")
+                ray.shutdown()  # stops the processes we started; merely disconnects otherwise
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)

@@ -1,0 +1,123 @@
+"""Prometheus metrics for `GET /metrics`.
+
+Latencies and token counts are observed per request by the HTTP layer; engine state (queue length, running
+slots, how many requests share a decode step) is read from `generator.stats()` at scrape time, so it is exact
+whenever it is read and costs nothing between scrapes. Each app gets its own registry: several apps (tests)
+can live in one process.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, disable_created_metrics,
+                               generate_latest)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+PREFIX = "opt_serving"
+disable_created_metrics()  # the *_created series only add noise to every counter and histogram
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+def _as_dict(stats) -> dict:
+    if dataclasses.is_dataclass(stats):
+        return dataclasses.asdict(stats)
+    return dict(stats or {})
+
+
+class _EngineCollector:
+    """Turns `generator.stats()` (a dict or dataclass) into metrics when Prometheus scrapes."""
+    GAUGES = {"queue_length": ("queue_length", "requests waiting for a decode slot"),
+              "running": ("running_slots", "decode slots in use"),
+              "num_slots": ("decode_slots", "decode slots in total"),
+              "last_step_batch": ("last_step_requests", "requests advanced by the latest decode step")}
+    COUNTERS = {"steps": ("decode_steps", "decode steps run"),
+                "step_tokens": ("decode_step_requests", "requests advanced by decode steps, summed over steps "
+                                "(divide by decode_steps for the mean batch)"),
+                "prefills": ("prefills", "prompts prefilled")}
+
+    def __init__(self, stats_fn: Callable[[], object]):
+        self.stats_fn = stats_fn
+
+    def collect(self):
+        try:
+            s = _as_dict(self.stats_fn())
+        except Exception:  # a closed or broken engine must not break /metrics
+            return
+        for key, (name, doc) in self.GAUGES.items():
+            if key in s:
+                yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=float(s[key]))
+        for key, (name, doc) in self.COUNTERS.items():
+            if key in s:
+                yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=float(s[key]))
+        if s.get("steps"):
+            yield GaugeMetricFamily(f"{PREFIX}_mean_requests_per_decode_step",
+                                    "requests advanced together by one decode step, averaged over all steps",
+                                    value=float(s.get("step_tokens", 0)) / float(s["steps"]))
+        hist = s.get("active_per_step")  # {active slots: number of steps}, when the engine keeps it
+        if hist:
+            buckets, acc = [], 0
+            for active in sorted(hist, key=int):
+                acc += int(hist[active])
+                buckets.append((str(float(active)), acc))
+            buckets.append(("+Inf", acc))
+            yield HistogramMetricFamily(f"{PREFIX}_requests_per_decode_step",
+                                        "requests (active slots) advanced together by one decode step",
+                                        buckets=buckets,
+                                        sum_value=float(sum(int(a) * int(c) for a, c in hist.items())))
+
+
+class ServiceMetrics:
+    def __init__(self, stats_fn: Callable[[], dict] | None = None):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds", "time from request to its first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds", "time between successive tokens of a request",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds", "time from request to its last token",
+                             ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "prompt tokens processed", registry=r)
+        self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "tokens generated", registry=r)
+        self.requests = Counter(f"{PREFIX}_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
+        if stats_fn is not None:
+            r.register(_EngineCollector(stats_fn))
+
+    def timer(self, endpoint: str) -> "RequestTimer":
+        return RequestTimer(self, endpoint)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class RequestTimer:
+    """One request's clock. `tokens(k, stream)` when k new tokens of one of its streams (choices) arrive:
+    the first arrival of a stream is its time to first token, later ones give inter-token latencies.
+    `finish(prompt_tokens)` once at the end (idempotent) records the end-to-end latency."""
+
+    def __init__(self, metrics: ServiceMetrics, endpoint: str):
+        self.m, self.endpoint = metrics, endpoint
+        self.start = time.perf_counter()
+        self.last: dict[int, float] = {}
+        self.finished = False
+
+    def tokens(self, k: int, stream: int = 0) -> None:
+        if k <= 0:
+            return
+        now = time.perf_counter()
+        last = self.last.get(stream)
+        if last is None:
+            self.m.ttft.observe(now - self.start)
+        else:
+            # tokens that arrive together share the gap since the previous arrival
+            for _ in range(k):
+                self.m.itl.observe((now - last) / k)
+        self.last[stream] = now
+        self.m.generation_tokens.inc(k)
+
+    def finish(self, prompt_tokens: int = 0) -> None:
+        if not self.finished:
+            self.finished = True
+            self.m.prompt_tokens.inc(prompt_tokens)
+            self.m.e2e.labels(self.endpoint).observe(time.perf_counter() - self.start)

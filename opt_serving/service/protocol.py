@@ -1,0 +1,249 @@
+"""Request and response shapes of the three HTTP APIs, as pydantic models.
+
+- OpenAI `POST /v1/completions` (+ `GET /v1/models`): what the `openai` client sends.
+- metaseq / Alpa `POST /completions`: the same prompt forms, OpenAI-like choices that always carry logprobs.
+- GPT-J REST API `POST /generate`: the `post_data` body, answered with `{"gen_text": [...]}`.
+
+Requests are strict (a string is not an int, 1 is not `true`) so wrong types are a 400, not a guess.
+Fields OpenAI documents as nullable accept `null` meaning "the default".
+Checks that need the model (prompt + max_tokens <= max_seq_len, token ids < vocab) live in app.py.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_N = 16           # completions per prompt (n and best_of)
+MAX_PROMPTS = 64     # prompts per request
+MAX_STOP = 4         # OpenAI's limit on stop strings
+
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+# OpenAI's four prompt forms; the order matters: a list of ints must not be read as a list of lists.
+Prompt = Union[str, list[str], list[TokenId], list[list[TokenId]]]
+
+
+class Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+def normalize_prompt(prompt: Prompt) -> list[str | list[int]]:
+    """Any of the four prompt forms -> a list of single prompts (text or token ids); empty ones are a ValueError."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    if not prompts:
+        raise ValueError("prompt must not be an empty list")
+    if len(prompts) > MAX_PROMPTS:
+        raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty" if len(prompts) > 1 else "prompt must not be empty")
+    return prompts
+
+
+def _stop_list(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP:
+        raise ValueError(f"stop: at most {MAX_STOP} stop sequences, got {len(stops)}")
+    if any(s == "" for s in stops):
+        raise ValueError("stop: stop sequences must not be empty strings")
+    return stops
+
+
+# ---------------------------------------------------------------- OpenAI /v1/completions
+class StreamOptions(Request):
+    include_usage: bool = False
+
+
+class CompletionRequest(Request):
+    """OpenAI's legacy completions request (https://platform.openai.com/docs/api-reference/completions)."""
+    model: Optional[str] = None
+    prompt: Prompt
+    max_tokens: Optional[Annotated[int, Field(ge=0, le=1_000_000)]] = 16
+    temperature: Optional[Annotated[float, Field(ge=0.0, le=2.0)]] = 1.0
+    top_p: Optional[Annotated[float, Field(ge=0.0, le=1.0)]] = 1.0
+    n: Optional[Annotated[int, Field(ge=1, le=MAX_N)]] = 1
+    best_of: Optional[Annotated[int, Field(ge=1, le=MAX_N)]] = None
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    logprobs: Optional[Annotated[int, Field(ge=0, le=5)]] = None
+    echo: Optional[bool] = False
+    stop: Optional[Union[Annotated[str, Field(max_length=256)],
+                         Annotated[list[Annotated[str, Field(max_length=256)]], Field(max_length=MAX_STOP)]]] = None
+    seed: Optional[Annotated[int, Field(ge=-(2**63), lt=2**64)]] = None
+    presence_penalty: Optional[Annotated[float, Field(ge=-2.0, le=2.0)]] = 0.0
+    frequency_penalty: Optional[Annotated[float, Field(ge=-2.0, le=2.0)]] = 0.0
+    logit_bias: Optional[dict[str, float]] = None
+    suffix: Optional[str] = None
+    user: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "CompletionRequest":
+        # pydantic turns a ValueError here into a 400 naming the field
+        n, best_of = self.n or 1, self.best_of
+        if best_of is not None and best_of < n:
+            raise ValueError(f"best_of ({best_of}) must be greater than or equal to n ({n})")
+        if self.stream and best_of is not None and best_of > n:
+            raise ValueError("best_of > n cannot be combined with stream")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        _stop_list(self.stop)
+        normalize_prompt(self.prompt)
+        return self
+
+    @property
+    def stops(self) -> list[str]:
+        return _stop_list(self.stop)
+
+
+class Logprobs(BaseModel):
+    tokens: list[str] = []
+    token_logprobs: list[Optional[float]] = []
+    top_logprobs: list[Optional[dict[str, float]]] = []
+    text_offset: list[int] = []
+
+
+class CompletionChoice(BaseModel):
+    text: str
+    index: int
+    logprobs: Optional[Logprobs] = None
+    finish_reason: Optional[Literal["stop", "length"]] = None
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+def _completion_id() -> str:
+    return "cmpl-" + uuid.uuid4().hex
+
+
+class CompletionResponse(BaseModel):
+    id: str = Field(default_factory=_completion_id)
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "opt_serving"
+    max_model_len: Optional[int] = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+# ---------------------------------------------------------------- metaseq / Alpa /completions
+class MetaseqRequest(Request):
+    """metaseq's interactive_hosted / Alpa's llm_serving `completions` body (lenient defaults like theirs)."""
+    prompt: Prompt
+    max_tokens: Annotated[int, Field(ge=0, le=1_000_000)] = 32
+    min_tokens: Annotated[int, Field(ge=0, le=1_000_000)] = 0
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(ge=0.0, le=1.0)] = 1.0
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    best_of: Optional[Annotated[int, Field(ge=1, le=MAX_N)]] = None
+    echo: bool = False
+    stop: Optional[Union[str, Annotated[list[str], Field(max_length=MAX_STOP)]]] = None
+    logprobs: Annotated[int, Field(ge=0, le=5)] = 0
+    seed: Optional[int] = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "MetaseqRequest":
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be greater than or equal to n ({self.n})")
+        _stop_list(self.stop)
+        normalize_prompt(self.prompt)
+        return self
+
+
+class MetaseqLogprobs(Logprobs):
+    # metaseq put finish_reason inside logprobs; kept for its clients, also given on the choice
+    finish_reason: Literal["stop", "length"] = "length"
+
+
+class MetaseqChoice(BaseModel):
+    text: str
+    index: int
+    logprobs: MetaseqLogprobs
+    finish_reason: Literal["stop", "length"]
+
+
+class MetaseqResponse(BaseModel):
+    id: str = Field(default_factory=lambda: str(uuid.uuid4()))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[MetaseqChoice]
+
+
+# ---------------------------------------------------------------- GPT-J REST API /generate
+class GenerateRequest(Request):
+    """GPT-API's `post_data` (seeds/002): same fields and defaults; lengths count new tokens. Beam search
+    (num_beams > 1) and contrastive search (penalty_alpha) are refused with a 400; early_stop only matters
+    to beam search and is accepted and ignored."""
+    prompt: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)] = [
+        "Hello world"]
+    bad_words: Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=256)] = []
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_k: Annotated[float, Field(ge=0, le=1_000_000)] = 50
+    top_p: Annotated[float, Field(ge=0.0, le=1.0)] = 1.0
+    min_length: Annotated[int, Field(ge=0, le=1_000_000)] = 10
+    max_length: Annotated[int, Field(ge=1, le=1_000_000)] = 50
+    penalty_alpha: float = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
+    early_stop: bool = False
+    end_sequence: str = ""
+    do_sample: bool = True
+    num_beams: Annotated[int, Field(ge=0, le=64)] = 0
+    return_prompt: str = ""
+    seed: int = -1
+
+    @model_validator(mode="after")
+    def _check(self) -> "GenerateRequest":
+        if self.min_length > self.max_length:
+            raise ValueError(f"min_length ({self.min_length}) must not exceed max_length ({self.max_length})")
+        if self.penalty_alpha != 0.0:
+            raise ValueError("penalty_alpha (contrastive search) is not supported by this server")
+        if self.num_beams > 1:
+            raise ValueError("num_beams > 1 (beam search) is not supported by the batching server; "
+                             "use get_model(...).generate(num_beams=...) offline")
+        if self.top_k != int(self.top_k):
+            raise ValueError("top_k must be a whole number")
+        return self
+
+
+class GenerateResponse(BaseModel):
+    gen_text: list[str]
+
+
+# ---------------------------------------------------------------- errors (OpenAI's shape)
+class ErrorBody(BaseModel):
+    message: str
+    type: str = "invalid_request_error"
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+def error_json(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return ErrorResponse(error=ErrorBody(message=message, type=type, param=param, code=code)).model_dump()

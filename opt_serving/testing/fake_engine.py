@@ -1,0 +1,146 @@
+"""A fake slot model whose every output can be worked out by hand, and a byte-level tokenizer for it.
+
+Same interface as `engine.OPTSlots`, driven by the real `engine.Engine` scheduler, so the service and the
+generator can be tested fast and exactly. The "model" after token `t` ranks `t+1, t+2, ..., t+5` (mod vocab)
+with log-probabilities `-ln2, -2 ln2, ..., -5 ln2`; every other token shares the remaining 1/32.
+  * greedy (temperature 0): the next token is always `last + 1`;
+  * sampling: the k-th generated token (k = 0, 1, ...) is `last + j` with `j = 1 + (seed + k) % 3`;
+  * before `min_tokens`, a stop token is skipped (the next candidate, one further on, is taken instead).
+The tokenizer maps byte `b` to id `4 + b` (ids 0-3 are <s>, <pad>, </s>, <unk>, and </s> is also BOS/EOS), so
+with the prompt "a" (ids [2, 101]) greedy decoding continues "bcdef..."; after byte 255 (id 259) comes id 0.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import numpy as np
+
+from opt_serving.engine import (MAX_TOP_LOGPROBS, Engine, Prefix, SlotSettings, StepResult, TokenInfo)
+
+LN2 = math.log(2.0)
+BYTE_OFFSET = 4
+FAKE_VOCAB_SIZE = BYTE_OFFSET + 256
+
+
+def fake_logprob(last: int, token: int, vocab_size: int = FAKE_VOCAB_SIZE) -> float:
+    """The fake model's log-probability of `token` right after `last`."""
+    j = (token - last) % vocab_size
+    if 1 <= j <= MAX_TOP_LOGPROBS:
+        return -j * LN2
+    return math.log(2.0 ** -MAX_TOP_LOGPROBS / (vocab_size - MAX_TOP_LOGPROBS))
+
+
+def fake_top(last: int, vocab_size: int = FAKE_VOCAB_SIZE) -> list[tuple[int, float]]:
+    return [((last + j) % vocab_size, -j * LN2) for j in range(1, MAX_TOP_LOGPROBS + 1)]
+
+
+class FakeSlots:
+    """`engine.SlotModel` with hand-checkable outputs (see the module docstring)."""
+
+    def __init__(self, num_slots: int = 4, max_seq_len: int = 64, vocab_size: int = FAKE_VOCAB_SIZE):
+        self.num_slots, self.max_seq_len, self.vocab_size = num_slots, max_seq_len, vocab_size
+        self.last = np.zeros(num_slots, np.int64)
+        self.count = np.zeros(num_slots, np.int64)        # tokens generated so far per slot
+        self.settings: list[Optional[SlotSettings]] = [None] * num_slots
+        self.warmed_up = False
+        self.steps = 0
+        self.inserted: list[int] = []   # slots in insertion order (tests look at slot reuse)
+
+    def warmup(self) -> None:
+        self.warmed_up = True
+
+    def _next(self, last: int, k: int, s: SlotSettings) -> TokenInfo:
+        j = 1 if s.temperature == 0 else 1 + (s.seed + k) % 3
+        tok = (last + j) % self.vocab_size
+        if k < s.min_tokens and tok in s.stop_token_ids:
+            j += 1
+            tok = (last + j) % self.vocab_size
+        return TokenInfo(tok, fake_logprob(last, tok, self.vocab_size), fake_top(last, self.vocab_size))
+
+    def prefill(self, tokens: Sequence[int], settings: SlotSettings) -> Prefix:
+        tokens = list(tokens)
+        prompt = None
+        if settings.prompt_logprobs:
+            prompt = [TokenInfo(tokens[0], None)] + [
+                TokenInfo(t, fake_logprob(p, t, self.vocab_size), fake_top(p, self.vocab_size))
+                for p, t in zip(tokens, tokens[1:])]
+        first = self._next(tokens[-1], 0, settings)
+        return Prefix(length=len(tokens), first=first, prompt=prompt, state=None, settings=settings)
+
+    def insert(self, prefix: Prefix, slot: int) -> None:
+        if self.settings[slot] is not None:
+            raise RuntimeError(f"slot {slot} is still in use")
+        self.last[slot] = prefix.first.id
+        self.count[slot] = 1
+        self.settings[slot] = prefix.settings
+        self.inserted.append(slot)
+
+    def step(self) -> StepResult:
+        n = self.num_slots
+        out = StepResult(np.zeros(n, np.int32), np.zeros(n, np.float32),
+                         np.zeros((n, MAX_TOP_LOGPROBS), np.int32), np.zeros((n, MAX_TOP_LOGPROBS), np.float32))
+        for slot, s in enumerate(self.settings):
+            if s is None:
+                continue
+            tok = self._next(int(self.last[slot]), int(self.count[slot]), s)
+            out.tokens[slot], out.logprobs[slot] = tok.id, tok.logprob
+            out.top_ids[slot] = [i for i, _ in tok.top]
+            out.top_logprobs[slot] = [lp for _, lp in tok.top]
+            self.last[slot] = tok.id
+            self.count[slot] += 1
+        self.steps += 1
+        return out
+
+    def free(self, slot: int) -> None:
+        self.settings[slot] = None
+
+    @property
+    def active(self) -> int:
+        return sum(s is not None for s in self.settings)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (byte-level BPE spells " " as "\u0120")."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def byte_tokenizer():
+    """A transformers tokenizer over single bytes (byte-level BPE, no merges), OPT's specials and leading </s>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<s>", "<pad>", "</s>", "<unk>"]
+    b2u = _bytes_to_unicode()
+    vocab = {s: i for i, s in enumerate(specials)}
+    vocab.update({b2u[b]: BYTE_OFFSET + b for b in range(256)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.add_special_tokens(specials)  # skipped when decoding text, like OPT's
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(single="</s> $A", special_tokens=[("</s>", 2)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="</s>", eos_token="</s>",
+                                   unk_token="<unk>", pad_token="<pad>")
+
+
+def fake_engine(num_slots: int = 4, max_seq_len: int = 64, max_queue: int = 16, start: bool = True,
+                vocab_size: int = FAKE_VOCAB_SIZE) -> Engine:
+    return Engine(FakeSlots(num_slots, max_seq_len, vocab_size), max_queue=max_queue, start=start)
+
+
+def fake_generator(num_slots: int = 4, max_seq_len: int = 64, max_queue: int = 16, start: bool = True,
+                   tokenizer=None):
+    """A `Generator` over the fake engine: the byte tokenizer by default, or any tokenizer (the fake's
+    vocabulary then follows it, e.g. the real OPT one)."""
+    from opt_serving.generator import Generator
+    tokenizer = tokenizer if tokenizer is not None else byte_tokenizer()
+    engine = fake_engine(num_slots, max_seq_len, max_queue, start, vocab_size=len(tokenizer))
+    return Generator(engine, tokenizer, model_name="opt-fake")

@@ -1,0 +1,254 @@
+"""The continuous-batching engine on a random tiny OPT, against Hugging Face's OPTForCausalLM."""
+import threading
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from opt_serving.config import OPTConfig
+from opt_serving.engine import Engine, EngineClosed, OPTSlots, QueueFull, SlotSettings
+from opt_serving.model import weights
+
+CFG = OPTConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
+                max_position_embeddings=64)
+MAX_SEQ = 32  # prefill buckets 16 and 32
+
+
+@pytest.fixture(scope="module")
+def hf():
+    torch.manual_seed(0)
+    # a wide init so the argmax is decisive (no near-ties for float noise to flip)
+    return transformers.OPTForCausalLM(transformers.OPTConfig(**{**CFG.to_hf_dict(), "init_std": 0.3})).eval()
+
+
+@pytest.fixture(scope="module")
+def model(hf):
+    m = OPTSlots(CFG, weights.params_from_hf_state_dict(CFG, hf.state_dict()), num_slots=3, max_seq_len=MAX_SEQ)
+    m.warmup()
+    return m
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    e = Engine(model)
+    yield e
+    e.close()
+
+
+def hf_logits(hf, ids):
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].double().numpy()
+
+
+def hf_greedy(hf, prompt, n, processor=None):
+    ids = list(prompt)
+    for _ in range(n):
+        scores = torch.tensor(hf_logits(hf, ids)[-1:])
+        if processor is not None:
+            scores = processor(torch.tensor([ids]), scores)
+        ids.append(int(scores.argmax()))
+    return ids[len(prompt):]
+
+
+def log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+class Collect:
+    """Blocking callback: gathers a request's outputs; `cancel_after` cancels it from inside."""
+
+    def __init__(self, engine=None, cancel_after=None):
+        self.tokens, self.prompt, self.finish, self.error = [], None, None, None
+        self.done = threading.Event()
+        self.engine, self.cancel_after, self.req = engine, cancel_after, None
+
+    def __call__(self, out):
+        if out.is_prompt:
+            self.prompt = out.tokens
+            return
+        self.tokens += out.tokens
+        if len(self.tokens) == self.cancel_after:
+            self.engine.cancel(self.req)
+            self.done.set()
+        if out.finish_reason is not None:
+            self.finish, self.error = out.finish_reason, out.error
+            self.done.set()
+
+    @property
+    def ids(self):
+        return [t.id for t in self.tokens]
+
+
+def run_all(engine, jobs):
+    cols = []
+    for prompt, settings in jobs:
+        c = Collect(engine)
+        c.req = engine.submit(prompt, settings, c)
+        cols.append(c)
+    for c in cols:
+        assert c.done.wait(120), "request did not finish"
+    return cols
+
+
+PROMPTS = [[2, 5, 6, 7], [2] + list(range(10, 27)), [2, 40], [2] + list(range(50, 60)), [2, 99, 98, 97, 96, 95]]
+
+
+def test_greedy_matches_hf_with_requests_joining_and_leaving(engine, hf):
+    before = engine.stats()
+    # 5 requests on 3 slots with different lengths: two wait, and join as the first ones leave
+    max_tokens = [12, 9, 4, 15, 7]
+    cols = run_all(engine, [(p, SlotSettings(max_tokens=m)) for p, m in zip(PROMPTS, max_tokens)])
+    for p, m, c in zip(PROMPTS, max_tokens, cols):
+        assert (c.ids, c.finish) == (hf_greedy(hf, p, m), "length")
+    after = engine.stats()
+    steps, step_tokens = after.steps - before.steps, after.step_tokens - before.step_tokens
+    assert step_tokens == sum(max_tokens) - len(PROMPTS)  # the first tokens come from prefill
+    assert step_tokens > steps  # slots shared decode steps
+    assert after.running == 0
+
+
+def test_logprobs_match_hf(engine, hf):
+    prompt = PROMPTS[3]
+    [c] = run_all(engine, [(prompt, SlotSettings(max_tokens=5, prompt_logprobs=True))])
+    lp = log_softmax(hf_logits(hf, prompt + c.ids[:-1]))
+    for i, tok in enumerate(c.tokens):
+        row = lp[len(prompt) - 1 + i]
+        assert tok.logprob == pytest.approx(row[tok.id], abs=1e-4)
+        assert [t for t, _ in tok.top] == list(np.argsort(-row)[:5])
+        assert [v for _, v in tok.top] == pytest.approx(np.sort(row)[::-1][:5], abs=1e-4)
+    assert c.prompt[0].logprob is None and [t.id for t in c.prompt] == prompt
+    assert [t.logprob for t in c.prompt[1:]] == pytest.approx(
+        [lp[i, prompt[i + 1]] for i in range(len(prompt) - 1)], abs=1e-4)
+
+
+def test_per_request_settings_share_a_step(engine, hf):
+    p = PROMPTS[0]
+    sampled = SlotSettings(max_tokens=10, temperature=3.0, seed=7)
+    jobs = [(p, SlotSettings(max_tokens=10)),                                  # greedy
+            (p, sampled),
+            (p, SlotSettings(max_tokens=10, repetition_penalty=1.8)),
+            (p, SlotSettings(max_tokens=10, temperature=1.0, top_k=1, seed=3)),  # top-1 sampling = greedy
+            (p, SlotSettings(max_tokens=10, temperature=1.0, top_p=1e-6, seed=4)),
+            (p, SlotSettings(max_tokens=10, presence_penalty=1.5, frequency_penalty=0.7))]
+    cols = run_all(engine, jobs)
+    greedy = hf_greedy(hf, p, 10)
+    assert cols[0].ids == greedy
+    rep = transformers.RepetitionPenaltyLogitsProcessor(1.8)
+    assert cols[2].ids == hf_greedy(hf, p, 10, rep)
+    assert cols[2].ids != greedy  # the penalty changed something, so the test means something
+    assert cols[3].ids == greedy and cols[4].ids == greedy
+    # OpenAI's presence/frequency penalties over the generated tokens, worked out from HF's logits
+    ids, counts = list(p), np.zeros(CFG.vocab_size)
+    for _ in range(10):
+        x = hf_logits(hf, ids)[-1] - 1.5 * (counts > 0) - 0.7 * counts
+        ids.append(int(x.argmax()))
+        counts[ids[-1]] += 1
+    assert cols[5].ids == ids[len(p):]
+    # a seeded sample does not depend on its batchmates
+    [alone] = run_all(engine, [(p, sampled)])
+    assert alone.ids == cols[1].ids
+    [other] = run_all(engine, [(p, SlotSettings(max_tokens=10, temperature=3.0, seed=8))])
+    assert other.ids != alone.ids
+
+
+def test_seeded_sampling_follows_the_softmax(engine, hf):
+    # first tokens of many seeds (each sampled by prefill) against the model's softmax at temperature 2
+    prompt = PROMPTS[2]
+    probs = np.exp(log_softmax(hf_logits(hf, prompt)[-1] / 2.0))
+    cols = [c for chunk in range(3) for c in run_all(  # in chunks: the queue holds 256
+        engine, [(prompt, SlotSettings(max_tokens=1, temperature=2.0, seed=100 * chunk + s)) for s in range(100)])]
+    freq = np.bincount([c.ids[0] for c in cols], minlength=CFG.vocab_size) / len(cols)
+    top = np.argsort(-probs)[:3]
+    # 300 draws: the standard error of a frequency is at most 0.03
+    assert np.abs(freq[top] - probs[top]).max() < 0.1
+    assert freq[probs < 1e-4].sum() == 0
+
+
+def test_min_tokens_stop_tokens_and_bad_words(engine, hf):
+    p = PROMPTS[4]
+    lp = hf_logits(hf, p)[-1]
+    first, second = np.argsort(-lp)[:2]
+    stop = SlotSettings(max_tokens=5, stop_token_ids=(int(first),))
+    held = SlotSettings(max_tokens=5, stop_token_ids=(int(first),), min_tokens=1)
+    banned = SlotSettings(max_tokens=5, bad_words_ids=((int(first),),))
+    c_stop, c_held, c_banned = run_all(engine, [(p, stop), (p, held), (p, banned)])
+    assert (c_stop.ids, c_stop.finish) == ([first], "stop")
+    assert c_held.ids[0] == second and c_banned.ids[0] == second
+    assert first not in c_banned.ids
+    with pytest.raises(ValueError, match="bad_words_ids"):
+        engine.submit(p, SlotSettings(bad_words_ids=((5,),) * 9), lambda out: None)
+
+
+def test_multi_token_bad_words_and_no_repeat_ngram_match_hf(engine, hf):
+    p = PROMPTS[0]
+    greedy = hf_greedy(hf, p, 12)
+    word = (greedy[2], greedy[3])  # greedy says this pair: banning it must change the third token on
+    bad = SlotSettings(max_tokens=12, bad_words_ids=(word,))
+    ngram = SlotSettings(max_tokens=12, no_repeat_ngram_size=2)
+    c_bad, c_ngram = run_all(engine, [(p, bad), (p, ngram)])
+    assert c_bad.ids == hf_greedy(hf, p, 12, transformers.NoBadWordsLogitsProcessor([list(word)]))
+    assert c_bad.ids != greedy
+    assert c_ngram.ids == hf_greedy(hf, p, 12, transformers.NoRepeatNGramLogitsProcessor(2))
+
+
+def test_cancel_frees_the_slot_at_once(engine, hf):
+    # all 3 slots busy; the cancelled one leaves after exactly 2 tokens and a queued request takes its slot
+    cancelled = Collect(engine, cancel_after=2)
+    cancelled.req = engine.submit(PROMPTS[0], SlotSettings(max_tokens=25), cancelled)
+    rest = run_all(engine, [(PROMPTS[1], SlotSettings(max_tokens=14)), (PROMPTS[2], SlotSettings(max_tokens=25)),
+                            (PROMPTS[3], SlotSettings(max_tokens=6))])
+    assert cancelled.done.wait(60)
+    assert len(cancelled.tokens) == 2 and cancelled.finish is None
+    assert rest[2].ids == hf_greedy(hf, PROMPTS[3], 6)
+    assert engine.stats().running == 0
+
+
+def test_warmup_compiled_every_shape(engine, model):
+    sizes = [f._cache_size() for f in (model._prefill, model._insert, model._step, model._free)]
+    jobs = [([2] + [7] * (n - 1), SlotSettings(max_tokens=MAX_SEQ - n, temperature=0.5, top_p=0.9, seed=n))
+            for n in (1, 15, 16, 17, 31)]
+    run_all(engine, jobs)
+    assert [f._cache_size() for f in (model._prefill, model._insert, model._step, model._free)] == sizes
+
+
+def test_queue_full_too_long_and_close(model):
+    e = Engine(model, max_queue=1, start=False)  # never started: nothing touches the model
+    waiting = Collect()
+    e.submit([2, 5], SlotSettings(max_tokens=2), waiting)
+    with pytest.raises(QueueFull):
+        e.submit([2, 6], SlotSettings(max_tokens=2), Collect())
+    with pytest.raises(ValueError, match="maximum context length of 32"):
+        e.submit([2] * 30, SlotSettings(max_tokens=5), Collect())
+    with pytest.raises(ValueError, match="vocabulary"):
+        e.submit([2, 500], SlotSettings(), Collect())
+    e.close()
+    assert waiting.finish == "error" and isinstance(waiting.error, EngineClosed)
+    with pytest.raises(EngineClosed):
+        e.submit([2, 5], SlotSettings(max_tokens=2), Collect())
+
+
+def test_generator_from_pretrained_matches_hf_greedy():
+    # the whole path the service and the batch tool take: folder -> tokenizer + engine -> text
+    from opt_serving.embedded import ensure_embedded_model
+    from opt_serving.generator import Generator, SamplingParams
+    from opt_serving.model.wrapper import get_model
+    folder = ensure_embedded_model()
+    gen = Generator.from_pretrained("jax/opt-tiny", folder, max_batch_size=2, max_seq_len=16)  # one bucket
+    try:
+        prompts = ["Hello world", "The quick brown fox", "a"]
+        out = gen.complete_many(prompts, SamplingParams(max_tokens=8, temperature=0.0))
+        hf = get_model("facebook/opt-tiny", folder)
+        for prompt, [c] in zip(prompts, out):
+            ids = gen.encode(prompt)
+            with torch.no_grad():
+                ref = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False,
+                                  pad_token_id=1)[0, len(ids):].tolist()
+            if 2 in ref:  # EOS ends both; the generator leaves it out of the text
+                ref = ref[:ref.index(2)]
+            assert c.token_ids == ref
+            assert c.text == gen.decode(ref)
+            assert c.finish_reason == ("length" if len(ref) == 8 else "stop")
+    finally:
+        gen.close()

@@ -1,0 +1,281 @@
+"""The text-level generator over the fake engine, whose outputs are worked out by hand.
+
+Fake model (opt_serving/testing/fake_engine.py): greedy continues with `last + 1`; the top alternatives after
+`t` are t+1..t+5 with logprobs -ln2, -2ln2, ...; sampling takes `last + 1 + (seed + k) % 3` for the k-th token.
+Byte tokenizer: byte b is id 4 + b, so "a" is 101 and greedy after "a" spells "bcdef...".
+"""
+import asyncio
+import math
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from opt_serving.engine import Engine, QueueFull
+from opt_serving.generator import Completion, Generator, SamplingParams, _Detokenizer
+from opt_serving.testing.fake_engine import (FakeSlots, byte_tokenizer, fake_generator, fake_logprob)
+
+LN2 = math.log(2)
+ASSETS = Path(__file__).resolve().parents[1] / ".." / "shared" / "opt-assets"
+greedy = lambda **kw: SamplingParams(temperature=0.0, **kw)
+
+
+@pytest.fixture(scope="module")
+def gen():
+    g = fake_generator(num_slots=4, max_seq_len=64)
+    yield g
+    g.close()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def collect(gen, prompt, params):
+    return [d async for d in gen.stream(prompt, params)]
+
+
+def test_greedy_completion(gen):
+    c = run(gen.complete("a", greedy(max_tokens=5)))
+    assert c.text == "bcdef"
+    assert c.token_ids == [102, 103, 104, 105, 106]
+    assert c.tokens == ["b", "c", "d", "e", "f"]
+    assert c.token_logprobs == pytest.approx([-LN2] * 5)
+    assert c.text_offset == [1, 2, 3, 4, 5]  # into prompt + completion, as OpenAI counts
+    assert c.top_logprobs == [None] * 5      # not asked for
+    assert (c.finish_reason, c.prompt_tokens, c.completion_tokens) == ("length", 2, 5)
+    assert c.cumulative_logprob == pytest.approx(-5 * LN2)
+
+
+def test_stop_string_cuts_text(gen):
+    c = run(gen.complete("a", greedy(max_tokens=10, stop=["zz", "de"])))
+    assert (c.text, c.finish_reason) == ("bc", "stop")
+    assert c.tokens == ["b", "c"]
+    assert c.completion_tokens == 4  # b c d e were generated; d and e are cut
+
+
+def test_stream_holds_back_possible_stop_strings(gen):
+    deltas = run(collect(gen, "a", greedy(max_tokens=10, stop=["efx", "h"])))
+    # "e" and "ef" could start "efx": held until "g" rules it out; "h" stops
+    assert [d.text for d in deltas] == ["b", "c", "d", "efg", ""]
+    assert [d.tokens for d in deltas] == [["b"], ["c"], ["d"], ["e", "f", "g"], []]
+    assert [d.finish_reason for d in deltas] == [None] * 4 + ["stop"]
+    assert [d.completion_tokens for d in deltas] == [1, 2, 3, 6, 7]
+
+
+def test_stream_never_sends_part_of_a_stop_string(gen):
+    deltas = run(collect(gen, "a", greedy(max_tokens=10, stop=["cd"])))
+    assert [d.text for d in deltas] == ["b", ""]
+    assert deltas[-1].finish_reason == "stop"
+    # a held tail that never completes the stop string is sent at the end
+    deltas = run(collect(gen, "a", greedy(max_tokens=2, stop=["cd"])))
+    assert [d.text for d in deltas] == ["b", "c"]
+    assert deltas[-1].finish_reason == "length"
+
+
+def test_logprobs_top_alternatives(gen):
+    c = run(gen.complete("a", greedy(max_tokens=2, logprobs=2)))
+    assert c.top_logprobs[0] == pytest.approx({"b": -LN2, "c": -2 * LN2})
+    assert c.top_logprobs[1] == pytest.approx({"c": -LN2, "d": -2 * LN2})
+    c = run(gen.complete("a", greedy(max_tokens=1, logprobs=0)))
+    assert c.top_logprobs == [pytest.approx({"b": -LN2})]  # the chosen token is always there
+
+
+def test_echo_with_logprobs(gen):
+    c = run(gen.complete("a", greedy(max_tokens=2, echo=True, logprobs=1)))
+    assert c.text == "abc"
+    assert c.tokens == ["</s>", "a", "b", "c"]
+    assert c.text_offset == [0, 0, 1, 2]
+    assert c.token_logprobs[0] is None and c.top_logprobs[0] is None  # the first prompt token, as OpenAI
+    assert c.token_logprobs[1:] == pytest.approx([fake_logprob(2, 101), -LN2, -LN2])
+    assert c.top_logprobs[1] == pytest.approx({"<unk>": -LN2, "a": fake_logprob(2, 101)})
+    assert (c.prompt_tokens, c.completion_tokens) == (2, 2)
+
+
+def test_echo_without_logprobs_and_scoring_only(gen):
+    deltas = run(collect(gen, "ab", greedy(max_tokens=1, echo=True)))
+    assert [d.text for d in deltas] == ["ab", "c"]
+    assert deltas[0].token_logprobs == [None, None, None]
+    # max_tokens=0 with echo scores the prompt and generates nothing
+    c = run(gen.complete("ab", greedy(max_tokens=0, echo=True, logprobs=0)))
+    assert (c.text, c.finish_reason, c.completion_tokens) == ("ab", "length", 0)
+    assert c.token_logprobs[1:] == pytest.approx([fake_logprob(2, 101), -LN2])
+    with pytest.raises(ValueError, match="max_tokens"):
+        run(gen.complete("ab", greedy(max_tokens=0)))
+
+
+def test_eos_min_tokens_and_ignore_eos(gen):
+    # after byte 255 (id 259) greedy wraps to ids 0 <s>, 1 <pad>, 2 </s> = EOS
+    c = run(gen.complete([2, 259], greedy(max_tokens=8)))
+    assert (c.token_ids, c.text, c.finish_reason, c.completion_tokens) == ([0, 1], "", "stop", 3)
+    c = run(gen.complete([2, 259], greedy(max_tokens=5, min_tokens=5)))
+    assert (c.token_ids, c.finish_reason) == ([0, 1, 3, 4, 5], "length")  # EOS skipped for the next one
+    c = run(gen.complete([2, 259], greedy(max_tokens=4, ignore_eos=True)))
+    assert (c.token_ids, c.finish_reason) == ([0, 1, 2, 3], "length")
+
+
+def test_seeded_sampling_and_best_of(gen):
+    # seed 0: steps j = 1, 2, 3, 1 from "a" (101): 102 104 107 108
+    c = run(gen.complete("a", SamplingParams(max_tokens=4, temperature=1.0, seed=0)))
+    assert c.text == "bdgh"
+    assert c.cumulative_logprob == pytest.approx(-7 * LN2)
+    params = SamplingParams(max_tokens=4, temperature=1.0, seed=5)
+    seeds = [p.seed for p in gen.choice_params(params, 3)]
+    assert seeds[0] == 5 and len(set(seeds)) == 3
+    [all3] = gen.complete_many(["a"], params, n=3)
+    for s, comp in zip(seeds, all3):
+        js = [1 + (s + k) % 3 for k in range(4)]
+        assert comp.cumulative_logprob == pytest.approx(-LN2 * sum(js))
+        assert comp.token_ids == [101 + sum(js[:k + 1]) for k in range(4)]
+    [best] = gen.complete_many(["a"], params, n=1, best_of=3)
+    assert best[0].cumulative_logprob == pytest.approx(max(c.cumulative_logprob for c in all3))
+    ranked = run(gen.complete_n("a", params, n=2, best_of=3))
+    assert [c.cumulative_logprob for c in ranked] == pytest.approx(
+        sorted((c.cumulative_logprob for c in all3), reverse=True)[:2])
+    with pytest.raises(ValueError, match="best_of"):
+        gen.complete_many(["a"], params, n=3, best_of=2)
+
+
+def test_complete_many_keeps_prompt_order_and_batches(gen):
+    before = gen.stats()
+    prompts = ["a", "b", [2, 120], "ab", "x", "y"]
+    out = gen.complete_many(prompts, greedy(max_tokens=6))
+    assert [o[0].text for o in out] == ["bcdefg", "cdefgh", "uvwxyz", "cdefgh", "yz{|}~", "z{|}~\x7f"]
+    after = gen.stats()
+    steps = after["steps"] - before["steps"]
+    step_tokens = after["step_tokens"] - before["step_tokens"]
+    assert step_tokens == 6 * 5  # the first token of each comes from prefill
+    assert step_tokens > steps   # requests shared decode steps
+    hist = after["active_per_step"]
+    assert sum(hist.values()) == after["steps"] and sum(k * v for k, v in hist.items()) == after["step_tokens"]
+    assert after["running"] == 0 and after["queue_length"] == 0
+
+
+def test_prompt_too_long_and_bad_params(gen):
+    with pytest.raises(ValueError, match="maximum context length is 64"):
+        gen.stream("a" * 60, greedy(max_tokens=10))  # raised at once, before any iteration
+    with pytest.raises(ValueError, match="maximum context length is 64"):
+        gen.complete_many(["a", "a" * 62], greedy(max_tokens=2))
+    with pytest.raises(ValueError, match="empty"):
+        run(gen.complete("", greedy()))
+    with pytest.raises(ValueError, match="vocabulary"):
+        run(gen.complete([2, 999], greedy()))
+    for bad in [dict(temperature=-1), dict(top_p=0), dict(logprobs=6), dict(stop=["a"] * 5), dict(stop=[""]),
+                dict(max_tokens=-1), dict(min_tokens=20, max_tokens=4)]:
+        field = next(iter(bad))
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**bad).validate()
+
+
+class GatedSlots(FakeSlots):
+    """Each decode step waits for a permit, so a test decides exactly when steps happen."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.permits = threading.Semaphore(0)
+
+    def step(self):
+        self.permits.acquire()
+        return super().step()
+
+
+def test_cancelled_stream_frees_its_slot():
+    model = GatedSlots(num_slots=1, max_seq_len=64)
+    gen = Generator(Engine(model), byte_tokenizer())
+
+    async def main():
+        stream = gen.stream("a", greedy(max_tokens=50))
+        first = await stream.__anext__()  # the first token comes from prefill, no step needed
+        await stream.aclose()             # the client goes away
+        with pytest.raises(StopAsyncIteration):
+            await stream.__anext__()
+        model.permits.release(100)
+        # one slot only: the next request can run only once the cancelled one left it
+        return first, await gen.complete("x", greedy(max_tokens=3))
+
+    try:
+        first, nxt = run(main())
+        assert first.text == "b" and nxt.text == "yz{"
+        stats = gen.stats()
+        assert stats["generated_tokens"] == 1 + 3  # nothing more was generated for the cancelled request
+        assert model.active == 0 and model.inserted == [0, 0]
+    finally:
+        gen.close()
+
+
+def test_queue_full_is_raised_at_submit():
+    gen = fake_generator(num_slots=1, max_queue=2, start=False)  # nothing is admitted yet
+    try:
+        async def main():
+            s1 = gen.stream("a", greedy(max_tokens=2))
+            s2 = gen.stream("b", greedy(max_tokens=2))
+            with pytest.raises(QueueFull):
+                gen.stream("c", greedy(max_tokens=2))
+            gen.engine.start()
+            return [Completion.join([d async for d in s]) for s in (s1, s2)]
+        c1, c2 = run(main())
+        assert (c1.text, c2.text) == ("bc", "cd")
+    finally:
+        gen.close()
+
+
+def test_detokenizer_holds_partial_characters():
+    tok = byte_tokenizer()
+    d = _Detokenizer(tok)
+    e_acute = [4 + b for b in "é".encode()]  # two bytes, two tokens
+    assert d.add(4 + ord("x")) == "x"
+    assert d.add(e_acute[0]) == ""   # half a character is held
+    assert d.add(e_acute[1]) == "é"
+    assert d.add(e_acute[0]) == "" and d.flush() == "\ufffd"  # a character cut off at the end
+
+
+# ---- the real OPT tokenizer ----
+
+@pytest.fixture(scope="module")
+def opt_tokenizer(tmp_path_factory):
+    if not ASSETS.is_dir():
+        pytest.skip(f"OPT tokenizer files not found at {ASSETS} (../shared/opt-assets is absent)")
+    from transformers import AutoTokenizer
+    d = tmp_path_factory.mktemp("opt-tokenizer")
+    shutil.copy(ASSETS / "gpt2-vocab.json", d / "vocab.json")
+    shutil.copy(ASSETS / "gpt2-merges.txt", d / "merges.txt")
+    (d / "tokenizer_config.json").write_text(
+        '{"tokenizer_class": "GPT2Tokenizer", "bos_token": "</s>", "eos_token": "</s>", '
+        '"unk_token": "</s>", "pad_token": "<pad>", "add_bos_token": true}')
+    return AutoTokenizer.from_pretrained(str(d))
+
+
+@pytest.fixture(scope="module")
+def opt_gen(opt_tokenizer):
+    g = fake_generator(num_slots=2, max_seq_len=64, tokenizer=opt_tokenizer)
+    yield g
+    g.close()
+
+
+def test_real_tokenizer_encodes_and_round_trips(opt_gen):
+    assert opt_gen.encode("Hello world") == [2, 31414, 232]
+    assert opt_gen.token_str(232) == "\u0120world"
+    for text in ["Hello world", " leading space", "naïve café ☕ 😀\nnew line\ttab", "a  b   c"]:
+        assert opt_gen.decode(opt_gen.encode(text)) == text
+
+
+def test_real_tokenizer_streams_whole_characters(opt_tokenizer):
+    ids = opt_tokenizer.encode(" 😀 ok")[1:]
+    d = _Detokenizer(opt_tokenizer)
+    pieces = [d.add(i) for i in ids]
+    assert "".join(pieces) == " 😀 ok"
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_real_tokenizer_echo_and_stop(opt_gen, opt_tokenizer):
+    # greedy continues 233, 234, ... after "Hello world" = [2, 31414, 232]
+    expected = [opt_tokenizer.decode([i]) for i in (233, 234, 235)]
+    c = run(opt_gen.complete("Hello world", greedy(max_tokens=3, echo=True, logprobs=1)))
+    assert c.text == "Hello world" + "".join(expected)
+    assert c.tokens[:3] == ["</s>", "Hello", "\u0120world"]
+    assert c.text_offset == [0, 0, 5, 11, 11 + len(expected[0]), 11 + len(expected[0] + expected[1])]
+    assert c.token_logprobs[0] is None and c.token_logprobs[3:] == pytest.approx([-LN2] * 3)
+    # stop at the second generated token's text: only the first survives
+    c = run(opt_gen.complete("Hello world", greedy(max_tokens=3, stop=[expected[1]])))
+    assert (c.text, c.token_ids, c.finish_reason) == (expected[0], [233], "stop")

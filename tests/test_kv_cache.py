@@ -1,0 +1,77 @@
+"""The KV cache: bucketed lengths, inserting a prefilled prompt into an engine slot, freeing it."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from opt_serving.config import OPTConfig
+from opt_serving.model import kv_cache, opt
+
+CFG = OPTConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                ffn_dim=64, max_position_embeddings=64)
+
+
+def test_init_cache_layout():
+    c = kv_cache.init_cache(CFG, batch=3, max_len=16, dtype=jnp.bfloat16)
+    assert len(c["k"]) == len(c["v"]) == CFG.num_hidden_layers
+    assert c["k"][0].shape == (3, CFG.num_attention_heads, 16, CFG.head_dim)
+    assert c["k"][0].dtype == jnp.bfloat16
+    assert c["mask"].shape == (3, 16) and not bool(c["mask"].any())
+
+
+def test_bucket_length():
+    assert [kv_cache.bucket_length(n, 64) for n in (1, 16, 17, 33, 64)] == [16, 16, 32, 64, 64]
+    assert kv_cache.bucket_length(40, 48) == 48  # capped at the model's positions
+    with pytest.raises(ValueError, match="exceeds the limit of 64"):
+        kv_cache.bucket_length(65, 64)
+
+
+def _prefilled(params, tokens, bucket):
+    """Batch-1 prefill of `tokens`, left-padded to `bucket`."""
+    ids = np.ones((1, bucket), np.int32)
+    mask = np.zeros((1, bucket), np.int32)
+    ids[0, bucket - len(tokens):], mask[0, bucket - len(tokens):] = tokens, 1
+    cache = kv_cache.init_cache(CFG, 1, bucket)
+    logits, cache = opt.prefill(CFG, params, cache, jnp.asarray(ids), jnp.asarray(mask),
+                                all_logits=False)
+    return logits[0], cache
+
+
+def test_insert_into_slot_then_decode_matches_full_forward():
+    params = opt.init_params(CFG, seed=0)
+    rng = np.random.RandomState(0)
+    prompts = [rng.randint(3, CFG.vocab_size, n).astype(np.int32) for n in (5, 11, 3)]
+    nxt = rng.randint(3, CFG.vocab_size, 3).astype(np.int32)
+    decode_cache = kv_cache.init_cache(CFG, 3, 32)
+    # fill slot 1 with an unrelated longer request first: insert must wipe its entries
+    _, other = _prefilled(params, rng.randint(3, CFG.vocab_size, 30).astype(np.int32), 32)
+    decode_cache = kv_cache.insert(decode_cache, other, jnp.int32(1))
+    # reference: one left-padded forward over prompt + next token (checked against HF in test_opt)
+    ref_ids = np.ones((3, 12), np.int32)
+    ref_mask = np.zeros((3, 12), np.int32)
+    for i, p in enumerate(prompts):
+        ref_ids[i, 11 - len(p):] = np.concatenate([p, nxt[i:i + 1]])
+        ref_mask[i, 11 - len(p):] = 1
+    ref = np.asarray(opt.forward(CFG, params, ref_ids, ref_mask))
+    buckets = [kv_cache.bucket_length(len(p), CFG.max_position_embeddings) for p in prompts]
+    for slot, (p, bucket) in enumerate(zip(prompts, buckets)):
+        first, pc = _prefilled(params, p, bucket)
+        np.testing.assert_allclose(np.asarray(first), ref[slot, -2], atol=1e-5)
+        decode_cache = kv_cache.insert(decode_cache, pc, jnp.int32(slot))
+    # every slot writes at its own entry (its bucket), at its own position (its prompt length)
+    logits, decode_cache = opt.decode(CFG, params, decode_cache, jnp.asarray(nxt),
+                                      jnp.asarray([len(p) for p in prompts], jnp.int32),
+                                      jnp.asarray(buckets, jnp.int32))
+    np.testing.assert_allclose(np.asarray(logits), ref[:, -1], atol=1e-5)
+    # slot is traced: four inserts into three slots compiled once per prefill bucket (32, 16)
+    assert kv_cache.insert._cache_size() == 2
+    freed = kv_cache.free_slot(decode_cache, 1)
+    assert not bool(freed["mask"][1].any()) and bool(freed["mask"][0].any())
+
+
+def test_insert_rejects_wrong_shapes():
+    big = kv_cache.init_cache(CFG, 1, 64)
+    small = kv_cache.init_cache(CFG, 2, 32)
+    with pytest.raises(ValueError, match="prefill cache holds 64 entries"):
+        kv_cache.insert(small, big, 0)
+    with pytest.raises(ValueError, match="batch-1"):
+        kv_cache.insert(kv_cache.init_cache(CFG, 2, 64), small, 0)

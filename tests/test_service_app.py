@@ -1,0 +1,368 @@
+"""app.py over the fake engine (testing/fake_engine.py): every expected output is worked out by hand.
+
+The fake model continues greedily with the next byte ("a" -> "bcdef..."), every chosen greedy token has
+logprob -ln2 and the k-th alternative -k ln2; a sampled token is `last + 1 + (seed + k) % 3`. Prompt "a" is
+ids [2, 101] (</s> then byte 97 + 4); </s> (id 2) is EOS.
+"""
+import math
+
+import pytest
+from fastapi.testclient import TestClient
+
+from opt_serving.engine import SlotSettings
+from opt_serving.generator import SamplingParams
+from opt_serving.service.app import create_app
+from opt_serving.testing.fake_engine import fake_generator
+
+LN2 = math.log(2)
+
+
+@pytest.fixture
+def gen():
+    g = fake_generator(num_slots=4, max_seq_len=64, max_queue=16)
+    yield g
+    g.close()
+
+
+@pytest.fixture
+def client(gen):
+    with TestClient(create_app(gen)) as c:
+        yield c
+
+
+def post(client, body, path="/v1/completions", **kw):
+    return client.post(path, json=body, **kw)
+
+
+def sse_chunks(text: str) -> list:
+    import json
+    events = [e for e in text.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    return [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+
+
+# ---------------------------------------------------------------- OpenAI completions
+def test_greedy_completion_text_usage_and_finish(client):
+    r = post(client, {"prompt": "a", "max_tokens": 5, "temperature": 0})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "text_completion" and body["model"] == "opt-fake"
+    assert body["choices"] == [{"text": "bcdef", "index": 0, "logprobs": None, "finish_reason": "length"}]
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
+
+
+def test_logprobs_tokens_offsets_and_top_alternatives(client):
+    r = post(client, {"prompt": "a", "max_tokens": 3, "temperature": 0, "logprobs": 2})
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == ["b", "c", "d"]
+    assert lp["token_logprobs"] == pytest.approx([-LN2] * 3)
+    assert lp["text_offset"] == [1, 2, 3]  # counted from the start of the prompt text "a"
+    assert [sorted(t) for t in lp["top_logprobs"]] == [["b", "c"], ["c", "d"], ["d", "e"]]
+    assert lp["top_logprobs"][0]["c"] == pytest.approx(-2 * LN2)
+
+
+def test_echo_returns_prompt_first_with_a_null_first_logprob(client):
+    r = post(client, {"prompt": "a", "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 0})
+    choice = r.json()["choices"][0]
+    assert choice["text"] == "abc"
+    assert choice["logprobs"]["tokens"] == ["</s>", "a", "b", "c"]
+    assert choice["logprobs"]["token_logprobs"][0] is None
+
+
+def test_stop_string_cuts_the_text(client):
+    r = post(client, {"prompt": "a", "max_tokens": 10, "temperature": 0, "stop": ["x", "de"]})
+    choice = r.json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == ("bc", "stop")
+
+
+def test_streaming_never_leaks_part_of_a_stop_string(client):
+    r = post(client, {"prompt": "a", "max_tokens": 10, "temperature": 0, "stop": "cde", "stream": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    chunks = sse_chunks(r.text)
+    texts = [c["choices"][0]["text"] for c in chunks]
+    assert "".join(texts) == "b"
+    assert not any("c" in t for t in texts)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert len({c["id"] for c in chunks}) == 1
+
+
+def test_streaming_usage_chunk_when_asked(client):
+    r = post(client, {"prompt": "a", "max_tokens": 4, "temperature": 0, "stream": True,
+                      "stream_options": {"include_usage": True}})
+    chunks = sse_chunks(r.text)
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == "bcde"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {
+        "prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
+
+
+def test_streaming_several_prompts_keeps_choices_apart(client):
+    r = post(client, {"prompt": ["a", "k"], "max_tokens": 3, "temperature": 0, "stream": True})
+    by_index = {0: "", 1: ""}
+    for c in sse_chunks(r.text):
+        ch = c["choices"][0]
+        by_index[ch["index"]] += ch["text"]
+    assert by_index == {0: "bcd", 1: "lmn"}
+
+
+def test_token_prompts_and_list_prompts_give_one_choice_each(client):
+    r = post(client, {"prompt": [[2, 101], [2, 104]], "max_tokens": 2, "temperature": 0})
+    assert [c["text"] for c in r.json()["choices"]] == ["bc", "ef"]
+    assert [c["index"] for c in r.json()["choices"]] == [0, 1]
+    r = post(client, {"prompt": [2, 101], "max_tokens": 2, "temperature": 0})
+    assert [c["text"] for c in r.json()["choices"]] == ["bc"]
+
+
+def _fake_sample(seed: int, last: int, k: int) -> tuple[str, float]:
+    """Text and cumulative logprob of a fake sampled completion (module docstring of fake_engine)."""
+    text, cum = "", 0.0
+    for i in range(k):
+        j = 1 + (seed + i) % 3
+        last += j
+        text += chr(last - 4)
+        cum += -j * LN2
+    return text, cum
+
+
+def test_n_and_best_of_keep_the_most_likely_samples(client, gen):
+    seeds = [p.seed for p in gen.choice_params(SamplingParams(seed=7), 4)]
+    cands = [_fake_sample(s, 101, 3) for s in seeds]
+    expected = [t for t, _ in sorted(cands, key=lambda c: -c[1])[:2]]
+    r = post(client, {"prompt": "a", "max_tokens": 3, "temperature": 1.0, "n": 2, "best_of": 4, "seed": 7})
+    assert [c["text"] for c in r.json()["choices"]] == expected
+    assert r.json()["usage"]["completion_tokens"] == 12  # every sampled candidate is counted
+    # n without best_of: the samples in seed order, reproducible
+    r2 = post(client, {"prompt": "a", "max_tokens": 3, "temperature": 1.0, "n": 2, "seed": 7})
+    assert [c["text"] for c in r2.json()["choices"]] == [c[0] for c in cands[:2]]
+
+
+def test_eos_finishes_with_stop_and_is_counted(client):
+    # after id 257 come 258, 259, 0, 1 and then 2 = </s>
+    r = post(client, {"prompt": [2, 257], "max_tokens": 10, "temperature": 0})
+    body = r.json()
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == 5
+
+
+# ---------------------------------------------------------------- metaseq / Alpa
+def test_metaseq_completions_shape(client):
+    r = post(client, {"prompt": [[2, 101], [2, 102]], "max_tokens": 2, "temperature": 0}, "/completions")
+    assert r.status_code == 200
+    body = r.json()
+    assert [c["text"] for c in body["choices"]] == ["bc", "cd"]
+    c0 = body["choices"][0]
+    assert c0["logprobs"]["tokens"] == ["b", "c"] and c0["logprobs"]["finish_reason"] == "length"
+    assert c0["logprobs"]["token_logprobs"] == pytest.approx([-LN2, -LN2])
+
+
+def test_metaseq_min_tokens_holds_off_eos(client):
+    r = post(client, {"prompt": [2, 257], "max_tokens": 6, "min_tokens": 6, "temperature": 0}, "/completions")
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+
+
+# ---------------------------------------------------------------- GPT-J REST API
+def test_gptj_generate_returns_prompt_plus_text(client):
+    r = post(client, {"prompt": ["a", "k"], "max_length": 3, "min_length": 0, "do_sample": False}, "/generate")
+    assert r.json() == {"gen_text": ["abcd", "klmn"]}
+
+
+def test_gptj_end_sequence_and_return_prompt(client):
+    r = post(client, {"prompt": ["a"], "max_length": 5, "min_length": 0, "do_sample": False,
+                      "end_sequence": "d"}, "/generate")
+    assert r.json() == {"gen_text": ["abc"]}
+    r = post(client, {"prompt": ["a"], "max_length": 3, "min_length": 0, "do_sample": False,
+                      "return_prompt": "b"}, "/generate")
+    assert r.json() == {"gen_text": ["bcd"]}
+
+
+def test_gptj_bad_words_become_token_ids_with_and_without_a_leading_space(client):
+    # (the fake engine has no logits to mask; banning itself is the engine's, tested there)
+    from opt_serving.service.app import _bad_words_ids
+    ids = _bad_words_ids(client.app.state.service.g, ["b"])
+    assert ids == [[4 + ord("b")], [4 + ord(" "), 4 + ord("b")]]
+
+
+# ---------------------------------------------------------------- errors: always 4xx JSON in OpenAI's shape
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "a", "max_tokens": "five"}, "max_tokens"),
+    ({"prompt": "a", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "a", "max_tokens": 10**12}, "max_tokens"),
+    ({"prompt": "a", "temperature": "hot"}, "temperature"),
+    ({"prompt": 3}, "prompt"),
+    ({"max_tokens": 3}, "prompt"),
+    ({"prompt": "a", "n": 3, "best_of": 2}, None),
+    ({"prompt": "a", "stream": "yes"}, "stream"),
+])
+def test_malformed_requests_are_400_with_an_error_object(client, body, param):
+    r = post(client, body)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"]
+    if param:
+        assert err["param"] == param
+
+
+@pytest.mark.parametrize("prompt", ["", [], [[]], ["a", ""]])
+def test_empty_prompt_is_400(client, prompt):
+    r = post(client, {"prompt": prompt})
+    assert r.status_code == 400 and "empty" in r.json()["error"]["message"]
+
+
+def test_bad_json_and_non_object_bodies_are_400(client):
+    r = client.post("/v1/completions", content=b'{"prompt": "a",', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = client.post("/v1/completions", json=[1, 2])
+    assert r.status_code == 400 and "error" in r.json()
+
+
+def test_prompt_plus_max_tokens_over_the_model_length_names_the_limit(client):
+    r = post(client, {"prompt": "a", "max_tokens": 63})  # 2 + 63 > 64
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert "64" in err["message"] and err["code"] == "context_length_exceeded"
+    assert post(client, {"prompt": "a", "max_tokens": 62, "temperature": 0}).status_code == 200
+
+
+def test_token_id_outside_the_vocabulary_is_400(client):
+    r = post(client, {"prompt": [2, 100000]})
+    assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+
+
+def test_unknown_route_and_wrong_method_keep_the_error_shape(client):
+    r = client.get("/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+    r = client.get("/v1/completions")
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_full_queue_is_429_with_retry_after():
+    g = fake_generator(num_slots=1, max_queue=1, start=False)  # the engine does not run: the queue stays full
+    try:
+        g.engine.submit([2, 101], SlotSettings(max_tokens=1), lambda out: None)
+        with TestClient(create_app(g)) as c:
+            r = post(c, {"prompt": "a", "max_tokens": 2})
+            assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+            assert r.json()["error"]["code"] == "queue_full"
+            r = post(c, {"prompt": "a", "max_tokens": 2, "stream": True})
+            assert r.status_code == 429
+    finally:
+        g.close()
+
+
+def test_request_timeout_is_504_and_frees_the_request():
+    g = fake_generator(num_slots=1, max_queue=4, start=False)
+    try:
+        with TestClient(create_app(g, request_timeout=0.2)) as c:
+            r = post(c, {"prompt": "a", "max_tokens": 2})
+            assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+        assert g.stats()["queue_length"] == 0  # the timed-out request left the queue
+    finally:
+        g.close()
+
+
+# ---------------------------------------------------------------- API keys, probes, page
+def test_api_keys_guard_the_api_but_not_the_probes(gen):
+    with TestClient(create_app(gen, api_keys=["k1", "k2"])) as c:
+        assert post(c, {"prompt": "a"}).status_code == 401
+        r = post(c, {"prompt": "a"}, headers={"Authorization": "Bearer nope"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        ok = post(c, {"prompt": "a", "max_tokens": 1}, headers={"Authorization": "Bearer k2"})
+        assert ok.status_code == 200
+        assert c.get("/v1/models").status_code == 401
+        assert c.get("/health").status_code == 200 and c.get("/").status_code == 200
+
+
+def test_models_health_and_page(client):
+    models = client.get("/v1/models").json()
+    assert models["data"][0]["id"] == "opt-fake" and models["data"][0]["max_model_len"] == 64
+    assert client.get("/health").json()["status"] == "ok"
+    page = client.get("/").text
+    for element in ('id="prompt"', 'id="max_tokens"', 'id="temperature"', 'id="top_p"', 'id="output"'):
+        assert element in page
+
+
+def test_openapi_schema_lists_the_three_apis(client):
+    paths = client.get("/openapi.json").json()["paths"]
+    assert {"/v1/completions", "/completions", "/generate", "/v1/models", "/health"} <= set(paths)
+
+
+# ---------------------------------------------------------------- Ray Serve builder and config (no Ray started)
+def test_serve_args_from_command_line_strings():
+    from opt_serving.service.app import ServeArgs
+    a = ServeArgs(**{"model": "facebook/opt-125m", "path": "/w", "max_batch_size": "8", "api_keys": "k1, k2,"})
+    assert a.max_batch_size == 8 and a.key_list() == ["k1", "k2"]
+    assert ServeArgs(api_keys=["x"]).key_list() == ["x"]
+
+
+def test_builder_makes_a_deployment_sized_for_the_engine_queue():
+    pytest.importorskip("ray.serve")
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+
+    from opt_serving.service import app as builder
+    # what `serve run opt_serving.service:app model=opt-fake max_queue=100 max_batch_size=4` does with the args
+    application = call_user_app_builder_with_args_if_necessary(
+        builder, {"model": "opt-fake", "max_queue": "100", "max_batch_size": "4"})
+    deployment = application._bound_deployment
+    assert deployment.name == "OPTServer"
+    assert deployment.max_ongoing_requests == 104
+    assert deployment.ray_actor_options["num_cpus"] == 1.0
+
+
+def test_serve_config_yaml_is_a_valid_serve_config():
+    pytest.importorskip("ray.serve")
+    from pathlib import Path
+
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+    config = yaml.safe_load((Path(__file__).resolve().parents[1] / "serve_config.yaml").read_text())
+    schema = ServeDeploySchema.model_validate(config) if hasattr(ServeDeploySchema, "model_validate") \
+        else ServeDeploySchema.parse_obj(config)
+    [app] = schema.applications
+    assert app.import_path == "opt_serving.service:app" and app.args["max_queue"] == 256
+    from opt_serving.service.app import ServeArgs
+    ServeArgs(**app.args)  # the builder accepts every argument the example gives
+
+
+def test_stream_that_times_out_ends_with_an_error_event_and_done():
+    import json
+    g = fake_generator(num_slots=1, max_queue=4, start=False)  # queued forever: no token ever comes
+    try:
+        with TestClient(create_app(g, request_timeout=0.2)) as c:
+            r = post(c, {"prompt": "a", "max_tokens": 2, "stream": True})
+            assert r.status_code == 200
+            events = [e for e in r.text.split("\n\n") if e]
+            assert events[-1] == "data: [DONE]"
+            assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "timeout"
+        assert g.stats()["queue_length"] == 0
+    finally:
+        g.close()
+
+
+def test_echo_with_zero_max_tokens_scores_the_prompt(client):
+    r = post(client, {"prompt": "ab", "max_tokens": 0, "echo": True, "logprobs": 1})
+    assert r.status_code == 200
+    choice = r.json()["choices"][0]
+    assert choice["text"] == "ab"
+    assert choice["logprobs"]["tokens"] == ["</s>", "a", "b"]
+    assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx([math.log(2 ** -5 / 255), -LN2])
+    assert post(client, {"prompt": "ab", "max_tokens": 0}).status_code == 400  # nothing to return
+
+
+def test_streamed_samples_match_the_plain_answer_for_the_same_seed(client):
+    body = {"prompt": ["a", "k"], "max_tokens": 4, "temperature": 1.0, "n": 2, "seed": 3}
+    plain = [c["text"] for c in post(client, body).json()["choices"]]
+    streamed = ["", "", "", ""]
+    for c in sse_chunks(post(client, {**body, "stream": True}).text):
+        ch = c["choices"][0]
+        streamed[ch["index"]] += ch["text"]
+    assert streamed == plain and len(set(plain)) > 1
+
+
+def test_serve_cli_binds_localhost_by_default():
+    import argparse
+
+    from opt_serving.service import cli
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args([])
+    assert args.host == "127.0.0.1" and args.port == 8000 and args.model is None and args.path is None

@@ -1,0 +1,80 @@
+"""The web page (GET /) in headless Chromium, driven by selenium: type a prompt, press Generate, and watch the
+text arrive piece by piece (the fake engine's decode steps are released one at a time by the test)."""
+import shutil
+import tempfile
+import threading
+
+import pytest
+
+CHROMIUM, DRIVER = shutil.which("chromium") or "/usr/bin/chromium", shutil.which("chromedriver")
+if not (shutil.os.path.exists(CHROMIUM) and DRIVER):
+    pytest.skip("headless Chromium not installed (apt-get install -y chromium chromium-driver)",
+                allow_module_level=True)
+webdriver = pytest.importorskip("selenium.webdriver")
+
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+from opt_serving.engine import Engine  # noqa: E402
+from opt_serving.generator import Generator  # noqa: E402
+from opt_serving.service.app import create_app  # noqa: E402
+from opt_serving.service.testserver import serve_in_thread  # noqa: E402
+from opt_serving.testing.fake_engine import FakeSlots, byte_tokenizer  # noqa: E402
+
+
+class GatedSlots(FakeSlots):
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.gate = threading.Semaphore(0)
+
+    def step(self):
+        self.gate.acquire()
+        return super().step()
+
+
+@pytest.fixture
+def browser():
+    profile = tempfile.mkdtemp(prefix="opt-serving-chromium-")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage",
+                 f"--user-data-dir={profile}"):
+        opts.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(DRIVER), options=opts)
+    yield driver
+    driver.quit()
+    shutil.rmtree(profile, ignore_errors=True)
+
+
+def test_page_streams_the_completion(browser):
+    slots = GatedSlots(num_slots=2, max_seq_len=64)
+    g = Generator(Engine(slots, max_queue=4), byte_tokenizer(), model_name="opt-fake")
+    try:
+        with serve_in_thread(create_app(g)) as url:
+            browser.get(url + "/")
+            wait = WebDriverWait(browser, 30)
+            wait.until(lambda d: d.find_element(By.ID, "model").text == "opt-fake")
+            for field, value in (("prompt", "a"), ("max_tokens", "4"), ("temperature", "0")):
+                el = browser.find_element(By.ID, field)
+                el.clear()
+                el.send_keys(value)
+            browser.find_element(By.ID, "generate").click()
+
+            def completion(d):
+                return d.find_element(By.ID, "completion").text
+            # the first token comes from the prefill; no decode step has run yet
+            wait.until(lambda d: completion(d) == "b")
+            assert browser.find_element(By.ID, "status").text.startswith("generating")
+            slots.gate.release()
+            wait.until(lambda d: completion(d) == "bc")
+            for _ in range(2):
+                slots.gate.release()
+            wait.until(lambda d: d.find_element(By.ID, "status").text == "done (length)")
+            assert completion(browser) == "bcde"
+            assert browser.find_element(By.CSS_SELECTOR, "#output .prompt").text == "a"
+    finally:
+        for _ in range(10):
+            slots.gate.release()
+        g.close()

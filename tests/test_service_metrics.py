@@ -1,0 +1,99 @@
+"""metrics.py: per-request latencies and token counts, engine state read from stats() at scrape time."""
+import dataclasses
+import re
+
+import pytest
+from fastapi.testclient import TestClient
+
+from opt_serving.service.app import create_app
+from opt_serving.service.metrics import ServiceMetrics
+from opt_serving.testing.fake_engine import fake_generator
+
+
+def value(text: str, sample: str) -> float:
+    m = re.search(rf"^{re.escape(sample)} ([0-9.e+-]+)$", text, re.M)
+    assert m, f"{sample} missing"
+    return float(m.group(1))
+
+
+def render(m: ServiceMetrics) -> str:
+    body, ctype = m.render()
+    assert ctype.startswith("text/plain")
+    return body.decode()
+
+
+def test_engine_stats_become_gauges_counters_and_a_mean_batch():
+    m = ServiceMetrics(lambda: {"queue_length": 3, "running": 2, "num_slots": 8, "steps": 4, "step_tokens": 10})
+    text = render(m)
+    assert value(text, "opt_serving_queue_length") == 3
+    assert value(text, "opt_serving_running_slots") == 2
+    assert value(text, "opt_serving_decode_steps_total") == 4
+    assert value(text, "opt_serving_mean_requests_per_decode_step") == 2.5
+
+
+def test_dataclass_stats_and_a_requests_per_step_histogram():
+    @dataclasses.dataclass
+    class Stats:
+        steps: int = 4
+        step_tokens: int = 10
+        active_per_step: dict = dataclasses.field(default_factory=lambda: {1: 2, 4: 2})
+
+    text = render(ServiceMetrics(Stats))
+    assert value(text, 'opt_serving_requests_per_decode_step_bucket{le="1.0"}') == 2
+    assert value(text, 'opt_serving_requests_per_decode_step_bucket{le="4.0"}') == 4
+    assert value(text, "opt_serving_requests_per_decode_step_sum") == 10
+
+
+def test_a_broken_stats_function_does_not_break_the_scrape():
+    def broken():
+        raise RuntimeError("engine gone")
+    text = render(ServiceMetrics(broken))
+    assert "opt_serving_generation_tokens_total 0.0" in text and "queue_length" not in text
+
+
+def test_timer_first_token_then_inter_token_gaps_per_stream():
+    m = ServiceMetrics()
+    t = m.timer("completions")
+    t.tokens(1, stream=0)   # first token of choice 0 -> TTFT
+    t.tokens(1, stream=1)   # first token of choice 1 -> TTFT
+    t.tokens(3, stream=0)   # three tokens arriving together -> three inter-token gaps
+    t.tokens(0, stream=0)   # nothing arrived: nothing observed
+    t.finish(prompt_tokens=7)
+    t.finish(prompt_tokens=7)  # idempotent
+    text = render(m)
+    assert value(text, "opt_serving_time_to_first_token_seconds_count") == 2
+    assert value(text, "opt_serving_inter_token_latency_seconds_count") == 3
+    assert value(text, "opt_serving_generation_tokens_total") == 5
+    assert value(text, "opt_serving_prompt_tokens_total") == 7
+    assert value(text, 'opt_serving_e2e_request_latency_seconds_count{endpoint="completions"}') == 1
+
+
+@pytest.fixture
+def client():
+    g = fake_generator(num_slots=4, max_seq_len=64)
+    with TestClient(create_app(g)) as c:
+        yield c
+    g.close()
+
+
+def test_metrics_endpoint_counts_what_the_api_served(client):
+    client.post("/v1/completions", json={"prompt": "a", "max_tokens": 5, "temperature": 0})
+    client.post("/v1/completions", json={"prompt": ["ab", "c"], "max_tokens": 3, "temperature": 0, "stream": True})
+    client.post("/generate", json={"prompt": ["a"], "max_length": 2, "min_length": 0, "do_sample": False})
+    client.post("/v1/completions", json={"prompt": "a", "max_tokens": -1})  # rejected before the engine
+    text = client.get("/metrics").text
+    assert value(text, "opt_serving_generation_tokens_total") == 5 + 3 + 3 + 2
+    assert value(text, "opt_serving_prompt_tokens_total") == 2 + 3 + 2 + 2
+    assert value(text, 'opt_serving_requests_total{endpoint="completions",status="200"}') == 2
+    assert value(text, 'opt_serving_requests_total{endpoint="generate",status="200"}') == 1
+    assert value(text, 'opt_serving_e2e_request_latency_seconds_count{endpoint="completions"}') == 2
+    assert value(text, "opt_serving_running_slots") == 0
+    assert value(text, "opt_serving_decode_steps_total") >= 1
+
+
+def test_rejected_requests_are_counted_by_status(client):
+    client.post("/v1/completions", json={"prompt": "a", "max_tokens": -1})
+    client.post("/completions", json={"prompt": "a", "max_tokens": 1000})
+    text = client.get("/metrics").text
+    assert value(text, 'opt_serving_requests_total{endpoint="completions",status="400"}') == 1
+    assert value(text, 'opt_serving_requests_total{endpoint="metaseq",status="400"}') == 1

@@ -1,0 +1,88 @@
+"""protocol.py: the request models accept what the three APIs send and reject the rest with a reason."""
+import pytest
+from pydantic import ValidationError
+
+from opt_serving.service import protocol as P
+
+
+@pytest.mark.parametrize("prompt, expected", [
+    ("hi", ["hi"]),
+    (["a", "b"], ["a", "b"]),
+    ([2, 5, 7], [[2, 5, 7]]),
+    ([[2, 5], [2, 9, 9]], [[2, 5], [2, 9, 9]]),
+])
+def test_four_prompt_forms_normalise_to_a_list(prompt, expected):
+    req = P.CompletionRequest(prompt=prompt)
+    assert P.normalize_prompt(req.prompt) == expected
+
+
+@pytest.mark.parametrize("prompt, fragment", [
+    ("", "empty"), ([], "empty"), (["a", ""], "prompt 1 is empty"), ([[]], "empty"),
+    (["x"] * (P.MAX_PROMPTS + 1), "at most"),
+])
+def test_empty_or_too_many_prompts_are_rejected(prompt, fragment):
+    with pytest.raises(ValidationError, match=fragment):
+        P.CompletionRequest(prompt=prompt)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_tokens", "5"), ("max_tokens", -1), ("max_tokens", 10**9), ("max_tokens", 1.5),
+    ("temperature", "hot"), ("temperature", -0.1), ("top_p", 1.5), ("n", 0), ("logprobs", 6),
+    ("stream", "yes"), ("echo", 1), ("stop", ["a", "b", "c", "d", "e"]), ("stop", ""), ("prompt", 5),
+    ("prompt", [1, "a"]), ("prompt", [-1]), ("presence_penalty", 3.0), ("seed", "1"),
+])
+def test_wrong_types_and_out_of_range_values_are_rejected(field, value):
+    body = {"prompt": "hi", field: value}
+    with pytest.raises(ValidationError):
+        P.CompletionRequest(**body)
+
+
+def test_best_of_below_n_names_both():
+    with pytest.raises(ValidationError, match=r"best_of \(1\) must be greater than or equal to n \(2\)"):
+        P.CompletionRequest(prompt="hi", n=2, best_of=1)
+    with pytest.raises(ValidationError, match="stream"):
+        P.CompletionRequest(prompt="hi", n=1, best_of=2, stream=True)
+    assert P.CompletionRequest(prompt="hi", n=2, best_of=3).best_of == 3
+
+
+def test_nullable_fields_mean_the_default_and_integers_are_accepted_as_floats():
+    req = P.CompletionRequest(prompt="hi", max_tokens=None, temperature=None, top_p=1, n=None, stop=None)
+    assert req.temperature is None and req.top_p == 1.0 and req.stops == []
+    assert P.CompletionRequest(prompt="hi", stop="\n").stops == ["\n"]
+
+
+def test_unsupported_openai_options_are_refused_not_ignored():
+    with pytest.raises(ValidationError, match="logit_bias"):
+        P.CompletionRequest(prompt="hi", logit_bias={"50256": -100})
+    with pytest.raises(ValidationError, match="suffix"):
+        P.CompletionRequest(prompt="hi", suffix="!")
+
+
+def test_metaseq_defaults_and_token_prompts():
+    req = P.MetaseqRequest(prompt=[[2, 10], [2, 11]])
+    assert (req.max_tokens, req.temperature, req.top_p, req.n, req.echo) == (32, 1.0, 1.0, 1, False)
+    assert P.normalize_prompt(req.prompt) == [[2, 10], [2, 11]]
+    with pytest.raises(ValidationError):
+        P.MetaseqRequest(prompt="x", best_of=1, n=3)
+
+
+def test_gptj_post_data_defaults_match_the_seed():
+    req = P.GenerateRequest()
+    assert req.prompt == ["Hello world"] and req.top_k == 50 and req.min_length == 10 and req.max_length == 50
+    assert req.do_sample is True and req.num_beams == 0 and req.seed == -1 and req.end_sequence == ""
+    assert P.GenerateRequest(top_k=40.0).top_k == 40.0
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ({"num_beams": 4}, "beam search"), ({"penalty_alpha": 0.6}, "contrastive"),
+    ({"min_length": 60, "max_length": 50}, "min_length"), ({"top_k": 2.5}, "whole number"),
+    ({"prompt": []}, "at least 1"), ({"prompt": "not a list"}, "list"),
+])
+def test_gptj_requests_we_cannot_honour_say_why(body, fragment):
+    with pytest.raises(ValidationError, match=fragment):
+        P.GenerateRequest(**body)
+
+
+def test_error_json_has_openais_shape():
+    assert P.error_json("bad", param="n") == {
+        "error": {"message": "bad", "type": "invalid_request_error", "param": "n", "code": None}}

@@ -1,0 +1,33 @@
+"""Property-based run over the app's own OpenAPI schema (schemathesis, positive and negative data): whatever
+the body, the answer is never a 5xx, and every 4xx carries OpenAI's error object."""
+import pytest
+
+schemathesis = pytest.importorskip("schemathesis")
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+from schemathesis.checks import not_a_server_error  # noqa: E402
+from schemathesis.generation import GenerationMode  # noqa: E402
+
+from opt_serving.service.app import create_app  # noqa: E402
+from opt_serving.testing.fake_engine import fake_generator  # noqa: E402
+
+GENERATOR = fake_generator(num_slots=4, max_seq_len=64, max_queue=64)
+schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(GENERATOR))
+schema.config.generation.update(modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_generator():
+    yield
+    GENERATOR.close()
+
+
+@schema.parametrize()
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+def test_no_server_errors(case):
+    response = case.call()
+    case.validate_response(response, checks=[not_a_server_error])
+    assert response.status_code < 500, response.text
+    if 400 <= response.status_code < 500:
+        err = response.json()["error"]
+        assert isinstance(err["message"], str) and err["message"]

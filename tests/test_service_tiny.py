@@ -1,0 +1,90 @@
+"""The service over the real embedded tiny OPT (random weights, its own tokenizer), compiled once per module:
+greedy text through the `openai` client equals offline generate(), and 64 concurrent streaming clients all get
+their offline output while the decode steps carry more than one request each."""
+import asyncio
+import json
+import re
+
+import httpx
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from opt_serving.generator import Generator, SamplingParams  # noqa: E402
+from opt_serving.service.app import create_app  # noqa: E402
+from opt_serving.service.testserver import serve_in_thread  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    try:
+        from opt_serving.embedded import ensure_embedded_model
+    except ImportError:
+        pytest.skip("opt_serving.embedded not available yet")
+    path = ensure_embedded_model()
+    g = Generator.from_pretrained("jax/opt-tiny", str(path), max_batch_size=16, max_seq_len=64, max_queue=64)
+    with serve_in_thread(create_app(g)) as url:
+        yield g, path, url
+    g.close()
+
+
+def metric(text: str, name: str) -> float:
+    m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
+    assert m, f"{name} missing from /metrics"
+    return float(m.group(1))
+
+
+def test_greedy_over_http_equals_offline_generate(tiny):
+    from opt_serving.model.wrapper import get_model
+    g, path, url = tiny
+    model = get_model("jax/opt-tiny", path)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="dummy", max_retries=0, timeout=120)
+    for prompt in ["Hello world", "The quick brown fox"]:
+        ids = g.encode(prompt)
+        out = model.generate(input_ids=np.asarray([ids], np.int32), max_new_tokens=12, do_sample=False)
+        new = np.asarray(getattr(out, "sequences", out))[0][len(ids):].tolist()
+        if g.eos_token_id in new:  # the server stops at EOS; offline generate pads after it
+            new = new[:new.index(g.eos_token_id)]
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+        assert r.choices[0].text == g.decode(new)
+        streamed = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                             stream=True)
+        assert "".join(c.choices[0].text for c in streamed) == g.decode(new)
+
+
+async def _stream_one(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> str:
+    text = ""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text += json.loads(line[6:])["choices"][0]["text"]
+    return text
+
+
+def test_64_concurrent_streaming_clients(tiny):
+    g, _, url = tiny
+    prompts = [f"Request number {i} says" for i in range(64)]
+    lengths = [24 + i % 8 for i in range(64)]   # they leave at different steps; waiting ones take the slots
+    offline = [c.text for [c] in g.complete_many(
+        prompts, [SamplingParams(max_tokens=n, temperature=0) for n in lengths])]
+
+    async def main():
+        async with httpx.AsyncClient(base_url=url, timeout=300, limits=httpx.Limits(max_connections=100)) as c:
+            before = (await c.get("/metrics")).text
+            texts = await asyncio.gather(*(_stream_one(c, p, n) for p, n in zip(prompts, lengths)))
+            return texts, before, (await c.get("/metrics")).text
+
+    texts, before, after = asyncio.run(main())
+    assert texts == offline
+    steps = metric(after, "opt_serving_decode_steps_total") - metric(before, "opt_serving_decode_steps_total")
+    advanced = (metric(after, "opt_serving_decode_step_requests_total")
+                - metric(before, "opt_serving_decode_step_requests_total"))
+    print(f"\ntiny model, 64 streaming clients: {steps:.0f} decode steps, "
+          f"{advanced / steps:.1f} requests per step on average")
+    assert advanced / steps > 1
+    assert metric(after, "opt_serving_running_slots") == 0

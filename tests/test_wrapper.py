@@ -1,0 +1,144 @@
+"""get_model() and generate(): token-identical to Hugging Face generate(), clear errors."""
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from opt_serving.config import OPTConfig
+from opt_serving.model import weights, wrapper
+
+CFG = OPTConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                ffn_dim=64, max_position_embeddings=64)
+NEW = 10
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.manual_seed(0)
+    hf = transformers.OPTForCausalLM(transformers.OPTConfig(**CFG.to_hf_dict())).eval()
+    with torch.no_grad():  # peaked distributions: greedy choices are far from ties
+        for p in hf.parameters():
+            if p.dim() > 1:
+                p.mul_(8.0)
+    ours = wrapper.OPTModel(CFG, weights.params_from_hf_state_dict(CFG, hf.state_dict()))
+    rng = np.random.RandomState(0)
+    ids = rng.randint(3, CFG.vocab_size, (3, 7))
+    mask = np.ones_like(ids)
+    mask[1, :2] = mask[2, :5] = 0  # mixed prompt lengths, left padded
+    ids[mask == 0] = CFG.pad_token_id
+    ids, mask = torch.tensor(ids), torch.tensor(mask)
+    with torch.no_grad():
+        plain = hf.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                            eos_token_id=None)
+    # an EOS the model really emits mid-generation, so finishing and pad filling are exercised
+    eos = int(plain[0, 7 + 3])
+    # bad words the model would otherwise produce: a single token and a bigram
+    bad = [[int(plain[1, 7])], [int(plain[2, 8]), int(plain[2, 9])]]
+    return hf, ours, ids, mask, eos, bad
+
+
+CASES = {
+    "greedy": {},
+    "beam": dict(num_beams=4, num_return_sequences=2),
+    "repetition_penalty": dict(repetition_penalty=1.5),
+    "no_repeat_ngram": dict(no_repeat_ngram_size=2),
+    "bad_words": dict(bad_words_ids="from the greedy output"),
+    "min_new_tokens": dict(min_new_tokens=6),
+    "min_length": dict(min_length=14),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_generate_matches_hf(models, case):
+    hf, ours, ids, mask, eos, bad = models
+    kw = dict(CASES[case], max_new_tokens=NEW, eos_token_id=eos)
+    if case == "bad_words":
+        kw["bad_words_ids"] = bad
+    with torch.no_grad():
+        ref = hf.generate(ids, attention_mask=mask, do_sample=False, **kw)
+    out = ours.generate(ids, attention_mask=mask, **kw)
+    assert isinstance(out, torch.Tensor)
+    np.testing.assert_array_equal(out.numpy(), ref.numpy())
+    if case != "greedy":  # the setting changed the output, so the comparison tested it
+        with torch.no_grad():
+            base = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW,
+                               eos_token_id=eos)
+        assert base.shape != ref.shape or not torch.equal(base, ref)
+
+
+def test_eos_finishes_rows_and_fills_pad(models):
+    _, ours, ids, mask, eos, _ = models
+    out = ours.generate(ids.numpy(), attention_mask=mask.numpy(), max_new_tokens=NEW, eos_token_id=eos)
+    assert isinstance(out, np.ndarray)
+    gen = out[0, 7:]
+    first = int(np.argmax(gen == eos))
+    assert gen[first] == eos and (gen[first + 1:] == CFG.pad_token_id).all()
+
+
+def test_scores_and_return_dict(models):
+    hf, ours, ids, mask, eos, _ = models
+    kw = dict(max_new_tokens=4, eos_token_id=None, output_scores=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        ref = hf.generate(ids, attention_mask=mask, do_sample=False, repetition_penalty=1.3, **kw)
+    out = ours.generate(ids, attention_mask=mask, repetition_penalty=1.3, **kw)
+    assert torch.equal(out.sequences, ref.sequences) and len(out.scores) == len(ref.scores) == 4
+    for a, b in zip(out.scores, ref.scores):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), atol=1e-4)
+
+
+def test_seeded_sampling_is_reproducible(models):
+    _, ours, ids, mask, _, _ = models
+    # the same shapes as greedy: sampling settings are arrays, so this reuses its compiled loop
+    kw = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=True, top_k=0, eos_token_id=None)
+    a = ours.generate(ids, seed=7, **kw)
+    assert a.shape == (3, 7 + NEW)
+    assert torch.equal(a, ours.generate(ids, seed=7, **kw))
+    assert not torch.equal(a, ours.generate(ids, seed=8, **kw))
+
+
+def test_bad_input(models):
+    _, ours, ids, mask, _, _ = models
+    with pytest.raises(ValueError, match="exceeds the model's limit of 64 positions"):
+        ours.generate(ids, attention_mask=mask, max_new_tokens=60)
+    with pytest.raises(ValueError, match="input_ids must lie in"):
+        ours.generate(np.array([[5, CFG.vocab_size]]))
+    with pytest.raises(ValueError, match="attention_mask shape"):
+        ours.generate(ids, attention_mask=mask[:, :3])
+    with pytest.raises(TypeError, match="unsupported arguments.*typical_p"):
+        ours.generate(ids, typical_p=0.5)
+
+
+def test_get_model_names():
+    with pytest.raises(ValueError, match="unknown OPT model 'jax/opt-3b'"):
+        wrapper.get_model("jax/opt-3b", dummy=True)
+    with pytest.raises(ValueError, match="must start with one of"):
+        wrapper.get_model("gpt2/opt-125m", dummy=True)
+    with pytest.raises(ValueError, match="give path="):
+        wrapper.get_model("jax/opt-125m")
+    if importlib.util.find_spec("opt_serving.parallel.backend") is None:
+        with pytest.raises(NotImplementedError, match="alpa/ backend"):
+            wrapper.get_model("alpa/opt-125m", dummy=True)
+
+
+def test_dummy_model_has_the_named_shapes():
+    model = wrapper.get_model("jax/opt-tiny", dummy=True, dtype="bfloat16")
+    assert model.config == wrapper.get_config("opt-tiny")
+    emb = model.params["embed_tokens"]["embedding"]
+    assert emb.shape == (model.config.vocab_size, model.config.word_embed_proj_dim)
+    assert emb.dtype == np.dtype("bfloat16") and 0.015 < float(np.asarray(emb, np.float32).std()) < 0.025
+
+
+def test_nearby_lengths_share_one_compiled_loop(models):
+    hf, ours, ids, mask, eos, _ = models
+    ours.generate(ids, attention_mask=mask, max_new_tokens=NEW, eos_token_id=eos)
+    compiled = wrapper._sample_loop._cache_size()
+    longer = torch.cat([ids[:, :2], ids], 1)  # 9 tokens: the same 16-wide bucket as 7
+    longer_mask = torch.cat([mask[:, :2], mask], 1)
+    out = ours.generate(longer, attention_mask=longer_mask, max_new_tokens=NEW + 3, eos_token_id=eos)
+    assert wrapper._sample_loop._cache_size() == compiled
+    with torch.no_grad():
+        ref = hf.generate(longer, attention_mask=longer_mask, max_new_tokens=NEW + 3, do_sample=False,
+                          eos_token_id=eos)
+    np.testing.assert_array_equal(out.numpy(), ref.numpy())
