@@ -1,0 +1,204 @@
+"""Bytes, FLOPs and seconds for pieces of an OPT model under tensor parallelism.
+
+Everything counts from the parameter shapes of the numpy folder (`weights.param_shapes`),
+so the byte counts are the real parameter counts of each size. Times follow a roofline:
+a decode step is bound by reading the weights and the KV cache, a prefill by FLOPs; on
+top come tensor-parallel all-reduces, pipeline hand-offs and fixed per-step overheads.
+No jax import here: the planner runs anywhere.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+from opt_serving.config import OPTConfig
+from opt_serving.model.weights import global_param_shapes, layer_param_shapes
+from opt_serving.parallel.cluster import Cluster, DeviceSpec
+
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+# Megatron layout, in torch [out, in] terms: which dim of each parameter tensor parallelism
+# splits (None = replicated). q/k/v and fc1 are column-parallel (split the output, and their
+# bias), out_proj and fc2 row-parallel (split the input; bias added once after the all-reduce),
+# embed_tokens vocab-parallel (also the tied logits). sharding.py must agree; a test checks.
+TENSOR_PARALLEL_DIM: dict[str, int | None] = {
+    "self_attn.q_proj.weight": 0, "self_attn.q_proj.bias": 0,
+    "self_attn.k_proj.weight": 0, "self_attn.k_proj.bias": 0,
+    "self_attn.v_proj.weight": 0, "self_attn.v_proj.bias": 0,
+    "self_attn.out_proj.weight": 1, "self_attn.out_proj.bias": None,
+    "fc1.weight": 0, "fc1.bias": 0,
+    "fc2.weight": 1, "fc2.bias": None,
+    "self_attn_layer_norm.weight": None, "self_attn_layer_norm.bias": None,
+    "final_layer_norm.weight": None, "final_layer_norm.bias": None,
+    "decoder.embed_tokens.weight": 0,
+    "decoder.embed_positions.weight": None,
+    "decoder.layer_norm.weight": None, "decoder.layer_norm.bias": None,
+    "decoder.project_in_dim.weight": None, "decoder.project_out_dim.weight": None,
+}
+
+
+def dtype_bytes(dtype: str) -> int:
+    try:
+        return DTYPE_BYTES[str(dtype)]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPE_BYTES)}") from None
+
+
+def tp_dim(name: str) -> int | None:
+    """The split dim of a metaseq key (`decoder.layers.3.fc1.weight` -> 0)."""
+    if name.startswith("decoder.layers."):
+        name = name.split(".", 3)[3]
+    return TENSOR_PARALLEL_DIM[name]
+
+
+def shard_elems(name: str, shape: tuple[int, ...], tp: int) -> int:
+    """Elements one device of a tp group holds (ceil: uneven splits are padded)."""
+    dim = tp_dim(name)
+    n = 1
+    for i, d in enumerate(shape):
+        n *= math.ceil(d / tp) if i == dim else d
+    return n
+
+
+# ---- parameters ----
+
+@functools.lru_cache(maxsize=None)
+def layer_params(cfg: OPTConfig, tp: int = 1) -> int:
+    """Parameters of one decoder layer held by one device of a tp group."""
+    return sum(shard_elems(k, s, tp) for k, s in layer_param_shapes(cfg, 0).items())
+
+
+@functools.lru_cache(maxsize=None)
+def embed_params(cfg: OPTConfig, tp: int = 1) -> int:
+    """What the first stage holds besides its layers: token + position embeddings, project_in."""
+    names = ("decoder.embed_tokens.weight", "decoder.embed_positions.weight",
+             "decoder.project_in_dim.weight")
+    g = global_param_shapes(cfg)
+    return sum(shard_elems(k, g[k], tp) for k in names if k in g)
+
+
+@functools.lru_cache(maxsize=None)
+def head_params(cfg: OPTConfig, tp: int = 1, with_embed_tokens: bool = True) -> int:
+    """What the last stage holds: final LN, project_out and (tied logits) embed_tokens."""
+    names = ["decoder.layer_norm.weight", "decoder.layer_norm.bias", "decoder.project_out_dim.weight"]
+    if with_embed_tokens:
+        names.append("decoder.embed_tokens.weight")
+    g = global_param_shapes(cfg)
+    return sum(shard_elems(k, g[k], tp) for k in names if k in g)
+
+
+def total_params(cfg: OPTConfig) -> int:
+    """Distinct parameters: embed_tokens counted once (the logits are tied to it)."""
+    return (embed_params(cfg) + head_params(cfg, with_embed_tokens=False)
+            + cfg.num_hidden_layers * layer_params(cfg))
+
+
+def weight_bytes(cfg: OPTConfig, dtype: str = "float16") -> int:
+    return total_params(cfg) * dtype_bytes(dtype)
+
+
+def matmul_params(cfg: OPTConfig) -> int:
+    """Weights of one layer that take part in matrix products (2 FLOPs each per token)."""
+    h, f = cfg.hidden_size, cfg.ffn_dim
+    return 4 * h * h + 2 * h * f
+
+
+# ---- KV cache and activations ----
+
+def kv_cache_bytes(cfg: OPTConfig, batch: int, seq_len: int, dtype: str = "float16",
+                   tp: int = 1) -> int:
+    """Keys and values of one layer, sharded by heads: [2, batch, seq, heads/tp, head_dim]."""
+    heads = math.ceil(cfg.num_attention_heads / tp)
+    return 2 * batch * seq_len * heads * cfg.head_dim * dtype_bytes(dtype)
+
+
+def activation_bytes(cfg: OPTConfig, batch: int, seq_len: int, dtype: str = "float16",
+                     tp: int = 1) -> int:
+    """Transient working memory of one layer during a prefill of `seq_len` tokens.
+
+    Layers run one after another, so this is a peak, not a per-layer sum: the residual and
+    q/k/v/attention output (4 x hidden, q/k/v/out sharded), the ffn intermediate (sharded)
+    and the float32 attention scores of this device's heads.
+    """
+    b = dtype_bytes(dtype)
+    h, f = cfg.hidden_size, cfg.ffn_dim
+    heads = math.ceil(cfg.num_attention_heads / tp)
+    tokens = batch * seq_len
+    hidden_like = tokens * (2 * h + 4 * math.ceil(h / tp) + math.ceil(f / tp)) * b
+    scores = batch * heads * seq_len * seq_len * 4
+    return hidden_like + scores
+
+
+def logits_bytes(cfg: OPTConfig, batch: int, tp: int = 1) -> int:
+    """float32 logits of the last position, vocab-parallel."""
+    return batch * math.ceil(cfg.vocab_size / tp) * 4
+
+
+# ---- FLOPs and communication ----
+
+def layer_flops(cfg: OPTConfig, tokens: int, context: int) -> int:
+    """FLOPs of one layer for `tokens` new tokens of one sequence attending to `context`."""
+    return tokens * (2 * matmul_params(cfg) + 4 * context * cfg.hidden_size)
+
+
+def head_flops(cfg: OPTConfig, tokens: int = 1) -> int:
+    proj = cfg.hidden_size * cfg.word_embed_proj_dim if cfg.has_project_in_out else 0
+    return tokens * 2 * (cfg.word_embed_proj_dim * cfg.vocab_size + proj)
+
+
+def allreduce_time(nbytes: float, tp: int, spec: DeviceSpec) -> float:
+    """Ring all-reduce: each device sends and receives 2(tp-1)/tp of the buffer."""
+    if tp == 1:
+        return 0.0
+    return spec.collective_latency_s + 2 * (tp - 1) / tp * nbytes / spec.intra_bw
+
+
+def allgather_time(nbytes: float, tp: int, spec: DeviceSpec) -> float:
+    if tp == 1:
+        return 0.0
+    return spec.collective_latency_s + (tp - 1) / tp * nbytes / spec.intra_bw
+
+
+# ---- one pipeline stage ----
+
+@dataclasses.dataclass(frozen=True)
+class StageTime:
+    compute_s: float    # roofline of the matrix products and weight/cache reads
+    comm_s: float       # tensor-parallel all-reduces and the logits all-gather
+    overhead_s: float   # dispatch of one jitted step and its layers' small ops
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.comm_s + self.overhead_s
+
+
+def stage_time(cfg: OPTConfig, spec: DeviceSpec, n_layers: int, first: bool, last: bool,
+               tp: int, batch: int, tokens: int, context: int, dtype: str = "float16") -> StageTime:
+    """Seconds for one stage to run `tokens` new tokens for `batch` sequences (decode: tokens=1)."""
+    b = dtype_bytes(dtype)
+    flops = n_layers * batch * layer_flops(cfg, tokens, context)
+    read = n_layers * (layer_params(cfg, tp) * b + kv_cache_bytes(cfg, batch, context, dtype, tp))
+    comm = n_layers * 2 * allreduce_time(batch * tokens * cfg.hidden_size * b, tp, spec)
+    if first and tp > 1:   # vocab-parallel embedding: each device looks up its rows, then sum
+        comm += allreduce_time(batch * tokens * cfg.word_embed_proj_dim * b, tp, spec)
+    if last:               # only the last position's logits are needed to sample
+        flops += batch * head_flops(cfg, 1)
+        read += head_params(cfg, tp) * b
+        comm += allgather_time(logits_bytes(cfg, batch), tp, spec)
+    if spec.shared_compute:
+        # host devices share the same cores: the split runs at most `pool` devices' worth faster
+        whole = max(flops / spec.flops_achieved, read * tp / spec.mem_bw_achieved)
+        compute = whole / min(tp, max(spec.pool, 1.0))
+    else:
+        compute = max(flops / tp / spec.flops_achieved, read / spec.mem_bw_achieved)
+    overhead = spec.launch_overhead_s + n_layers * spec.layer_overhead_s
+    return StageTime(compute, comm, overhead)
+
+
+def handoff_time(cfg: OPTConfig, cluster: Cluster, batch: int, tokens: int, inter_node: bool,
+                 dtype: str = "float16") -> float:
+    """Hidden states passed from one stage to the next."""
+    nbytes = batch * tokens * cfg.hidden_size * dtype_bytes(dtype)
+    bw = cluster.inter_bw if inter_node else cluster.spec.intra_bw
+    return cluster.spec.handoff_latency_s + nbytes / bw

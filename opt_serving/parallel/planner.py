@@ -1,0 +1,385 @@
+"""Search data x pipeline x tensor parallel degrees; slice layers into stages by Alpa's DP.
+
+For every (tp, pp) that the cluster allows (tp inside a node and dividing heads and ffn;
+dp = as many replicas as the devices hold), a dynamic programme assigns contiguous layers
+to the pp stages so that the slowest stage is as fast as possible and every device stays
+under its memory limit. The winner follows the workload: at batch 1 the shortest time per
+token (latency), at a serving batch the most tokens per second (throughput), with
+`pp` micro-batches in flight so no stage waits.
+
+    result = search(get_config("opt-175b"), parse_cluster("4x8x16GB"), batch_size=1)
+    result.best.stages[0].layers        # (0, 12)
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from opt_serving.config import OPTConfig
+from opt_serving.parallel import cost
+from opt_serving.parallel.cluster import GB, Cluster
+
+
+class NoFeasiblePlan(ValueError):
+    """Nothing fits; the message says by how much."""
+
+    def __init__(self, message: str, rejected: list["Rejected"] | None = None):
+        super().__init__(message)
+        self.rejected = rejected or []
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    index: int
+    layers: tuple[int, int]          # [start, end) decoder layers
+    devices: tuple[int, ...]         # device ids of replica 0 (node-major numbering)
+    node: int
+    has_embed: bool                  # first stage: token/position embeddings
+    has_head: bool                   # last stage: final LN + logits
+    param_bytes: int                 # per device
+    kv_bytes: int                    # per device, all micro-batches
+    act_bytes: int                   # per device, transient peak
+    time: cost.StageTime             # one decode step of one micro-batch
+    handoff_s: float                 # sending hidden states to the next stage (0 for the last)
+    inter_node_handoff: bool
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers[1] - self.layers[0]
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.param_bytes + self.kv_bytes + self.act_bytes
+
+    @property
+    def busy_s(self) -> float:
+        return self.time.total_s + self.handoff_s
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    model: str
+    dp: int
+    pp: int
+    tp: int
+    stages: tuple[Stage, ...]
+    objective: str                   # "latency" or "throughput"
+    batch_size: int                  # sequences served at once, all replicas
+    micro_batches: int               # in flight per replica
+    micro_batch_size: int
+    max_seq_len: int
+    dtype: str
+    memory_limit: float              # usable bytes per device (after headroom)
+    device_memory: float             # bytes per device
+    step_s: float                    # seconds between two tokens of one sequence
+    throughput: float                # tokens/s, all replicas
+    prefill_s: float                 # one prompt of max_seq_len/2 tokens, first token
+    idle_devices: int
+
+    @property
+    def name(self) -> str:
+        return f"dp{self.dp} x pp{self.pp} x tp{self.tp}"
+
+    @property
+    def degrees(self) -> tuple[int, int, int]:
+        return self.dp, self.pp, self.tp
+
+    @property
+    def layer_split(self) -> list[int]:
+        return [s.num_layers for s in self.stages]
+
+    @property
+    def max_memory_bytes(self) -> int:
+        return max(s.memory_bytes for s in self.stages)
+
+    @property
+    def score(self) -> tuple[float, float]:
+        """Smaller is better."""
+        if self.objective == "latency":
+            return (self.step_s, -self.throughput)
+        return (-self.throughput, self.step_s)
+
+    def axis_rules(self) -> tuple[tuple[str, str | None], ...]:
+        """Logical axis -> mesh axis of a stage's mesh (1-D, named "tp"); see sharding.py."""
+        tp = "tp" if self.tp > 1 else None
+        return (("batch", None), ("length", None), ("embed", None), ("head_dim", None),
+                ("heads", tp), ("kv_heads", tp), ("mlp", tp), ("vocab", tp))
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["name"] = self.name
+        d["layer_split"] = self.layer_split
+        for s, stage in zip(d["stages"], self.stages):
+            s["memory_bytes"] = stage.memory_bytes
+            s["time_s"] = stage.time.total_s
+        return d
+
+
+@dataclasses.dataclass(frozen=True)
+class Rejected:
+    dp: int
+    pp: int
+    tp: int
+    reason: str
+    need_bytes: float = 0.0          # per-device need of the best split, when memory was the problem
+
+    @property
+    def name(self) -> str:
+        return f"dp{self.dp} x pp{self.pp} x tp{self.tp}"
+
+
+@dataclasses.dataclass
+class SearchResult:
+    plans: list[Plan]                # feasible, best first
+    rejected: list[Rejected]
+
+    @property
+    def best(self) -> Plan:
+        return self.plans[0]
+
+    def why_lost(self, plan: Plan) -> str:
+        return why_lost(plan, self.best)
+
+
+# ---- the stage-slicing dynamic programme ----
+
+def slice_layers(cost_of: np.ndarray, mem_of: np.ndarray, limit: float) -> tuple[float, list[int]] | None:
+    """Contiguous split of L layers into S stages minimising the slowest stage.
+
+    cost_of[s, n] / mem_of[s, n]: time / per-device bytes of stage s holding n layers
+    (n = 0..L; stages differ: the first also embeds, the last also computes logits, and the
+    hand-off after a stage depends on which node the next one sits on). Alpa's inter-operator
+    DP minimises sum(stage) + (M - 1) * max(stage); with layer costs that add up, the sum is
+    the same for every split, so that is the min-max split solved here. Returns
+    (max stage cost, layers per stage), or None when no split fits in memory.
+    """
+    S, L1 = cost_of.shape
+    L = L1 - 1
+    inf = np.inf
+    # f[j]: best max-cost placing the first j layers in the stages so far
+    f = np.full(L + 1, inf)
+    f[0] = 0.0
+    choice = np.zeros((S, L + 1), dtype=np.int64)
+    for s in range(S):
+        g = np.full(L + 1, inf)
+        for j in range(1, L + 1):
+            i = np.arange(j)                          # previous boundary
+            n = j - i                                 # layers in stage s
+            c = np.maximum(f[i], cost_of[s, n])
+            c[mem_of[s, n] > limit] = inf
+            k = int(np.argmin(c))
+            g[j], choice[s, j] = c[k], k
+        f = g
+    if not np.isfinite(f[L]):
+        return None
+    split, j = [], L
+    for s in range(S - 1, -1, -1):
+        i = int(choice[s, j])
+        split.append(j - i)
+        j = i
+    return float(f[L]), split[::-1]
+
+
+# ---- one (dp, pp, tp) candidate ----
+
+def _stage_kinds(pp: int) -> list[tuple[bool, bool]]:
+    return [(s == 0, s == pp - 1) for s in range(pp)]
+
+
+def _stage_memory(cfg: OPTConfig, n: int, first: bool, last: bool, tp: int, batch: int,
+                  micro: int, max_seq_len: int, prefill_batch: int, dtype: str) -> tuple[int, int, int]:
+    b = cost.dtype_bytes(dtype)
+    params = n * cost.layer_params(cfg, tp)
+    if first:
+        params += cost.embed_params(cfg, tp)
+    if last:   # one device group holding both stages needs embed_tokens once
+        params += cost.head_params(cfg, tp, with_embed_tokens=not first)
+    kv = n * cost.kv_cache_bytes(cfg, batch, max_seq_len, dtype, tp)
+    act = max(cost.activation_bytes(cfg, prefill_batch, max_seq_len, dtype, tp),
+              cost.activation_bytes(cfg, micro, 1, dtype, tp))
+    if last:
+        act += cost.logits_bytes(cfg, max(micro, prefill_batch), tp)
+    return params * b, kv, act
+
+
+def _evaluate(cfg: OPTConfig, cluster: Cluster, model: str, dp: int, pp: int, tp: int, *,
+              batch_size: int, max_seq_len: int, dtype: str, limit: float, objective: str,
+              prefill_batch: int) -> Plan | Rejected:
+    L = cfg.num_hidden_layers
+    if cfg.num_attention_heads % tp or cfg.ffn_dim % tp:
+        return Rejected(dp, pp, tp, f"tp={tp} does not divide {cfg.num_attention_heads} heads "
+                                    f"and ffn {cfg.ffn_dim}")
+    if pp > L:
+        return Rejected(dp, pp, tp, f"pp={pp} exceeds the {L} layers")
+    active = min(dp, batch_size)                 # replicas with work to do
+    batch = math.ceil(batch_size / active)       # per replica
+    micro = min(pp, batch) if objective == "throughput" else 1
+    mb = math.ceil(batch / micro)
+    context = max_seq_len
+    # stage s sits on devices [s*tp, (s+1)*tp) of replica 0; tp divides a node, so no straddling
+    nodes = [cluster.node_of(s * tp) for s in range(pp)]
+    cost_of = np.full((pp, L + 1), np.inf)
+    mem_of = np.full((pp, L + 1), np.inf)
+    times, handoffs, mems = {}, [], {}
+    for s, (first, last) in enumerate(_stage_kinds(pp)):
+        inter = not last and nodes[s + 1] != nodes[s]
+        h = 0.0 if last else cost.handoff_time(cfg, cluster, mb, 1, inter, dtype)
+        handoffs.append((h, inter))
+        for n in range(1, L + 1):
+            # stages of the same kind (first / middle / last) cost the same for n layers
+            key = (first, last, n)
+            if key not in times:
+                times[key] = cost.stage_time(cfg, cluster.spec, n, first, last, tp, mb, 1,
+                                             context, dtype)
+                mems[key] = _stage_memory(cfg, n, first, last, tp, batch, mb, max_seq_len,
+                                          prefill_batch, dtype)
+            t, m = times[key], mems[key]
+            cost_of[s, n] = t.total_s + h
+            mem_of[s, n] = sum(m)
+    found = slice_layers(cost_of, mem_of, limit)
+    if found is None:
+        need, split = slice_layers(mem_of, mem_of, np.inf)   # the least memory any split needs
+        worst = int(np.argmax([mem_of[s, n] for s, n in enumerate(split)]))
+        p, k, a = mems[(*_stage_kinds(pp)[worst], split[worst])]
+        return Rejected(dp, pp, tp,
+                        f"needs {need / GB:.1f} GB per device (stage {worst}: {split[worst]} layers, "
+                        f"weights {p / GB:.1f} + KV cache {k / GB:.1f} + activations {a / GB:.1f} GB), "
+                        f"usable {limit / GB:.1f} GB", need_bytes=need)
+    _, split = found
+    stages, start = [], 0
+    for s, n in enumerate(split):
+        first, last = _stage_kinds(pp)[s]
+        p, k, a = mems[first, last, n]
+        stages.append(Stage(s, (start, start + n), tuple(range(s * tp, (s + 1) * tp)), nodes[s],
+                            first, last, p, k, a, times[first, last, n], *handoffs[s]))
+        start += n
+    busy = [st.busy_s for st in stages]
+    # a micro-batch passes every stage in turn; each stage serves all micro-batches per cycle
+    step = max(sum(busy), micro * max(busy))
+    spec = cluster.spec
+    if spec.shared_compute:
+        # host devices: every stage of every replica runs on the same `pool` of cores
+        pool = max(spec.pool, 1.0)
+        step = max(step, active * micro * sum(st.time.compute_s * min(tp, pool) / pool
+                                              for st in stages))
+    throughput = active * batch / step
+    prompt = max(1, max_seq_len // 2)
+    prefill = sum(cost.stage_time(cfg, cluster.spec, st.num_layers, st.has_embed, st.has_head, tp,
+                                  1, prompt, prompt, dtype).total_s
+                  + (0.0 if st.has_head else cost.handoff_time(cfg, cluster, 1, prompt,
+                                                               st.inter_node_handoff, dtype))
+                  for st in stages)
+    return Plan(model, dp, pp, tp, tuple(stages), objective, batch_size, micro, mb, max_seq_len,
+                dtype, limit, cluster.device_memory, step, throughput, prefill,
+                cluster.num_devices - dp * pp * tp)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def search(cfg: OPTConfig, cluster: Cluster, *, model: str = "", batch_size: int = 1,
+           max_seq_len: int | None = None, dtype: str = "float16", headroom: float = 0.1,
+           tensor_parallel: int | None = None, pipeline_parallel: int | None = None,
+           data_parallel: int | None = None, objective: str | None = None,
+           prefill_batch: int = 1) -> SearchResult:
+    """Every candidate plan, feasible ones best first. Raises NoFeasiblePlan when none fits.
+
+    Degrees given explicitly are kept; the others are searched. `headroom` is the fraction
+    of each device's memory left free for the runtime and fragmentation. `prefill_batch`:
+    prompts prefilled at once (the engine prefills one request, then inserts it into a slot).
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch size must be at least 1, got {batch_size}")
+    max_seq_len = max_seq_len or cfg.max_position_embeddings
+    if not 1 <= max_seq_len <= cfg.max_position_embeddings:
+        raise ValueError(f"max_seq_len {max_seq_len} is outside 1..{cfg.max_position_embeddings} "
+                         f"(the model's position embeddings)")
+    if not 0 <= headroom < 1:
+        raise ValueError(f"headroom is a fraction of device memory in [0, 1), got {headroom}")
+    objective = objective or ("latency" if batch_size == 1 else "throughput")
+    if objective not in ("latency", "throughput"):
+        raise ValueError(f"objective must be 'latency' or 'throughput', got {objective!r}")
+    cost.dtype_bytes(dtype)
+    limit = cluster.device_memory * (1 - headroom)
+    weights = cost.weight_bytes(cfg, dtype)
+    if weights > cluster.total_memory:
+        raise NoFeasiblePlan(
+            f"{model or 'the model'} needs {weights / GB:.1f} GB of {dtype} weights, the cluster "
+            f"has {cluster.total_memory / GB:.1f} GB ({cluster.describe()})")
+
+    N, D = cluster.num_devices, cluster.devices_per_node
+    tps = [tensor_parallel] if tensor_parallel else _divisors(D)
+    plans: list[Plan] = []
+    rejected: list[Rejected] = []
+    for tp in tps:
+        if tp < 1 or D % tp:
+            rejected.append(Rejected(data_parallel or 1, pipeline_parallel or 1, tp,
+                                     f"tp={tp} must divide the {D} devices of a node "
+                                     f"(tensor parallelism stays inside a node)"))
+            continue
+        pps = [pipeline_parallel] if pipeline_parallel else range(1, N // tp + 1)
+        for pp in pps:
+            dp = data_parallel or N // (pp * tp)
+            if dp < 1 or dp * pp * tp > N:
+                rejected.append(Rejected(dp, pp, tp, f"needs {max(dp, 1) * pp * tp} devices, "
+                                                     f"the cluster has {N}"))
+                continue
+            r = _evaluate(cfg, cluster, model, dp, pp, tp, batch_size=batch_size,
+                          max_seq_len=max_seq_len, dtype=dtype, limit=limit,
+                          objective=objective, prefill_batch=prefill_batch)
+            (plans if isinstance(r, Plan) else rejected).append(r)
+    if not plans:
+        mem = [r for r in rejected if r.need_bytes]
+        if mem:
+            closest = min(mem, key=lambda r: r.need_bytes)
+            msg = (f"no plan fits {model or 'the model'} on {cluster.describe()}: the closest, "
+                   f"{closest.name}, {closest.reason}")
+        else:
+            msg = (f"no plan fits {model or 'the model'} on {cluster.describe()}: "
+                   + "; ".join(f"{r.name}: {r.reason}" for r in rejected[:4]))
+        raise NoFeasiblePlan(msg, rejected)
+    plans.sort(key=lambda p: p.score)
+    return SearchResult(plans, rejected)
+
+
+def best_plan(cfg: OPTConfig, cluster: Cluster, **kwargs) -> Plan:
+    return search(cfg, cluster, **kwargs).best
+
+
+# ---- explaining ----
+
+def _path_parts(plan: Plan) -> dict[str, float]:
+    """Seconds per token by kind, along the stages a token passes."""
+    st = plan.stages
+    return {"compute": sum(s.time.compute_s for s in st),
+            "tensor-parallel all-reduces": sum(s.time.comm_s for s in st),
+            "per-step and per-layer overheads": sum(s.time.overhead_s for s in st),
+            "pipeline hand-offs": sum(s.handoff_s for s in st)}
+
+
+def why_lost(plan: Plan, best: Plan) -> str:
+    if plan is best or plan.degrees == best.degrees:
+        return "chosen"
+    if plan.objective == "latency":
+        head = f"{plan.step_s / best.step_s:.2f}x the time per token ({plan.step_s * 1e3:.2f} ms)"
+    else:
+        head = f"{plan.throughput / best.throughput:.2f}x the throughput ({plan.throughput:.1f} tok/s)"
+    mine, theirs = _path_parts(plan), _path_parts(best)
+    deltas = {k: mine[k] - theirs[k] for k in mine}
+    kind, worst = max(deltas.items(), key=lambda kv: kv[1])
+    if plan.objective == "throughput" and plan.micro_batches * max(s.busy_s for s in plan.stages) >= plan.step_s:
+        slow = max(plan.stages, key=lambda s: s.busy_s)
+        why = (f"bottleneck stage {slow.index} ({slow.num_layers} layers) takes "
+               f"{slow.busy_s * 1e3:.2f} ms for each of {plan.micro_batches} micro-batches "
+               f"of {plan.micro_batch_size}")
+    elif worst > 0:
+        why = f"+{worst * 1e3:.2f} ms in {kind}"
+        if kind == "pipeline hand-offs":
+            n_inter = sum(s.inter_node_handoff for s in plan.stages)
+            why += f" ({plan.pp - 1} hand-offs, {n_inter} across nodes)"
+    else:
+        why = "no faster on any part"
+    return f"{head}: {why}"

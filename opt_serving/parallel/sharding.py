@@ -1,0 +1,163 @@
+"""Tensor parallelism as a transform over the model's pure steps: logical axes -> mesh axes.
+
+Every parameter and cache array has logical axis names ('embed', 'heads', 'mlp', 'vocab', ...);
+the plan's rules table (`Plan.axis_rules()`) maps them to axes of a stage's `Mesh`. With
+the tp rules that is Megatron's layout: q/k/v and fc1 column-parallel, out_proj and fc2
+row-parallel, vocab-parallel embedding and logits, KV cache split by heads. The model file
+is untouched: `opt.prefill` / `opt.decode` are jitted again with these shardings and XLA
+inserts the all-reduces.
+
+Each device reads only its slice of each memory-mapped weight file.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from opt_serving.config import OPTConfig
+from opt_serving.model import opt
+from opt_serving.model.kv_cache import init_cache
+from opt_serving.model.weights import flax_path, load_checked, param_shapes
+
+# Logical axes of each parameter in torch's [out, in] layout (the numpy folder's).
+LAYER_AXES: dict[str, tuple[str | None, ...]] = {
+    "self_attn.q_proj.weight": ("heads", "embed"), "self_attn.q_proj.bias": ("heads",),
+    "self_attn.k_proj.weight": ("heads", "embed"), "self_attn.k_proj.bias": ("heads",),
+    "self_attn.v_proj.weight": ("heads", "embed"), "self_attn.v_proj.bias": ("heads",),
+    "self_attn.out_proj.weight": ("embed", "heads"), "self_attn.out_proj.bias": ("embed",),
+    "fc1.weight": ("mlp", "embed"), "fc1.bias": ("mlp",),
+    "fc2.weight": ("embed", "mlp"), "fc2.bias": ("embed",),
+    "self_attn_layer_norm.weight": ("embed",), "self_attn_layer_norm.bias": ("embed",),
+    "final_layer_norm.weight": ("embed",), "final_layer_norm.bias": ("embed",),
+}
+GLOBAL_AXES: dict[str, tuple[str | None, ...]] = {
+    "decoder.embed_tokens.weight": ("vocab", "embed"),
+    "decoder.embed_positions.weight": (None, "embed"),
+    "decoder.layer_norm.weight": ("embed",), "decoder.layer_norm.bias": ("embed",),
+    "decoder.project_in_dim.weight": ("embed", None),
+    "decoder.project_out_dim.weight": (None, "embed"),
+}
+# cache arrays: k/v [batch, heads, max_len, head_dim], mask [batch, max_len]
+CACHE_KV_AXES = ("batch", "kv_heads", "length", "head_dim")
+CACHE_MASK_AXES = ("batch", "length")
+
+Rules = tuple[tuple[str, str | None], ...]
+TP_RULES: Rules = (("batch", None), ("length", None), ("embed", None), ("head_dim", None),
+                   ("heads", "tp"), ("kv_heads", "tp"), ("mlp", "tp"), ("vocab", "tp"))
+
+
+def logical_axes(name: str) -> tuple[str | None, ...]:
+    """Axes of a metaseq key in the torch layout."""
+    if name in GLOBAL_AXES:
+        return GLOBAL_AXES[name]
+    return LAYER_AXES[name.split(".", 3)[3]]
+
+
+def spec_for(axes: tuple[str | None, ...], rules: Rules) -> P:
+    table = dict(rules)
+    return P(*(table.get(a) if a else None for a in axes))
+
+
+def param_spec(name: str, rules: Rules) -> P:
+    """PartitionSpec of a parameter in the Flax tree's layout (kernels are [in, out])."""
+    axes = logical_axes(name)
+    _, transpose = flax_path(name)
+    return spec_for(axes[::-1] if transpose else axes, rules)
+
+
+def make_mesh(devices, tp: int | None = None) -> Mesh:
+    """A 1-D mesh named 'tp' over a stage's devices."""
+    devices = list(devices)
+    if tp is not None and len(devices) != tp:
+        raise ValueError(f"a tp={tp} stage needs {tp} devices, got {len(devices)}")
+    return Mesh(np.array(devices), ("tp",))
+
+
+def _check_divisible(cfg: OPTConfig, tp: int) -> None:
+    for what, n in (("attention heads", cfg.num_attention_heads), ("ffn_dim", cfg.ffn_dim),
+                    ("vocab_size", cfg.vocab_size)):
+        if n % tp:
+            raise ValueError(f"tensor parallel degree {tp} does not divide {what} = {n}")
+
+
+def _tree_set(tree: dict, path, value) -> None:
+    for p in path[:-1]:
+        tree = tree.setdefault(p, {})
+    tree[path[-1]] = value
+
+
+def _flax_shape(name: str, shape) -> tuple[int, ...]:
+    return tuple(shape[::-1]) if flax_path(name)[1] else tuple(shape)
+
+
+def param_shardings(cfg: OPTConfig, mesh: Mesh, rules: Rules = TP_RULES) -> dict:
+    """The Flax param tree's NamedShardings."""
+    tree: dict = {}
+    for name in param_shapes(cfg):
+        _tree_set(tree, flax_path(name)[0], NamedSharding(mesh, param_spec(name, rules)))
+    return tree
+
+
+def cache_shardings(cfg: OPTConfig, mesh: Mesh, rules: Rules = TP_RULES) -> dict:
+    kv = NamedSharding(mesh, spec_for(CACHE_KV_AXES, rules))
+    layers = tuple(kv for _ in range(cfg.num_hidden_layers))
+    return {"k": layers, "v": layers, "mask": NamedSharding(mesh, spec_for(CACHE_MASK_AXES, rules))}
+
+
+def load_sharded_params(folder: str | os.PathLike, cfg: OPTConfig, mesh: Mesh,
+                        rules: Rules = TP_RULES, dtype=jnp.float32) -> dict:
+    """The numpy folder -> Flax param tree sharded over `mesh`; each device reads its slice only."""
+    folder = Path(folder)
+    _check_divisible(cfg, mesh.devices.size)
+    np_dtype = np.dtype(jnp.dtype(dtype))
+    tree: dict = {}
+    for name, shape in param_shapes(cfg).items():
+        path, transpose = flax_path(name)
+        src = load_checked(folder, name, shape)          # memory-mapped
+        view = src.T if transpose else src               # a view: nothing read yet
+        sharding = NamedSharding(mesh, param_spec(name, rules))
+        arr = jax.make_array_from_callback(
+            view.shape, sharding, lambda idx, v=view: np.ascontiguousarray(v[idx], dtype=np_dtype))
+        _tree_set(tree, path, arr)
+    return tree
+
+
+def shard_params(params: dict, cfg: OPTConfig, mesh: Mesh, rules: Rules = TP_RULES) -> dict:
+    """An in-memory param tree (e.g. dummy weights) -> sharded over `mesh`."""
+    _check_divisible(cfg, mesh.devices.size)
+    return jax.device_put(params, param_shardings(cfg, mesh, rules))
+
+
+class ShardedOPT:
+    """One tensor-parallel group: params, cache and jitted steps sharded over `mesh`.
+
+    Same signatures as `opt.prefill` / `opt.decode` minus cfg and params, so generate
+    code can drive it like the single-device model.
+    """
+
+    def __init__(self, cfg: OPTConfig, params: dict, mesh: Mesh, rules: Rules = TP_RULES):
+        self.cfg, self.params, self.mesh, self.rules = cfg, params, mesh, rules
+        self.dtype = opt.param_dtype(params)
+        cache_sh = cache_shardings(cfg, mesh, rules)
+        full = NamedSharding(mesh, P())
+        # logits gathered to every device: the sampler is not sharded
+        self._prefill = jax.jit(opt._prefill, static_argnums=(0,), static_argnames=("all_logits",),
+                                donate_argnums=(2,), out_shardings=(full, cache_sh))
+        self._decode = jax.jit(opt._decode, static_argnums=(0,), donate_argnums=(2,),
+                               out_shardings=(full, cache_sh))
+        self._cache_sh = cache_sh
+
+    def init_cache(self, batch: int, max_len: int) -> dict:
+        return jax.device_put(init_cache(self.cfg, batch, max_len, self.dtype), self._cache_sh)
+
+    def prefill(self, cache, input_ids, attention_mask, all_logits: bool = True):
+        return self._prefill(self.cfg, self.params, cache, input_ids, attention_mask,
+                             all_logits=all_logits)
+
+    def decode(self, cache, tokens, positions, write_index):
+        return self._decode(self.cfg, self.params, cache, tokens, positions, write_index)

@@ -1,0 +1,181 @@
+"""The plan search: dry-run clusters from the issue, the stage DP, objectives, `opt-serving plan`."""
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from opt_serving.cli import main
+from opt_serving.config import OPT_CONFIGS
+from opt_serving.parallel import cost
+from opt_serving.parallel.cluster import GB, parse_cluster
+from opt_serving.parallel.planner import NoFeasiblePlan, search, slice_layers
+
+
+def _check_plan(plan, cfg, cluster):
+    """All layers placed once, in order; tp inside a node; every device under its memory."""
+    assert plan.stages[0].layers[0] == 0 and plan.stages[-1].layers[1] == cfg.num_hidden_layers
+    for a, b in zip(plan.stages, plan.stages[1:]):
+        assert a.layers[1] == b.layers[0] and b.num_layers >= 1
+    assert plan.stages[0].has_embed and plan.stages[-1].has_head
+    assert plan.dp * plan.pp * plan.tp <= cluster.num_devices
+    for s in plan.stages:
+        assert len({cluster.node_of(d) for d in s.devices}) == 1, "tp group straddles nodes"
+        assert s.memory_bytes <= plan.memory_limit < cluster.device_memory
+    # the stages together hold every weight (tp shards times tp covers the whole model)
+    held = sum(s.param_bytes for s in plan.stages) * plan.tp
+    assert held >= cost.weight_bytes(cfg, plan.dtype)
+
+
+def test_175b_fits_on_4x8x16gb():
+    cfg, cluster = OPT_CONFIGS["175b"], parse_cluster("4x8x16GB")
+    result = search(cfg, cluster, model="opt-175b")
+    plan = result.best
+    _check_plan(plan, cfg, cluster)
+    assert sum(plan.layer_split) == 96
+    assert plan.objective == "latency"
+    # the weights alone need more than a node's 8 x 16 GB, so the plan spans nodes
+    assert plan.pp * plan.tp > 8
+    for p in result.plans:
+        _check_plan(p, cfg, cluster)
+        assert p.step_s >= plan.step_s
+
+
+def test_175b_on_one_node_is_refused_with_numbers():
+    cfg, cluster = OPT_CONFIGS["175b"], parse_cluster("1x8x16GB")
+    with pytest.raises(NoFeasiblePlan) as e:
+        search(cfg, cluster, model="opt-175b")
+    need = cost.weight_bytes(cfg, "float16") / GB
+    assert f"needs {need:.1f} GB of float16 weights" in str(e.value)
+    assert f"has {8 * 16:.1f} GB" in str(e.value)
+
+
+def test_fits_in_total_but_not_per_device_says_by_how_much():
+    # 30b at float16 is 60 GB < 4 x 16 GB, but with headroom and activations no split fits
+    with pytest.raises(NoFeasiblePlan, match=r"closest.*needs [\d.]+ GB per device.*usable 14.4 GB"):
+        search(OPT_CONFIGS["30b"], parse_cluster("1x4x16GB"), model="opt-30b")
+
+
+def test_30b_on_2x4x16gb():
+    cfg, cluster = OPT_CONFIGS["30b"], parse_cluster("2x4x16GB")
+    plan = search(cfg, cluster, model="opt-30b").best
+    _check_plan(plan, cfg, cluster)
+    assert plan.tp <= 4 and sum(plan.layer_split) == 48
+    assert plan.tp * plan.pp == 8            # 60 GB of weights need all 8 devices
+
+
+def test_2_7b_on_one_80gb_device():
+    cfg, cluster = OPT_CONFIGS["2.7b"], parse_cluster("1x1x80GB")
+    plan = search(cfg, cluster).best
+    assert plan.degrees == (1, 1, 1)
+    assert plan.layer_split == [32]
+    _check_plan(plan, cfg, cluster)
+
+
+def test_throughput_objective_uses_micro_batches():
+    cfg, cluster = OPT_CONFIGS["30b"], parse_cluster("2x4x16GB")
+    result = search(cfg, cluster, batch_size=8, max_seq_len=512)
+    assert result.best.objective == "throughput"
+    assert all(p.micro_batches == min(p.pp, 8 // p.dp) for p in result.plans)
+    tput = [p.throughput for p in result.plans]
+    assert tput == sorted(tput, reverse=True)
+
+
+def test_explicit_degrees_are_kept_and_bad_ones_explained():
+    cfg, cluster = OPT_CONFIGS["125m"], parse_cluster("1x8x16GB")
+    result = search(cfg, cluster, tensor_parallel=2, pipeline_parallel=2)
+    assert {p.degrees[1:] for p in result.plans} == {(2, 2)}
+    assert result.best.dp == 2
+    # 12 heads do not split 8 ways
+    with pytest.raises(NoFeasiblePlan, match="tp=8 does not divide 12 heads"):
+        search(cfg, cluster, tensor_parallel=8)
+    with pytest.raises(NoFeasiblePlan, match="tp=3 must divide the 8 devices of a node"):
+        search(cfg, cluster, tensor_parallel=3)
+    with pytest.raises(ValueError, match="max_seq_len 9999"):
+        search(cfg, cluster, max_seq_len=9999)
+
+
+def test_runner_up_reasons():
+    result = search(OPT_CONFIGS["175b"], parse_cluster("4x8x16GB"))
+    assert result.why_lost(result.best) == "chosen"
+    for p in result.plans[1:]:
+        assert f"{p.step_s / result.best.step_s:.2f}x the time per token" in result.why_lost(p)
+
+
+def _brute_force(cost_of, mem_of, limit):
+    S, L = cost_of.shape[0], cost_of.shape[1] - 1
+    best = None
+    for cuts in itertools.combinations(range(1, L), S - 1):
+        split = np.diff((0, *cuts, L))
+        if any(mem_of[s, n] > limit for s, n in enumerate(split)):
+            continue
+        c = max(cost_of[s, n] for s, n in enumerate(split))
+        if best is None or c < best:
+            best = c
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_slice_layers_matches_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    S, L = int(rng.integers(1, 5)), int(rng.integers(4, 10))
+    per_layer = rng.uniform(1, 3, size=(S, 1))
+    cost_of = np.arange(L + 1) * per_layer + rng.uniform(0, 4, size=(S, 1))
+    cost_of = cost_of * rng.uniform(0.8, 1.2, size=cost_of.shape)   # not even additive
+    mem_of = np.arange(L + 1) * rng.uniform(1, 2, size=(S, 1))
+    limit = float(rng.uniform(L / S, L))
+    found = slice_layers(cost_of, mem_of, limit)
+    expected = _brute_force(cost_of, mem_of, limit)
+    if expected is None:
+        assert found is None
+    else:
+        value, split = found
+        assert value == pytest.approx(expected)
+        assert sum(split) == L and min(split) >= 1
+        assert max(cost_of[s, n] for s, n in enumerate(split)) == pytest.approx(value)
+        assert all(mem_of[s, n] <= limit for s, n in enumerate(split))
+
+
+# ---- the command line ----
+
+def test_cli_table(capsys):
+    assert main(["plan", "--model", "opt-175b", "--cluster", "4x8x16GB"]) == 0
+    out = capsys.readouterr().out
+    best = search(OPT_CONFIGS["175b"], parse_cluster("4x8x16GB")).best
+    assert f"chosen: {best.name}" in out
+    assert "runners-up:" in out and "not feasible" in out
+    assert out.count("+embed") == 1 and out.count("+head") == 1
+
+
+def test_cli_json(capsys):
+    assert main(["plan", "--model", "alpa/opt-30b", "--cluster", "2x4x16GB",
+                 "--batch-size", "4", "--max-seq-len", "256", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    chosen = d["chosen"]
+    assert sum(chosen["layer_split"]) == 48
+    assert chosen["objective"] == "throughput"
+    assert all(s["memory_bytes"] <= chosen["memory_limit"] for s in chosen["stages"])
+    assert all("why_lost" in p for p in d["runners_up"])
+
+
+def test_cli_refuses_with_numbers(capsys):
+    assert main(["plan", "--model", "opt-175b", "--cluster", "1x8x16GB"]) == 1
+    err = capsys.readouterr().err
+    need = cost.weight_bytes(OPT_CONFIGS["175b"], "float16") / GB
+    assert f"needs {need:.1f} GB of float16 weights, the cluster has 128.0 GB" in err
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--model", "opt-7b", "--cluster", "1x1x80GB"], "unknown OPT model"),
+    (["--model", "opt-125m", "--cluster", "1x1x80"], "memory size"),
+    (["--model", "/nonexistent/folder/opt", "--cluster", "1x1x80GB"], "unknown OPT model"),
+])
+def test_cli_bad_arguments(capsys, args, words):
+    assert main(["plan", *args]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_cli_model_folder(tmp_path, capsys):
+    OPT_CONFIGS["tiny"].save_hf_json(tmp_path)
+    assert main(["plan", "--model", str(tmp_path), "--cluster", "1x2x1GB:cpu", "--json"]) == 0
+    assert sum(json.loads(capsys.readouterr().out)["chosen"]["layer_split"]) == 4
