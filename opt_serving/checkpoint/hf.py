@@ -17,22 +17,7 @@ from opt_serving.checkpoint.formats import CheckpointError, Detected
 from opt_serving.checkpoint.metaseq import _check_against_expected
 from opt_serving.checkpoint.torch_io import load_pt
 from opt_serving.checkpoint.writer import CHUNK
-
-_RENAMES = {"decoder.final_layer_norm.": "decoder.layer_norm.",
-            "decoder.project_in.": "decoder.project_in_dim.",
-            "decoder.project_out.": "decoder.project_out_dim."}
-_TIED = ("lm_head.weight",)
-
-
-def metaseq_name(hf_key: str) -> str | None:
-    """HF key -> metaseq key; None for the tied output head."""
-    if hf_key in _TIED:
-        return None
-    key = hf_key.removeprefix("model.")
-    for old, new in _RENAMES.items():
-        if key.startswith(old):
-            return new + key[len(old):]
-    return key
+from opt_serving.model.weights import hf_key_to_metaseq
 
 
 class HfReader:
@@ -59,7 +44,7 @@ class HfReader:
                 mf = self.bins[path] = load_pt(path)
                 keys = {k: tuple(v.shape) for k, v in mf.data.items()}
             for hf_key, shape in keys.items():
-                name = metaseq_name(hf_key)
+                name = hf_key_to_metaseq(hf_key)
                 if name is not None:
                     self.index[name] = (path, hf_key)
                     shapes[name] = shape

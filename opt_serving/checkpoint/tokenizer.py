@@ -10,10 +10,8 @@ import shutil
 from pathlib import Path
 
 from opt_serving.checkpoint.formats import CheckpointError
+from opt_serving.tokenizer import OPT_TOKENIZER_CONFIG
 
-# the settings that make GPT2Tokenizer behave as OPT's (see ../shared/opt-assets/README.md)
-OPT_TOKENIZER_CONFIG = {"tokenizer_class": "GPT2Tokenizer", "bos_token": "</s>", "eos_token": "</s>",
-                        "unk_token": "</s>", "pad_token": "<pad>", "add_bos_token": True}
 _SOURCES = {"vocab.json": ("vocab.json", "gpt2-vocab.json"),
             "merges.txt": ("merges.txt", "gpt2-merges.txt")}
 _OPTIONAL = ("tokenizer_config.json", "special_tokens_map.json", "tokenizer.json")
