@@ -10,20 +10,28 @@ never leaks part of a stop string), echo of the prompt with its logprobs, OpenAI
         print(delta.text, end="")
     completion = await gen.complete("Hello", params)
     [[c0, c1]] = gen.complete_many(["Hello"], params, n=2, best_of=4)                    # blocking
+    c = await gen.beam("Hello", params, num_beams=4)                # HF beam search, off the event loop
 
 Conventions (OpenAI's legacy completions API):
   * `text_offset` counts characters into prompt text + completion text, also without echo.
   * `token_logprobs` are the model's log-softmax before temperature/penalties; `top_logprobs[i]` holds the
-    `logprobs` most likely tokens plus the chosen one; the prompt's first echoed token has None.
+    `logprobs` most likely tokens plus the chosen one.
+  * echo lists exactly the prompt the user sent: for a text prompt, the BOS the tokenizer adds (OPT's leading
+    </s>) is not echoed, and the first echoed token has a real logprob (it is scored after that BOS); a prompt
+    sent as token ids is echoed id for id, an explicit leading </s> included, and its first token has None.
+    `prompt_tokens` (usage) counts what the model read, the added BOS included.
   * EOS is not part of `text`/`tokens`; tokens cut by a stop string are dropped, but `completion_tokens` (usage)
     counts every token the model generated, EOS and cut ones included; `cumulative_logprob` sums them all
     (best_of ranks by it).
+Beam search does not fit the engine's one-token-per-slot step: `beam()` runs the model's own jitted HF-style
+`generate(num_beams=...)` on a single worker thread (one beam request at a time; the event loop stays free).
 The engine's output callback runs on the engine thread; the per-request text state below runs there too, so a
 stop string frees the slot before the next step, and finished deltas reach asyncio via call_soon_threadsafe.
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import random
 import threading
@@ -31,8 +39,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
-from opt_serving.engine import (MAX_BAD_WORD_LEN, MAX_BAD_WORDS, MAX_TOP_LOGPROBS, Engine, EngineOutput, EngineRequest, QueueFull,
-                                SlotSettings, TokenInfo)
+from opt_serving.engine import (MAX_BAD_WORD_LEN, MAX_BAD_WORDS, MAX_TOP_LOGPROBS, Engine, EngineClosed, EngineOutput,
+                                EngineRequest, QueueFull, SlotSettings, TokenInfo)
 from opt_serving.packing import find_stop
 
 Prompt = Union[str, Sequence[int]]
@@ -156,9 +164,10 @@ class _RequestText:
     """One request's text state; `on_output` runs on the engine thread and returns True on a stop string."""
 
     def __init__(self, gen: "Generator", prompt_ids: list[int], prompt_text: str, params: SamplingParams,
-                 settings: SlotSettings, sink: Callable[[Any], None]):
+                 settings: SlotSettings, sink: Callable[[Any], None], hidden: int = 0):
         self.gen, self.params, self.settings, self.sink = gen, params, settings, sink
         self.prompt_ids, self.base = prompt_ids, len(prompt_text)
+        self.hidden = hidden  # leading prompt tokens the tokenizer added (BOS): read by the model, not echoed
         self.detok = _Detokenizer(gen.tokenizer)
         self.text = ""       # completion text so far (cut at a stop string)
         self.safe = 0        # text[:safe] can no longer turn into a stop string
@@ -174,7 +183,10 @@ class _RequestText:
     def echo_delta(self, scores: Optional[list[TokenInfo]]) -> Delta:
         detok = _Detokenizer(self.gen.tokenizer)
         d = Delta(prompt_tokens=len(self.prompt_ids))
-        for i, tid in enumerate(self.prompt_ids):
+        for i in range(self.hidden):  # context for the detokenizer, not echoed
+            detok.add(self.prompt_ids[i])
+        for i in range(self.hidden, len(self.prompt_ids)):
+            tid = self.prompt_ids[i]
             d.text_offset.append(len(d.text))
             d.text += detok.add(tid, final=i == len(self.prompt_ids) - 1)
             info = scores[i] if scores is not None else TokenInfo(tid, None)
@@ -322,7 +334,9 @@ class Generator:
     """Prompts -> completions over an engine (`engine.Engine` or the fake one)."""
 
     def __init__(self, engine: Engine, tokenizer, max_seq_len: Optional[int] = None,
-                 model_name: str = "opt"):
+                 model_name: str = "opt", model=None):
+        """`model`: what `beam()` calls `generate(num_beams=...)` on; by default an `OPTModel` over the
+        engine's own parameters (no second copy of the weights), when the engine's slot model has them."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.max_seq_len = min(max_seq_len or engine.max_seq_len, engine.max_seq_len)
@@ -330,6 +344,11 @@ class Generator:
         self.eos_token_id = tokenizer.eos_token_id
         self._rng = random.Random()
         self._token_strs: dict[int, str] = {}
+        self._model = model
+        self._beam_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._beam_lock = threading.Lock()
+        self._beam_pending = 0
+        self._closed = False
 
     @classmethod
     def from_pretrained(cls, model_name: str, path, dtype: str = "float32", max_batch_size: Optional[int] = None,
@@ -394,8 +413,10 @@ class Generator:
                          best_of: Optional[int] = None) -> list[Completion]:
         """`best_of` (default n) samples with distinct seeds, the n with the highest cumulative logprob."""
         best_of = _check_n(n, best_of)
-        streams = [self.stream(prompt, p) for p in self.choice_params(params, best_of)]
-        try:
+        streams: list[DeltaStream] = []
+        try:  # a later stream() that raises (QueueFull) must cancel the ones already queued
+            for p in self.choice_params(params, best_of):
+                streams.append(self.stream(prompt, p))
             done = await asyncio.gather(*(self._join(s) for s in streams))
         finally:
             for s in streams:
@@ -405,6 +426,71 @@ class Generator:
     @staticmethod
     async def _join(stream: DeltaStream) -> Completion:
         return Completion.join([d async for d in stream])
+
+    # ---- beam search (the model's own generate(), one request at a time on a worker thread) ----
+    def beam(self, prompt: Prompt, params: SamplingParams, num_beams: int,
+             early_stopping: bool = False) -> "asyncio.Future[Completion]":
+        """Start a beam search now (call inside an event loop); await the result. Uses max_tokens,
+        min_tokens, repetition_penalty, no_repeat_ngram_size, bad_words_ids, stop and ignore_eos of `params`
+        (sampling fields are ignored: beam search is deterministic). Raises at once like `stream()`:
+        ValueError (bad params, prompt too long, no model to search with), QueueFull, EngineClosed.
+        Cancelling the future drops a search that has not started (a running one finishes first)."""
+        params.validate()
+        if not (isinstance(num_beams, int) and num_beams >= 1):
+            raise ValueError("num_beams must be an integer >= 1")
+        if params.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1 for beam search")
+        model = self.beam_model()
+        ids = self._prepare(prompt, params)
+        with self._beam_lock:
+            if self._closed:
+                raise EngineClosed("the generator is shut down")
+            if self._beam_pending >= self.engine.max_queue:
+                raise QueueFull(f"beam search queue is full ({self._beam_pending} waiting)")
+            if self._beam_pool is None:
+                # one worker: searches run one after another, each with the whole device
+                self._beam_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="opt-beam")
+            self._beam_pending += 1
+            job = self._beam_pool.submit(self._run_beam, model, ids, params, num_beams, early_stopping)
+        job.add_done_callback(self._beam_done)
+        return asyncio.wrap_future(job)
+
+    def _beam_done(self, _job) -> None:
+        with self._beam_lock:
+            self._beam_pending -= 1
+
+    def beam_model(self):
+        """The model beam search runs on; ValueError if this generator has none."""
+        if self._model is None:
+            slots = self.engine.model
+            if not (hasattr(slots, "cfg") and hasattr(slots, "params")):
+                raise ValueError(f"beam search (num_beams > 1) is not available for {self.model_name}: its "
+                                 "engine has no model to run generate() on")
+            from opt_serving.model.wrapper import OPTModel
+            self._model = OPTModel(slots.cfg, slots.params)
+        return self._model
+
+    def _run_beam(self, model, ids: list[int], params: SamplingParams, num_beams: int,
+                  early_stopping: bool) -> Completion:
+        eos = None if params.ignore_eos else self.eos_token_id
+        out = model.generate(
+            input_ids=np.asarray([ids], np.int32), do_sample=False, num_beams=num_beams,
+            max_new_tokens=params.max_tokens, min_new_tokens=params.min_tokens or None,
+            repetition_penalty=params.repetition_penalty, no_repeat_ngram_size=params.no_repeat_ngram_size,
+            bad_words_ids=[list(w) for w in params.bad_words_ids] or None, early_stopping=early_stopping,
+            eos_token_id=-1 if eos is None else eos)
+        new = np.asarray(getattr(out, "sequences", out))[0, len(ids):].tolist()
+        reason = "length"
+        if eos is not None and eos in new:  # the best beam ended; generate() pads after its EOS
+            new, reason = new[:new.index(eos)], "stop"
+        c = Completion(text=self.decode(new), token_ids=new, tokens=[self.token_str(t) for t in new],
+                       finish_reason=reason, prompt_tokens=len(ids),
+                       completion_tokens=len(new) + (reason == "stop"))
+        if params.stop:
+            cut, _ = find_stop(c.text, params.stop)
+            if cut >= 0:
+                c.text, c.finish_reason = c.text[:cut], "stop"
+        return c
 
     # ---- blocking (batch tool, notebooks; not on the event loop thread) ----
     def iter_complete(self, prompts: Sequence[Prompt], params: Union[SamplingParams, Sequence[SamplingParams]],
@@ -485,6 +571,11 @@ class Generator:
         return {**dataclasses.asdict(s), "tokens_per_step": s.tokens_per_step}
 
     def close(self) -> None:
+        with self._beam_lock:
+            self._closed = True
+            pool = self._beam_pool
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
         self.engine.close()
 
     def _prepare(self, prompt: Prompt, params: SamplingParams) -> list[int]:
@@ -505,6 +596,14 @@ class Generator:
                              f"has {len(ids)} tokens and max_tokens is {params.max_tokens} ({total} in total)")
         return ids
 
+    def _added_tokens(self, prompt: Prompt, ids: list[int]) -> int:
+        """How many leading ids the tokenizer added to a text prompt (OPT's BOS); 0 for token-id prompts."""
+        if not isinstance(prompt, str):
+            return 0
+        plain = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        k = len(ids) - len(plain)
+        return k if k > 0 and ids[k:] == plain else 0
+
     def _settings(self, params: SamplingParams) -> SlotSettings:
         stop_ids = () if params.ignore_eos or self.eos_token_id is None else (self.eos_token_id,)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
@@ -523,7 +622,8 @@ class Generator:
         if ids is None:
             ids = self._prepare(prompt, params)
         settings = self._settings(params)
-        state = _RequestText(self, ids, self.decode(ids), params, settings, sink)
+        hidden = self._added_tokens(prompt, ids) if params.echo else 0
+        state = _RequestText(self, ids, self.decode(ids), params, settings, sink, hidden)
         req = self.engine.submit(ids, settings, state.on_output)
         if isinstance(sink, _Collector):
             sink.req = req  # type: ignore[attr-defined]

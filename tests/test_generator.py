@@ -85,22 +85,29 @@ def test_logprobs_top_alternatives(gen):
 def test_echo_with_logprobs(gen):
     c = run(gen.complete("a", greedy(max_tokens=2, echo=True, logprobs=1)))
     assert c.text == "abc"
-    assert c.tokens == ["</s>", "a", "b", "c"]
-    assert c.text_offset == [0, 0, 1, 2]
-    assert c.token_logprobs[0] is None and c.top_logprobs[0] is None  # the first prompt token, as OpenAI
-    assert c.token_logprobs[1:] == pytest.approx([fake_logprob(2, 101), -LN2, -LN2])
-    assert c.top_logprobs[1] == pytest.approx({"<unk>": -LN2, "a": fake_logprob(2, 101)})
-    assert (c.prompt_tokens, c.completion_tokens) == (2, 2)
+    # the prompt as sent: the tokenizer's </s> is read by the model but not echoed; "a" is scored after it
+    assert c.tokens == ["a", "b", "c"]
+    assert c.text_offset == [0, 1, 2]
+    assert c.token_logprobs == pytest.approx([fake_logprob(2, 101), -LN2, -LN2])
+    assert c.top_logprobs[0] == pytest.approx({"<unk>": -LN2, "a": fake_logprob(2, 101)})
+    assert (c.prompt_tokens, c.completion_tokens) == (2, 2)  # usage counts what the model read
+
+
+def test_echo_of_token_ids_keeps_an_explicit_bos(gen):
+    c = run(gen.complete([2, 101], greedy(max_tokens=1, echo=True, logprobs=0)))
+    assert (c.text, c.tokens, c.text_offset) == ("ab", ["</s>", "a", "b"], [0, 0, 1])
+    assert c.token_logprobs[0] is None and c.top_logprobs[0] is None  # nothing before it to score it by
+    assert c.token_logprobs[1:] == pytest.approx([fake_logprob(2, 101), -LN2])
 
 
 def test_echo_without_logprobs_and_scoring_only(gen):
     deltas = run(collect(gen, "ab", greedy(max_tokens=1, echo=True)))
     assert [d.text for d in deltas] == ["ab", "c"]
-    assert deltas[0].token_logprobs == [None, None, None]
+    assert (deltas[0].tokens, deltas[0].token_logprobs) == (["a", "b"], [None, None])  # not scored: not asked
     # max_tokens=0 with echo scores the prompt and generates nothing
     c = run(gen.complete("ab", greedy(max_tokens=0, echo=True, logprobs=0)))
     assert (c.text, c.finish_reason, c.completion_tokens) == ("ab", "length", 0)
-    assert c.token_logprobs[1:] == pytest.approx([fake_logprob(2, 101), -LN2])
+    assert c.token_logprobs == pytest.approx([fake_logprob(2, 101), -LN2])
     with pytest.raises(ValueError, match="max_tokens"):
         run(gen.complete("ab", greedy(max_tokens=0)))
 
@@ -220,6 +227,86 @@ def test_queue_full_is_raised_at_submit():
         gen.close()
 
 
+def test_complete_n_cancels_started_streams_when_a_later_one_cannot_start():
+    gen = fake_generator(num_slots=1, max_queue=2, start=False)  # nothing leaves the queue
+    try:
+        with pytest.raises(QueueFull):
+            run(gen.complete_n("a", SamplingParams(max_tokens=2, seed=1), n=3))
+        assert gen.stats()["queue_length"] == 0  # the two that were queued are gone again
+        gen.engine.start()
+        assert run(gen.complete("a", greedy(max_tokens=2))).text == "bc"
+    finally:
+        gen.close()
+
+
+class BlockingBeamModel:
+    """A fake beam model that holds every search until `release` is set and records overlapping calls."""
+
+    def __init__(self):
+        from opt_serving.testing.fake_engine import FakeBeamModel
+        self.inner, self.release = FakeBeamModel(), threading.Event()
+        self.started, self.running, self.most_at_once = threading.Semaphore(0), 0, 0
+        self.lock = threading.Lock()
+
+    def generate(self, **kw):
+        with self.lock:
+            self.running += 1
+            self.most_at_once = max(self.most_at_once, self.running)
+        self.started.release()
+        self.release.wait()
+        with self.lock:
+            self.running -= 1
+        return self.inner.generate(**kw)
+
+
+def test_beam_search_gives_the_most_likely_continuation(gen):
+    # the fake's best sequence is the greedy one (every step's best costs -ln2 whatever came before)
+    async def main():
+        return await gen.beam("a", greedy(max_tokens=4), num_beams=4)
+    c = run(main())
+    assert (c.text, c.token_ids, c.finish_reason) == ("bcde", [102, 103, 104, 105], "length")
+    assert (c.prompt_tokens, c.completion_tokens) == (2, 4)
+
+    async def stops():
+        eos = await gen.beam([2, 257], greedy(max_tokens=8), num_beams=2)   # 258, 259, 0, 1, then EOS
+        cut = await gen.beam("a", greedy(max_tokens=8, stop=["de"]), num_beams=2)
+        return eos, cut
+    eos, cut = run(stops())
+    assert (eos.token_ids, eos.finish_reason, eos.completion_tokens) == ([258, 259, 0, 1], "stop", 5)
+    assert (cut.text, cut.finish_reason) == ("bc", "stop")
+    with pytest.raises(ValueError, match="context length"):
+        gen.beam("a", greedy(max_tokens=63), num_beams=2)  # refused at once, before anything is queued
+
+
+def test_beam_searches_run_one_at_a_time_in_a_bounded_queue():
+    from opt_serving.testing.fake_engine import fake_engine
+    model = BlockingBeamModel()
+    gen = Generator(fake_engine(max_queue=2), byte_tokenizer(), model=model)
+    try:
+        async def main():
+            first = gen.beam("a", greedy(max_tokens=2), num_beams=2)
+            second = gen.beam("k", greedy(max_tokens=2), num_beams=2)
+            await asyncio.to_thread(model.started.acquire)  # the first is running, the second waits
+            with pytest.raises(QueueFull):
+                gen.beam("x", greedy(max_tokens=2), num_beams=2)
+            model.release.set()
+            return [c.text for c in await asyncio.gather(first, second)]
+        assert run(main()) == ["bc", "lm"]
+        assert model.most_at_once == 1
+    finally:
+        gen.close()
+
+
+def test_beam_search_needs_a_model():
+    from opt_serving.testing.fake_engine import fake_engine
+    gen = Generator(fake_engine(), byte_tokenizer())  # FakeSlots has no parameters to search with
+    try:
+        with pytest.raises(ValueError, match="beam search"):
+            gen.beam("a", greedy(max_tokens=2), num_beams=2)
+    finally:
+        gen.close()
+
+
 def test_detokenizer_holds_partial_characters():
     tok = byte_tokenizer()
     d = _Detokenizer(tok)
@@ -273,9 +360,9 @@ def test_real_tokenizer_echo_and_stop(opt_gen, opt_tokenizer):
     expected = [opt_tokenizer.decode([i]) for i in (233, 234, 235)]
     c = run(opt_gen.complete("Hello world", greedy(max_tokens=3, echo=True, logprobs=1)))
     assert c.text == "Hello world" + "".join(expected)
-    assert c.tokens[:3] == ["</s>", "Hello", "\u0120world"]
-    assert c.text_offset == [0, 0, 5, 11, 11 + len(expected[0]), 11 + len(expected[0] + expected[1])]
-    assert c.token_logprobs[0] is None and c.token_logprobs[3:] == pytest.approx([-LN2] * 3)
+    assert c.tokens[:2] == ["Hello", "\u0120world"]  # as OpenAI: the prompt's tokens, no added </s>
+    assert c.text_offset == [0, 5, 11, 11 + len(expected[0]), 11 + len(expected[0] + expected[1])]
+    assert c.token_logprobs[0] is not None and c.token_logprobs[2:] == pytest.approx([-LN2] * 3)
     # stop at the second generated token's text: only the first survives
     c = run(opt_gen.complete("Hello world", greedy(max_tokens=3, stop=[expected[1]])))
     assert (c.text, c.token_ids, c.finish_reason) == (expected[0], [233], "stop")

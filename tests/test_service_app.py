@@ -61,12 +61,18 @@ def test_logprobs_tokens_offsets_and_top_alternatives(client):
     assert lp["top_logprobs"][0]["c"] == pytest.approx(-2 * LN2)
 
 
-def test_echo_returns_prompt_first_with_a_null_first_logprob(client):
+def test_echo_lists_the_prompt_as_sent(client):
     r = post(client, {"prompt": "a", "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 0})
     choice = r.json()["choices"][0]
     assert choice["text"] == "abc"
-    assert choice["logprobs"]["tokens"] == ["</s>", "a", "b", "c"]
-    assert choice["logprobs"]["token_logprobs"][0] is None
+    # the tokenizer's </s> is not part of the prompt the user sent; "a" is scored after it
+    assert choice["logprobs"]["tokens"] == ["a", "b", "c"]
+    assert choice["logprobs"]["text_offset"] == [0, 1, 2]
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx([math.log(2 ** -5 / 255), -LN2, -LN2])
+    # a token prompt is echoed id for id, its explicit </s> (nothing before it: null logprob) included
+    r = post(client, {"prompt": [2, 101], "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 0})
+    lp = r.json()["choices"][0]["logprobs"]
+    assert (lp["tokens"], lp["token_logprobs"][0], lp["text_offset"]) == (["</s>", "a", "b"], None, [0, 0, 1])
 
 
 def test_stop_string_cuts_the_text(client):
@@ -173,6 +179,23 @@ def test_gptj_end_sequence_and_return_prompt(client):
     r = post(client, {"prompt": ["a"], "max_length": 3, "min_length": 0, "do_sample": False,
                       "return_prompt": "b"}, "/generate")
     assert r.json() == {"gen_text": ["bcd"]}
+
+
+def test_gptj_beam_search_without_sampling(client):
+    # the fake's most likely sequence is the greedy one (tests/test_generator.py); the beam path runs
+    # FakeBeamModel.generate, not the decode slots
+    beam = client.app.state.service.g._model
+    calls = beam.calls
+    r = post(client, {"prompt": ["a", "k"], "max_length": 3, "min_length": 0, "do_sample": False, "num_beams": 4,
+                      "end_sequence": "n"}, "/generate")
+    assert r.json() == {"gen_text": ["abcd", "klm"]}
+    assert beam.calls == calls + 2
+    r = post(client, {"prompt": ["a"], "max_length": 63, "min_length": 0, "do_sample": False, "num_beams": 4},
+             "/generate")
+    assert r.status_code == 400 and "context length" in r.json()["error"]["message"]
+    r = post(client, {"prompt": ["a"], "max_length": 3, "min_length": 0, "do_sample": True, "num_beams": 4},
+             "/generate")
+    assert r.status_code == 400 and "do_sample=false" in r.json()["error"]["message"]
 
 
 def test_gptj_bad_words_become_token_ids_with_and_without_a_leading_space(client):
@@ -343,8 +366,8 @@ def test_echo_with_zero_max_tokens_scores_the_prompt(client):
     assert r.status_code == 200
     choice = r.json()["choices"][0]
     assert choice["text"] == "ab"
-    assert choice["logprobs"]["tokens"] == ["</s>", "a", "b"]
-    assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx([math.log(2 ** -5 / 255), -LN2])
+    assert choice["logprobs"]["tokens"] == ["a", "b"]
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx([math.log(2 ** -5 / 255), -LN2])
     assert post(client, {"prompt": "ab", "max_tokens": 0}).status_code == 400  # nothing to return
 
 

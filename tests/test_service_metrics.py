@@ -40,8 +40,36 @@ def test_dataclass_stats_and_a_requests_per_step_histogram():
 
     text = render(ServiceMetrics(Stats))
     assert value(text, 'opt_serving_requests_per_decode_step_bucket{le="1.0"}') == 2
+    assert value(text, 'opt_serving_requests_per_decode_step_bucket{le="3.0"}') == 2
     assert value(text, 'opt_serving_requests_per_decode_step_bucket{le="4.0"}') == 4
     assert value(text, "opt_serving_requests_per_decode_step_sum") == 10
+
+
+def test_batch_buckets_are_fixed_by_the_slot_count():
+    from opt_serving.service.metrics import _batch_buckets
+    assert _batch_buckets(4) == [1, 2, 3, 4]
+    assert _batch_buckets(100) == list(range(1, 17)) + [32, 64, 100]
+
+
+def test_requests_per_step_histogram_from_the_engine():
+    import asyncio
+    from opt_serving.generator import SamplingParams
+    g = fake_generator(num_slots=4, max_seq_len=64, start=False)  # queue all four before the first step
+
+    async def main():
+        streams = [g.stream(p, SamplingParams(max_tokens=3, temperature=0)) for p in "abcd"]
+        g.engine.start()
+        return [[d async for d in s] for s in streams]
+    try:
+        asyncio.run(main())
+        text = render(ServiceMetrics(g.stats))
+    finally:
+        g.close()
+    # the first token of each comes from its prefill; the other two from two steps over all four slots
+    assert value(text, 'opt_serving_requests_per_decode_step_bucket{le="3.0"}') == 0
+    assert value(text, 'opt_serving_requests_per_decode_step_bucket{le="4.0"}') == 2
+    assert value(text, "opt_serving_requests_per_decode_step_count") == value(text, "opt_serving_decode_steps_total")
+    assert value(text, "opt_serving_requests_per_decode_step_sum") == 8
 
 
 def test_a_broken_stats_function_does_not_break_the_scrape():

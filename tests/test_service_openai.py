@@ -50,8 +50,10 @@ def test_logprobs(fake_server):
 
 def test_echo(fake_server):
     _, client = fake_server
-    r = client.completions.create(model="opt-fake", prompt="hi", max_tokens=2, temperature=0, echo=True)
+    r = client.completions.create(model="opt-fake", prompt="hi", max_tokens=2, temperature=0, echo=True,
+                                  logprobs=0)
     assert r.choices[0].text == "hijk"
+    assert r.choices[0].logprobs.tokens == ["h", "i", "j", "k"]  # the prompt's tokens, as OpenAI echoes them
 
 
 def test_stop(fake_server):

@@ -418,10 +418,7 @@ def create_app(generator, *, model_name: str | None = None, api_keys: Sequence[s
                         stop=[req.end_sequence] if req.end_sequence else [],
                         bad_words_ids=_bad_words_ids(generator, req.bad_words))
 
-        async def work(streams):
-            timer = svc.metrics.timer("generate")
-            outs = await svc.complete_all(streams, timer)
-            timer.finish(sum(c.prompt_tokens for c in outs))
+        def answer(outs) -> P.GenerateResponse:
             texts = []
             for prompt, c in zip(req.prompt, outs):
                 text = prompt + c.text  # like decoding Hugging Face's generate() output: prompt included
@@ -431,7 +428,53 @@ def create_app(generator, *, model_name: str | None = None, api_keys: Sequence[s
                 texts.append(text)
             return P.GenerateResponse(gen_text=texts)
 
+        if req.num_beams > 1:  # do_sample=false: beam search, outside the decode slots
+            return await beam_search(request, jobs, req.num_beams, req.early_stop, answer)
+
+        async def work(streams):
+            timer = svc.metrics.timer("generate")
+            outs = await svc.complete_all(streams, timer)
+            timer.finish(sum(c.prompt_tokens for c in outs))
+            return answer(outs)
+
         return await run(request, work, jobs)
+
+    async def beam_search(request: Request, jobs, num_beams: int, early_stopping: bool, answer):
+        """Every prompt's beam search queued at once (a refusal is a 4xx and cancels the ones queued before
+        it), then awaited; a client that leaves drops the searches not yet started."""
+        futures = []
+        try:
+            for prompt, params in jobs:
+                futures.append(generator.beam(prompt, params, num_beams, early_stopping=early_stopping))
+        except Exception as e:
+            for f in futures:
+                f.cancel()
+            mapped = _engine_error(e)
+            if mapped is None:
+                raise
+            raise mapped from e
+
+        async def work():
+            timer = svc.metrics.timer("generate")
+            outs = []
+            async with asyncio.timeout(svc.request_timeout):
+                for i, f in enumerate(futures):  # in order: they run one after another anyway
+                    outs.append(await f)
+                    timer.tokens(outs[-1].completion_tokens, i)
+            timer.finish(sum(c.prompt_tokens for c in outs))
+            return answer(outs)
+        try:
+            return await _cancel_on_disconnect(request, work())
+        except ClientGone:
+            return Response(status_code=499)
+        except Exception as e:
+            mapped = _engine_error(_unwrap(e))
+            if mapped is None:
+                raise
+            raise mapped from e
+        finally:
+            for f in futures:
+                f.cancel()
 
     return app
 

@@ -56,16 +56,25 @@ class _EngineCollector:
                                     "requests advanced together by one decode step, averaged over all steps",
                                     value=float(s.get("step_tokens", 0)) / float(s["steps"]))
         hist = s.get("active_per_step")  # {active slots: number of steps}, when the engine keeps it
-        if hist:
-            buckets, acc = [], 0
-            for active in sorted(hist, key=int):
-                acc += int(hist[active])
-                buckets.append((str(float(active)), acc))
-            buckets.append(("+Inf", acc))
+        if hist is not None:
+            hist = {int(a): int(c) for a, c in hist.items()}
+            bounds = _batch_buckets(int(s.get("num_slots") or max(hist, default=1)))
+            buckets = [(str(float(b)), sum(c for a, c in hist.items() if a <= b)) for b in bounds]
+            buckets.append(("+Inf", sum(hist.values())))
             yield HistogramMetricFamily(f"{PREFIX}_requests_per_decode_step",
                                         "requests (active slots) advanced together by one decode step",
-                                        buckets=buckets,
-                                        sum_value=float(sum(int(a) * int(c) for a, c in hist.items())))
+                                        buckets=buckets, sum_value=float(sum(a * c for a, c in hist.items())))
+
+
+def _batch_buckets(num_slots: int) -> list[int]:
+    """Fixed bucket bounds for a batch size (the same at every scrape, as Prometheus expects): every size up
+    to 16, then powers of two, then the slot count itself."""
+    bounds = set(range(1, min(num_slots, 16) + 1)) | {num_slots}
+    b = 32
+    while b < num_slots:
+        bounds.add(b)
+        b *= 2
+    return sorted(bounds)
 
 
 class ServiceMetrics:

@@ -194,9 +194,9 @@ class MetaseqResponse(BaseModel):
 
 # ---------------------------------------------------------------- GPT-J REST API /generate
 class GenerateRequest(Request):
-    """GPT-API's `post_data` (seeds/002): same fields and defaults; lengths count new tokens. Beam search
-    (num_beams > 1) and contrastive search (penalty_alpha) are refused with a 400; early_stop only matters
-    to beam search and is accepted and ignored."""
+    """GPT-API's `post_data` (seeds/002): same fields and defaults; lengths count new tokens.
+    `do_sample=false, num_beams > 1` is beam search (HF's, early_stop is its `early_stopping`); beam sampling
+    (num_beams > 1 with do_sample) and contrastive search (penalty_alpha) are refused with a 400."""
     prompt: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)] = [
         "Hello world"]
     bad_words: Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=256)] = []
@@ -220,9 +220,9 @@ class GenerateRequest(Request):
             raise ValueError(f"min_length ({self.min_length}) must not exceed max_length ({self.max_length})")
         if self.penalty_alpha != 0.0:
             raise ValueError("penalty_alpha (contrastive search) is not supported by this server")
-        if self.num_beams > 1:
-            raise ValueError("num_beams > 1 (beam search) is not supported by the batching server; "
-                             "use get_model(...).generate(num_beams=...) offline")
+        if self.num_beams > 1 and self.do_sample and self.temperature > 0:
+            raise ValueError("num_beams > 1 with do_sample=true (beam sampling) is not supported; "
+                             "set do_sample=false for beam search")
         if self.top_k != int(self.top_k):
             raise ValueError("top_k must be a whole number")
         return self

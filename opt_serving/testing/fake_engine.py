@@ -5,7 +5,9 @@ generator can be tested fast and exactly. The "model" after token `t` ranks `t+1
 with log-probabilities `-ln2, -2 ln2, ..., -5 ln2`; every other token shares the remaining 1/32.
   * greedy (temperature 0): the next token is always `last + 1`;
   * sampling: the k-th generated token (k = 0, 1, ...) is `last + j` with `j = 1 + (seed + k) % 3`;
-  * before `min_tokens`, a stop token is skipped (the next candidate, one further on, is taken instead).
+  * before `min_tokens`, a stop token is skipped (the next candidate, one further on, is taken instead);
+  * beam search (`FakeBeamModel`) returns the greedy continuation: every step's best token costs -ln2 whatever
+    came before, so no other sequence can score higher (penalties and bad words are ignored).
 The tokenizer maps byte `b` to id `4 + b` (ids 0-3 are <s>, <pad>, </s>, <unk>, and </s> is also BOS/EOS), so
 with the prompt "a" (ids [2, 101]) greedy decoding continues "bcdef..."; after byte 255 (id 259) comes id 0.
 """
@@ -100,6 +102,33 @@ class FakeSlots:
         return sum(s is not None for s in self.settings)
 
 
+class FakeBeamModel:
+    """What `Generator.beam()` calls on the fake engine: `generate(num_beams=...)` in HF's shape."""
+
+    def __init__(self, vocab_size: int = FAKE_VOCAB_SIZE):
+        self.vocab_size = vocab_size
+        self.calls = 0
+
+    def generate(self, input_ids, num_beams: int = 1, max_new_tokens: int = 16, min_new_tokens=None,
+                 eos_token_id: int = -1, **_ignored) -> np.ndarray:
+        self.calls += 1
+        ids = np.asarray(input_ids)
+        out = []
+        for row in ids.tolist():
+            row, last = list(row), row[-1]
+            for k in range(max_new_tokens):
+                tok = (last + 1) % self.vocab_size
+                if k < (min_new_tokens or 0) and tok == eos_token_id:
+                    tok = (last + 2) % self.vocab_size
+                row.append(tok)
+                last = tok
+                if tok == eos_token_id:
+                    break
+            out.append(row)
+        width = max(map(len, out))
+        return np.asarray([r + [1] * (width - len(r)) for r in out], np.int64)  # padded with <pad>
+
+
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table (byte-level BPE spells " " as "\u0120")."""
     keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
@@ -143,4 +172,4 @@ def fake_generator(num_slots: int = 4, max_seq_len: int = 64, max_queue: int = 1
     from opt_serving.generator import Generator
     tokenizer = tokenizer if tokenizer is not None else byte_tokenizer()
     engine = fake_engine(num_slots, max_seq_len, max_queue, start, vocab_size=len(tokenizer))
-    return Generator(engine, tokenizer, model_name="opt-fake")
+    return Generator(engine, tokenizer, model_name="opt-fake", model=FakeBeamModel(len(tokenizer)))
