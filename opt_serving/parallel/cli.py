@@ -39,7 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--objective", choices=["latency", "throughput"], default=None,
                    help="default: latency at batch 1, throughput above")
     p.add_argument("--calibrate", action="store_true",
-                   help="measure FLOP/s, memory bandwidth and all-reduce cost on the local devices")
+                   help="measure FLOP/s, memory bandwidth and all-reduce cost on the local devices, "
+                        "and (local, batch 1, small models) time the model's decode stages at "
+                        "each tp degree")
     p.add_argument("--runners-up", type=int, default=5, help="how many runner-up plans to show")
     p.add_argument("--json", action="store_true", help="print the plans as JSON")
 
@@ -52,7 +54,9 @@ def load_model_config(model: str) -> tuple[str, OPTConfig]:
     return model.rsplit("/", 1)[-1], cfg
 
 
-def load_cluster(text: str, calibrate: bool = False) -> Cluster:
+def load_cluster(text: str, calibrate: bool = False, profile: dict | None = None) -> Cluster:
+    """`profile`: calibrate(...) keywords (model, batch, context, dtype) to also measure that
+    model's decode stages on the local devices; see profile.py."""
     if text == "local":
         from opt_serving.parallel.cluster import calibrate as measure, cluster_from_jax
         cluster = cluster_from_jax()
@@ -68,7 +72,7 @@ def load_cluster(text: str, calibrate: bool = False) -> Cluster:
                              "dry-run cluster given as text")
     if calibrate:
         import dataclasses
-        cluster = dataclasses.replace(cluster, spec=measure(base=cluster.spec))
+        cluster = dataclasses.replace(cluster, spec=measure(base=cluster.spec, **(profile or {})))
     return cluster
 
 
@@ -135,7 +139,15 @@ def plan_json(result: SearchResult, cluster: Cluster, runners_up: int) -> dict:
 def run(args: argparse.Namespace) -> int:
     try:
         name, cfg = load_model_config(args.model)
-        cluster = load_cluster(args.cluster, args.calibrate)
+        profile = None
+        if args.calibrate and args.cluster == "local" and args.batch_size == 1:
+            # profiling builds the whole model's stages for real: only where that is small
+            from opt_serving.parallel import cost
+            need = cost.weight_bytes(cfg, args.dtype)
+            if need < 2 * GB:
+                profile = dict(model=cfg, batch=1, dtype=args.dtype,
+                               context=args.max_seq_len or cfg.max_position_embeddings)
+        cluster = load_cluster(args.cluster, args.calibrate, profile)
         result = search(cfg, cluster, model=name, batch_size=args.batch_size,
                         max_seq_len=args.max_seq_len, dtype=args.dtype, headroom=args.headroom,
                         tensor_parallel=args.tensor_parallel,

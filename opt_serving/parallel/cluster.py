@@ -23,6 +23,11 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from opt_serving.config import OPTConfig
+    from opt_serving.parallel.profile import DecodeProfile
 
 GB = 1e9
 GiB = 2 ** 30
@@ -49,6 +54,12 @@ class DeviceSpec:
     # cores: splitting work over more than `pool` of them adds no speed
     shared_compute: bool = False
     pool: float = 1.0
+    # a pipeline's stages are other processes (Ray actors): the caller's call into the first
+    # and the last one's reply cost one more hop than the pp - 1 hand-offs between them
+    remote_call_s: float = 0.0
+    # measured decode-step times of one model's stages at each tp (profile.py); when it
+    # matches the stage being costed, cost.stage_time uses it instead of the roofline
+    profile: "DecodeProfile | None" = None
 
     @property
     def flops_achieved(self) -> float:
@@ -292,12 +303,19 @@ def _layer_overhead(device, layers=(2, 10)) -> float:
     return max(0.0, (times[1] - times[0]) / (layers[1] - layers[0]))
 
 
-def calibrate(devices=None, base: DeviceSpec | None = None, size: int = 1024) -> DeviceSpec:
+def calibrate(devices=None, base: DeviceSpec | None = None, size: int = 1024,
+              model: "OPTConfig | None" = None, batch: int = 1, context: int = 256,
+              dtype: str = "float32", tps: list[int] | None = None,
+              stage_actors: bool = False) -> DeviceSpec:
     """Measure FLOP/s (a matmul), memory bandwidth (a matrix-vector product), dispatch
     overhead (an empty step), per-layer overhead (decode steps of narrow models), all-reduce
     cost and, on host devices, how much splitting over them speeds things up (`pool`).
 
-    The result has efficiencies of 1: the measured rates are what is reached.
+    With `model`, also profile its decode stages at each tp degree (profile.py) for
+    `batch` sequences and a `context`-long KV cache: the planner then costs those stages
+    from what they measured, not from the rates above; `stage_actors` (Ray running) also
+    times them inside pipeline-stage actors, for pp > 1 plans. The result has efficiencies of 1:
+    the measured rates are what is reached.
     """
     import jax
     import jax.numpy as jnp
@@ -344,4 +362,15 @@ def calibrate(devices=None, base: DeviceSpec | None = None, size: int = 1024) ->
         moved = 2 * (n - 1) / n * (1 << 20) * 4
         changes.update(collective_latency_s=small,
                        intra_bw=moved / max(large - small, 1e-9))
+    if model is not None:
+        from opt_serving.parallel.profile import profile_decode
+        prof = profile_decode(model, tps, batch=batch, context=context, dtype=dtype,
+                              stage_actors=stage_actors)
+        changes["profile"] = prof
+        if devices[0].platform == "cpu":
+            # the measured split of a real layer says how far the shared cores go
+            one = dict(prof.by_tp).get(1)
+            if one is not None:
+                best = max(one.layer_s / max(t.layer_s, 1e-12) for _, t in prof.by_tp)
+                changes["pool"] = float(min(len(devices), max(changes.get("pool", 1.0), best)))
     return dataclasses.replace(base, **changes)

@@ -4,7 +4,9 @@ Everything counts from the parameter shapes of the numpy folder (`weights.param_
 so the byte counts are the real parameter counts of each size. Times follow a roofline:
 a decode step is bound by reading the weights and the KV cache, a prefill by FLOPs; on
 top come tensor-parallel all-reduces, pipeline hand-offs and fixed per-step overheads.
-No jax import here: the planner runs anywhere.
+When the device spec carries a measured profile of this model's stages (profile.py,
+calibrate(model=...)), a decode stage costs what it measured instead: the roofline is
+for clusters this process cannot run on. No jax import here: the planner runs anywhere.
 """
 from __future__ import annotations
 
@@ -164,9 +166,10 @@ def allgather_time(nbytes: float, tp: int, spec: DeviceSpec) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class StageTime:
-    compute_s: float    # roofline of the matrix products and weight/cache reads
-    comm_s: float       # tensor-parallel all-reduces and the logits all-gather
+    compute_s: float    # roofline of the matrix products and weight/cache reads (measured: all of it)
+    comm_s: float       # tensor-parallel all-reduces and the logits all-gather (measured: in compute)
     overhead_s: float   # dispatch of one jitted step and its layers' small ops
+    measured: bool = False
 
     @property
     def total_s(self) -> float:
@@ -174,9 +177,16 @@ class StageTime:
 
 
 def stage_time(cfg: OPTConfig, spec: DeviceSpec, n_layers: int, first: bool, last: bool,
-               tp: int, batch: int, tokens: int, context: int, dtype: str = "float16") -> StageTime:
-    """Seconds for one stage to run `tokens` new tokens for `batch` sequences (decode: tokens=1)."""
+               tp: int, batch: int, tokens: int, context: int, dtype: str = "float16",
+               pipelined: bool = False) -> StageTime:
+    """Seconds for one stage to run `tokens` new tokens for `batch` sequences (decode: tokens=1).
+    `pipelined`: the stage is one of several (pp > 1), run in its own process."""
     b = dtype_bytes(dtype)
+    measured = spec.profile and spec.profile.times(cfg, tp, batch, tokens, context, dtype, pipelined)
+    if measured:
+        total = measured.stage_s(n_layers, first, last)
+        fixed = min(measured.dispatch_s, total)
+        return StageTime(total - fixed, 0.0, fixed, measured=True)
     flops = n_layers * batch * layer_flops(cfg, tokens, context)
     read = n_layers * (layer_params(cfg, tp) * b + kv_cache_bytes(cfg, batch, context, dtype, tp))
     comm = n_layers * 2 * allreduce_time(batch * tokens * cfg.hidden_size * b, tp, spec)

@@ -232,7 +232,7 @@ def _evaluate(cfg: OPTConfig, cluster: Cluster, model: str, dp: int, pp: int, tp
             key = (first, last, n)
             if key not in times:
                 times[key] = cost.stage_time(cfg, cluster.spec, n, first, last, tp, mb, 1,
-                                             context, dtype)
+                                             context, dtype, pipelined=pp > 1)
                 mems[key] = _stage_memory(cfg, n, first, last, tp, batch, mb, max_seq_len,
                                           prefill_batch, dtype)
             t, m = times[key], mems[key]
@@ -258,6 +258,8 @@ def _evaluate(cfg: OPTConfig, cluster: Cluster, model: str, dp: int, pp: int, tp
     busy = [st.busy_s for st in stages]
     # a micro-batch passes every stage in turn; each stage serves all micro-batches per cycle
     step = max(sum(busy), micro * max(busy))
+    if pp > 1:
+        step += cluster.spec.remote_call_s
     spec = cluster.spec
     if spec.shared_compute:
         # host devices: every stage of every replica runs on the same `pool` of cores
@@ -357,7 +359,9 @@ def _path_parts(plan: Plan) -> dict[str, float]:
     return {"compute": sum(s.time.compute_s for s in st),
             "tensor-parallel all-reduces": sum(s.time.comm_s for s in st),
             "per-step and per-layer overheads": sum(s.time.overhead_s for s in st),
-            "pipeline hand-offs": sum(s.handoff_s for s in st)}
+            # and, for a latency plan, the caller's hop into and out of the stage actors
+            "pipeline hand-offs": sum(s.handoff_s for s in st) + (
+                max(0.0, plan.step_s - sum(s.busy_s for s in st)) if plan.objective == "latency" else 0.0)}
 
 
 def why_lost(plan: Plan, best: Plan) -> str:
