@@ -416,24 +416,39 @@ class OPTSlots:
         self.state = jax.tree_util.tree_map(jnp.copy, sampling.init_state(empty, empty, V, L))
         self.settings = self._settings_row(SlotSettings(), num_slots)
         self.active = jnp.zeros(num_slots, jnp.bool_)
+        # host copy of each slot's token count (0 = free): picks the step's attention window
+        self._lengths = np.zeros(num_slots, np.int64)
 
-        def prefill(params, ids, mask, length, settings):
+        # The model steps compile once per prefill bucket / attention window; sampling (a large graph
+        # of per-row processors) compiles once for batch 1 and once for the slots, not inside each.
+        def prefill(params, ids, mask, length, want_prompt):
             cache = kv_cache.init_cache(cfg, 1, ids.shape[1], dtype)
-            logits, cache = opt.prefill(cfg, params, cache, ids, mask)  # [1, bucket, V]
+            h, cache = opt._prefill(cfg, params, cache, ids, mask, return_hidden=True)  # [1, bucket, D]
+            emb = params["embed_tokens"]["embedding"]
             # right-padded prompt: its own sampling state, history = the prompt, `length` tokens long
             history = jnp.zeros((1, L), jnp.int32).at[:, :ids.shape[1]].set(ids * mask)
             seen = jnp.zeros((1, V), jnp.bool_).at[0, jnp.where(mask[0] > 0, ids[0], V)].set(True, mode="drop")
             n = jnp.reshape(length, (1,))
             state = sampling.State(history=history, length=n, prompt_length=n, seen=seen,
                                    counts=jnp.zeros((1, V), jnp.int32))
-            last = jax.lax.dynamic_index_in_dim(logits[0], length - 1, keepdims=True)  # [1, V]
-            tok, _ = sampling.sample(last, state, settings)
-            lp, top_ids, top_lp = _raw_scores(last)
-            first = (tok, jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0], top_ids, top_lp)
-            # prompt scores: position i predicts token i+1
-            plp, ptop, ptop_lp = _raw_scores(logits[0])
-            prompt = (jnp.take_along_axis(plp, jnp.roll(ids[0], -1)[:, None], axis=-1)[:, 0], ptop, ptop_lp)
-            return cache, sampling.update_state(state, tok), first, prompt
+            last = opt.lm_logits(emb, jax.lax.dynamic_index_in_dim(h[0], length - 1, keepdims=True))  # [1, V]
+
+            def prompt_scores():  # position i predicts token i+1; the full logits only when asked
+                plp, ptop, ptop_lp = _raw_scores(opt.lm_logits(emb, h[0]))
+                return jnp.take_along_axis(plp, jnp.roll(ids[0], -1)[:, None], axis=-1)[:, 0], ptop, ptop_lp
+
+            n = ids.shape[1]
+            none = lambda: (jnp.zeros((n,), jnp.float32), jnp.zeros((n, MAX_TOP_LOGPROBS), jnp.int32),
+                            jnp.zeros((n, MAX_TOP_LOGPROBS), jnp.float32))
+            return cache, state, last, jax.lax.cond(want_prompt, prompt_scores, none)
+
+        def choose(logits, state, settings, active):
+            """Sample one token per row, score it, and append it to the rows that are `active`."""
+            tok, _ = sampling.sample(logits, state, settings)
+            lp, top_ids, top_lp = _raw_scores(logits)
+            # free slots keep their state, so their positions never run past the cache
+            state = sampling.update_state(state, tok, active)
+            return state, (tok, jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0], top_ids, top_lp)
 
         def insert(cache, state, settings, active, pcache, row_state, row_settings, slot):
             cache = kv_cache.insert(cache, pcache, slot)
@@ -441,25 +456,20 @@ class OPTSlots:
             return (cache, jax.tree_util.tree_map(put, state, row_state),
                     jax.tree_util.tree_map(put, settings, row_settings), active.at[slot].set(True))
 
-        def step(params, cache, state, settings, active):
+        def step(params, cache, state, active, attend_len):
             rows = jnp.arange(num_slots)
             pos = jnp.where(active, state.length - 1, 0)  # the newest token goes in at its own position
             tokens = state.history[rows, pos]
-            logits, cache = opt.decode(cfg, params, cache, tokens, pos, pos)
-            tok, _ = sampling.sample(logits, state, settings)
-            lp, top_ids, top_lp = _raw_scores(logits)
-            new = sampling.update_state(state, tok)
-            # free slots keep their state, so their positions never run past the cache
-            keep = lambda a, b: jnp.where(active.reshape((-1,) + (1,) * (a.ndim - 1)), a, b)
-            state = jax.tree_util.tree_map(keep, new, state)
-            return cache, state, (tok, jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0], top_ids, top_lp)
+            logits, cache = opt._decode(cfg, params, cache, tokens, pos, pos, attend_len)
+            return logits, cache
 
         def free(cache, active, slot):
             return kv_cache.free_slot(cache, slot), active.at[slot].set(False)
 
         self._prefill = jax.jit(prefill)
+        self._choose = jax.jit(choose, donate_argnums=(1,))
         self._insert = jax.jit(insert, donate_argnums=(0, 1, 2, 3))
-        self._step = jax.jit(step, donate_argnums=(1, 2))
+        self._step = jax.jit(step, static_argnums=(4,), donate_argnums=(1,))
         self._free = jax.jit(free, donate_argnums=(0, 1))
 
     @staticmethod
@@ -487,7 +497,9 @@ class OPTSlots:
         mask = np.zeros((1, b), np.int32)
         mask[0, :n] = 1
         row_settings = self._settings_row(settings)
-        pcache, row_state, first, scores = self._prefill(self.params, ids, mask, np.int32(n), row_settings)
+        pcache, row_state, last, scores = self._prefill(self.params, ids, mask, np.int32(n),
+                                                        np.bool_(settings.prompt_logprobs))
+        row_state, first = self._choose(last, row_state, row_settings, np.ones(1, np.bool_))
         tok, lp, top_ids, top_lp = (np.asarray(a) for a in first)
         first = TokenInfo(int(tok[0]), float(lp[0]), list(zip(top_ids[0].tolist(), top_lp[0].tolist())))
         prompt = None
@@ -503,21 +515,31 @@ class OPTSlots:
         pcache, row_state, row_settings = prefix.state
         self.cache, self.state, self.settings, self.active = self._insert(
             self.cache, self.state, self.settings, self.active, pcache, row_state, row_settings, np.int32(slot))
+        self._lengths[slot] = prefix.length + 1  # the prompt and the first token
+
+    def attend_len(self) -> int:
+        """The step's attention window: the bucket holding every active slot's tokens."""
+        from opt_serving.model.kv_cache import bucket_length
+        return bucket_length(min(max(int(self._lengths.max()), 1), self.max_seq_len), self.max_seq_len)
 
     def step(self) -> StepResult:
-        self.cache, self.state, out = self._step(self.params, self.cache, self.state, self.settings,
-                                                 self.active)
+        # two dispatches, one host sync (np.asarray below)
+        logits, self.cache = self._step(self.params, self.cache, self.state, self.active, self.attend_len())
+        self.state, out = self._choose(logits, self.state, self.settings, self.active)
+        self._lengths[self._lengths > 0] += 1
         return StepResult(*(np.asarray(a) for a in out))
 
     def free(self, slot: int) -> None:
         self.cache, self.active = self._free(self.cache, self.active, np.int32(slot))
+        self._lengths[slot] = 0
 
     def warmup(self) -> None:
         """Compile every prefill bucket, its insert, the decode step and free, with throwaway requests."""
         for b in self.buckets:
-            prefix = self.prefill([self.cfg.bos_token_id] * min(b, self.max_seq_len - 1), SlotSettings())
+            # b - 1 prompt tokens fill prefill bucket b, and with the first token the step's window is b
+            prefix = self.prefill([self.cfg.bos_token_id] * (b - 1), SlotSettings())
             self.insert(prefix, 0)
-        self.step()
+            self.step()
         self.free(0)
 
 

@@ -107,7 +107,8 @@ class OPT(nn.Module):
         if cfg.has_final_layer_norm:
             self.layer_norm = LayerNorm(dt)
 
-    def __call__(self, input_ids, positions, attends, all_logits: bool = True):
+    def __call__(self, input_ids, positions, attends, all_logits: bool = True,
+                 return_hidden: bool = False):
         cfg = self.cfg
         h = self.embed_tokens(input_ids)  # [B, S, word_embed_proj_dim]
         if cfg.has_project_in_out:
@@ -124,9 +125,14 @@ class OPT(nn.Module):
             h = self.layer_norm(h)
         if cfg.has_project_in_out:
             h = self.project_out(h)
-        emb = self.embed_tokens.embedding
-        logits = jnp.einsum("bsd,vd->bsv", h, emb, preferred_element_type=jnp.float32)
-        return logits, caches
+        if return_hidden:  # the caller applies lm_logits to the positions it needs
+            return h, caches
+        return lm_logits(self.embed_tokens.embedding, h), caches
+
+
+def lm_logits(embedding, h):
+    """The tied LM head: h [..., word_embed_proj_dim] -> float32 logits [..., V]."""
+    return jnp.einsum("...d,vd->...v", h, embedding, preferred_element_type=jnp.float32)
 
 
 def _masked_softmax(scores, mask):
@@ -154,15 +160,26 @@ def _prefill_attend(k_cache, v_cache, attention_mask):
     return attend
 
 
-def _decode_attend(k_cache, v_cache, mask, write_index):
-    """One new token per row, written at that row's own index, attending to its valid entries."""
+def _decode_attend(k_cache, v_cache, mask, write_index, attend_len=None):
+    """One new token per row, written at that row's own index, attending to its valid entries.
+
+    With `attend_len` (static) only entries 0..attend_len-1 are read: a decode step's
+    cost is reading the cache, so a 2048-entry cache holding short rows should not
+    be read whole. Every valid entry and write_index must then lie below attend_len."""
     def attend(q, k, v):  # each [B, 1, H, D]
-        rows = jnp.arange(q.shape[0])
-        kc = k_cache.at[rows, :, write_index].set(k[:, 0].astype(k_cache.dtype))  # scatter [B,H,D]
-        vc = v_cache.at[rows, :, write_index].set(v[:, 0].astype(v_cache.dtype))
-        scores = jnp.einsum("bhd,bhtd->bht", q[:, 0], kc)
-        probs = _masked_softmax(scores, mask[:, None, :]).astype(q.dtype)
-        ctx = jnp.einsum("bht,bhtd->bhd", probs, vc)
+        if jnp.ndim(write_index) == 0:  # every row writes the same entry: an in-place slice update
+            at = (0, 0, write_index, 0)  # [B, H, 1, D] into [B, H, max_len, D]
+            kc = jax.lax.dynamic_update_slice(k_cache, k.transpose(0, 2, 1, 3).astype(k_cache.dtype), at)
+            vc = jax.lax.dynamic_update_slice(v_cache, v.transpose(0, 2, 1, 3).astype(v_cache.dtype), at)
+        else:
+            rows = jnp.arange(q.shape[0])
+            kc = k_cache.at[rows, :, write_index].set(k[:, 0].astype(k_cache.dtype))  # scatter [B,H,D]
+            vc = v_cache.at[rows, :, write_index].set(v[:, 0].astype(v_cache.dtype))
+        n = kc.shape[2] if attend_len is None else min(attend_len, kc.shape[2])
+        ks, vs, m = kc[:, :, :n], vc[:, :, :n], mask[:, :n]  # [B, H, n, D], [B, n]
+        scores = jnp.einsum("bhd,bhtd->bht", q[:, 0], ks)
+        probs = _masked_softmax(scores, m[:, None, :]).astype(q.dtype)
+        ctx = jnp.einsum("bht,bhtd->bhd", probs, vs)
         return ctx[:, None], (kc, vc)
     return attend
 
@@ -173,7 +190,10 @@ def prefill_positions(attention_mask):
     return jnp.cumsum(m, axis=1) * m - 1
 
 
-def _prefill(cfg, params, cache, input_ids, attention_mask, all_logits=True):
+def _prefill(cfg, params, cache, input_ids, attention_mask, all_logits=True, return_hidden=False):
+    """See `prefill`. With return_hidden, the final hidden states [B,S,D] (or [B,D]) come back
+    instead of logits: the caller applies `lm_logits` only where it needs them (a 2048-token
+    prompt's full logits are a 158 GFLOP product)."""
     dtype = cache["k"][0].dtype
     b, s = input_ids.shape
     if s > cache["mask"].shape[1]:
@@ -181,18 +201,19 @@ def _prefill(cfg, params, cache, input_ids, attention_mask, all_logits=True):
     attends = [_prefill_attend(kc, vc, attention_mask)
                for kc, vc in zip(cache["k"], cache["v"])]
     logits, caches = OPT(cfg, dtype).apply({"params": params}, input_ids,
-                                           prefill_positions(attention_mask), attends, all_logits)
+                                           prefill_positions(attention_mask), attends, all_logits,
+                                           return_hidden)
     # prefill starts the rows afresh: only the prompt's real tokens are valid
     mask = jnp.zeros_like(cache["mask"]).at[:, :s].set(attention_mask.astype(jnp.bool_))
     new_cache = {"k": tuple(c[0] for c in caches), "v": tuple(c[1] for c in caches), "mask": mask}
     return (logits if all_logits else logits[:, 0]), new_cache
 
 
-def _decode(cfg, params, cache, tokens, positions, write_index):
+def _decode(cfg, params, cache, tokens, positions, write_index, attend_len=None):
     dtype = cache["k"][0].dtype
     rows = jnp.arange(tokens.shape[0])
     mask = cache["mask"].at[rows, write_index].set(True)
-    attends = [_decode_attend(kc, vc, mask, write_index)
+    attends = [_decode_attend(kc, vc, mask, write_index, attend_len)
                for kc, vc in zip(cache["k"], cache["v"])]
     logits, caches = OPT(cfg, dtype).apply({"params": params}, tokens[:, None],
                                            positions[:, None], attends)
@@ -209,13 +230,17 @@ Left-padded prompts; positions come from the mask as in HF (cumsum(mask)-1, +2
 offset). Writes cache entries 0..S-1 and resets each row's validity to the
 prompt's real tokens. The cache is donated; pass S bucketed (bucket_length)."""
 
-decode = jax.jit(_decode, static_argnums=(0,), donate_argnums=(2,))
-decode.__doc__ = """decode(cfg, params, cache, tokens[B], positions[B], write_index[B])
+decode = jax.jit(_decode, static_argnums=(0,), static_argnames=("attend_len",),
+                 donate_argnums=(2,))
+decode.__doc__ = """decode(cfg, params, cache, tokens[B], positions[B], write_index[B], attend_len=None)
     -> (logits float32 [B,V], cache)
 
 One token per row: `positions` are 0-based token positions (the +2 offset is
-added inside), `write_index` the cache entry each row writes; each row attends
-to its valid entries plus the new one. The cache is donated."""
+added inside), `write_index` the cache entry each row writes (or a scalar int32: all rows
+write that entry, an in-place slice update); each row attends
+to its valid entries plus the new one. The cache is donated. `attend_len`
+(static, e.g. bucket_length of the longest row) reads only the cache's first
+entries; every valid entry and write_index must lie below it."""
 
 
 def forward(cfg: OPTConfig, params, input_ids, attention_mask=None):

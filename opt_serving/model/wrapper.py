@@ -276,8 +276,9 @@ def _sample_loop(cfg, params, ids, mask, st, max_new, new_bucket, pad, output_sc
 
     def body(c):
         i, tok, cache, state, unfinished, scores_buf = c
-        idx = jnp.full((b,), s + i - 1, jnp.int32)
-        logits, cache = opt._decode(cfg, params, cache, tok, n_real + i - 1, idx)
+        # one write index for all rows (a scalar): an in-place slice update, where a per-row
+        # scatter makes XLA copy the loop-carried cache every step
+        logits, cache = opt._decode(cfg, params, cache, tok, n_real + i - 1, s + i - 1)
         tok, state, unfinished, scores_buf = pick(logits, state, unfinished, scores_buf, i)
         return i + 1, tok, cache, state, unfinished, scores_buf
 
@@ -365,7 +366,7 @@ def _beam_search(cfg, params, ids, mask, st, max_new, k, n_return, length_penalt
         logits, cache = jax.lax.cond(
             go & (cur < max_length),
             lambda: opt._decode(cfg, params, cache, last, n_real + (cur - 1 - s),
-                                jnp.full((bk,), cur - 1, jnp.int32)),
+                                cur - 1),  # a scalar: see _sample_loop
             lambda: (logits, cache))
         return (cur, logits, cache, running, running_scores, running_idx, seqs, beam_scores,
                 beam_idx, finished, unsat, go, scores_buf)
