@@ -545,16 +545,27 @@ class OPTSlots:
 
 def load_engine(model_name: str, path=None, dtype: str = "float32", num_slots: int = 16,
                 max_seq_len: Optional[int] = None, max_queue: int = 256, warmup: bool = True,
-                dummy: bool = False) -> Engine:
-    """An engine serving `jax/opt-*` weights from a numpy folder (or its parent holding `<size>-np/`).
-    `facebook/opt-*` names are served by the same JAX model; `alpa/` needs the parallel backend."""
+                dummy: bool = False, tensor_parallel: Optional[int] = None,
+                pipeline_parallel: Optional[int] = None) -> Engine:
+    """An engine serving weights from a numpy folder (or its parent holding `<size>-np/`).
+
+    `jax/` and `facebook/` names run on one device. `alpa/` names take the planner's tensor-parallel
+    plan: the jitted steps accept the sharded params as they are (GSPMD shards the KV cache by heads),
+    so the slots need nothing special. Pipeline stages (pp > 1) are Ray actors that this engine's
+    single jitted step cannot drive yet, so the plan is asked for pp = 1."""
     from opt_serving.model.wrapper import get_model
+    kwargs = {}
     if model_name.startswith("alpa/"):
-        raise NotImplementedError(f"{model_name}: alpa/ models are served by the pipeline stages of "
-                                  "opt_serving.parallel, which this engine does not drive yet; use jax/")
-    if model_name.startswith("facebook/"):
+        if pipeline_parallel not in (None, 1):
+            raise NotImplementedError(
+                f"{model_name}: the continuous-batching engine runs tensor-parallel plans only; "
+                f"pipeline_parallel={pipeline_parallel} needs the pipeline stages, which it does not "
+                "drive yet (use get_model(...).generate() for pipelined models)")
+        kwargs = dict(tensor_parallel=tensor_parallel, pipeline_parallel=1,
+                      batch_size=num_slots, max_seq_len=max_seq_len)
+    elif model_name.startswith("facebook/"):
         model_name = "jax/" + model_name[len("facebook/"):]
-    m = get_model(model_name, path, dtype=dtype, dummy=dummy)
+    m = get_model(model_name, path, dtype=dtype, dummy=dummy, **kwargs)
     slots = OPTSlots(m.config, m.params, num_slots=num_slots, max_seq_len=max_seq_len)
     if warmup:
         slots.warmup()

@@ -389,3 +389,23 @@ def test_serve_cli_binds_localhost_by_default():
     cli.add_arguments(parser)
     args = parser.parse_args([])
     assert args.host == "127.0.0.1" and args.port == 8000 and args.model is None and args.path is None
+
+
+def test_alpa_deployment_reserves_the_plans_gpus_on_one_node(monkeypatch):
+    """With GPUs in the cluster, an alpa/ replica's bundle holds the tensor-parallel GPUs of its plan."""
+    import ray
+
+    from opt_serving.parallel import cluster
+    from opt_serving.service.app import ServeArgs, _placement
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 8.0})
+    monkeypatch.setattr(cluster, "cluster_from_ray", lambda *a, **k: cluster.parse_cluster("1x8x16GB"))
+    opts = _placement(ServeArgs(model="alpa/opt-13b", dtype="float16", max_batch_size=4, max_seq_len=512,
+                                num_cpus=2))
+    tp = opts["ray_actor_options"]["num_gpus"]
+    # 13b in fp16 (~26 GB) cannot fit one 16 GB GPU, so the plan must split it, within the node
+    assert tp in (2, 4, 8)
+    assert opts["placement_group_bundles"] == [{"CPU": 2, "GPU": float(tp)}]
+    assert opts["placement_group_strategy"] == "STRICT_PACK"
+    # a jax/ model reserves only the replica's CPUs
+    assert _placement(ServeArgs(model="jax/opt-125m", num_cpus=2)) == {"ray_actor_options": {"num_cpus": 2}}

@@ -581,28 +581,24 @@ def build_generator(args: ServeArgs):
 
 
 def _placement(args: ServeArgs) -> dict:
-    """Deployment options; with an `alpa/` model, a placement group reserving the plan's devices:
-    bundle 0 for the replica itself, then one per pipeline stage (its tp GPUs, or a CPU slot)."""
+    """Deployment options. An `alpa/` model runs its tensor-parallel plan inside the replica (the engine
+    drives pp = 1 plans), so on a GPU cluster the replica's placement group bundle reserves the plan's
+    tp GPUs on one node, next to the replica's CPUs."""
     own = {"ray_actor_options": {"num_cpus": args.num_cpus}}
     if not (args.model or "").startswith("alpa/"):
         return own
-    from opt_serving.parallel import pipeline
-    if not getattr(pipeline.Pipeline, "USES_CURRENT_PLACEMENT_GROUP", False):
-        # TODO(parallel): Pipeline creates its own placement group today; reserving the same devices here too
-        # would deadlock a cluster that has exactly the plan's devices. Once Pipeline places its stages in
-        # ray.util.get_current_placement_group() (bundles 1..pp) and sets USES_CURRENT_PLACEMENT_GROUP, the
-        # deployment reserves them below.
-        return own
     import ray
 
+    if not (ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0):
+        return own   # CPU: the replica's process makes its own host devices
     from opt_serving.config import get_config
     from opt_serving.parallel import cluster, planner
     plan = planner.best_plan(get_config(args.model), cluster.cluster_from_ray(), model=args.model,
-                             batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, dtype=args.dtype)
-    gpus = ray.cluster_resources().get("GPU", 0) > 0
-    stage = {"CPU": 1.0, "GPU": float(plan.tp)} if gpus else {"CPU": 1.0}
-    return {**own, "placement_group_bundles": [{"CPU": args.num_cpus}] + [stage] * plan.pp,
-            "placement_group_strategy": "PACK"}
+                             batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
+                             dtype=args.dtype, pipeline_parallel=1)
+    return {"ray_actor_options": {"num_cpus": args.num_cpus, "num_gpus": plan.tp},
+            "placement_group_bundles": [{"CPU": args.num_cpus, "GPU": float(plan.tp)}],
+            "placement_group_strategy": "STRICT_PACK"}
 
 
 def build_app(args: ServeArgs | dict | None = None):
