@@ -1,6 +1,6 @@
-"""alpa/ equals jax/: tensor parallel 2 and 4 (8 host devices, child process), pipeline 4 and
-pipeline 2 x tensor 2 (Ray stage actors; pipeline 2 alone is the same code path), a dead stage
-reported, and a rebuild in the same process. Ray starts are slow on 2 cores: one test holds them.
+"""alpa/ equals jax/: tensor parallel 2 and 4 (8 host devices, child process), pipeline 2, 4 and
+2 x tensor 2 (Ray stage actors; beam search on pp 2 and 2 x 2), a dead stage reported, and a
+rebuild in the same process. Ray starts are slow on 2 cores: one test holds them.
 """
 import os
 import subprocess
@@ -73,6 +73,22 @@ def test_planner_fills_in_left_out_degrees(folder, reference):
     np.testing.assert_array_equal(model.generate(IDS, MASK, max_new_tokens=8), reference[1])
 
 
+# beams: 4 with 2 returned; then a token the model often picks as EOS with early stopping, so
+# hypotheses finish and the search ends before max_new_tokens
+BEAM_CASES = [dict(max_new_tokens=8, num_beams=4, num_return_sequences=2),
+              dict(max_new_tokens=10, num_beams=3, eos_token_id=5, early_stopping=True)]
+
+
+@pytest.fixture(scope="module")
+def beam_reference(folder):
+    from opt_serving.model.wrapper import get_model
+    ref = get_model("jax/opt-tiny", folder)
+    out = [np.asarray(ref.generate(IDS, MASK, **kw)) for kw in BEAM_CASES]
+    assert out[0].shape == (2 * len(IDS), IDS.shape[1] + 8)
+    assert out[1].shape[1] < IDS.shape[1] + 10, "the EOS case should stop early"
+    return out
+
+
 @pytest.fixture(scope="module")
 def ray_local():
     ray = pytest.importorskip("ray")
@@ -82,12 +98,13 @@ def ray_local():
 
 
 @no_ray_in_child
-def test_pipelines_equal_jax_and_a_dead_stage_is_reported(ray_local, folder, reference):
+def test_pipelines_equal_jax_and_a_dead_stage_is_reported(ray_local, folder, reference,
+                                                          beam_reference):
     from opt_serving.model.wrapper import get_model
     from opt_serving.parallel.pipeline import StageDied
     logits, greedy, _ = reference
-    # pp 2 x tp 2 comes second: it is also the rebuild, in the same process, after a stage died
-    for pp, tp in [(4, 1), (2, 2)]:
+    # pp 2 x tp 2 comes last: it is also the rebuild, in the same process, after a stage died
+    for pp, tp in [(2, 1), (4, 1), (2, 2)]:
         model = get_model("alpa/opt-tiny", folder, tensor_parallel=tp, pipeline_parallel=pp)
         try:
             assert (model.plan.pp, model.plan.tp) == (pp, tp)
@@ -95,11 +112,17 @@ def test_pipelines_equal_jax_and_a_dead_stage_is_reported(ray_local, folder, ref
             np.testing.assert_allclose(model(IDS, MASK), logits, atol=1e-4, rtol=1e-4)
             # 3 rows in pp micro-batches, in flight together
             np.testing.assert_array_equal(model.generate(IDS, MASK, max_new_tokens=8), greedy)
+            if pp == 2:
+                # 3 prompts x beams in 2 micro-batches; every stage reorders its cache per step
+                for kw, want in zip(BEAM_CASES, beam_reference):
+                    np.testing.assert_array_equal(model.generate(IDS, MASK, **kw), want)
             if pp == 4:
                 ray_local.kill(model.pipeline.actors[2])
                 with pytest.raises(StageDied, match=r"stage 2 \(layers 2-2\) died.*rebuild"):
                     model.generate(IDS, MASK, max_new_tokens=4)
-                with pytest.raises(NotImplementedError, match="beam search"):
+                with pytest.raises(StageDied, match="stage 2"):
                     model.generate(IDS, MASK, max_new_tokens=4, num_beams=2)
+                with pytest.raises(ValueError, match=r"num_return_sequences \(3\) > num_beams \(2\)"):
+                    model.generate(IDS, MASK, max_new_tokens=4, num_beams=2, num_return_sequences=3)
         finally:
             model.shutdown()

@@ -10,11 +10,14 @@ data parallelism is more replicas (e.g. Ray Serve deployments), not more of this
 
 With pp = 1 the model is `wrapper.OPTModel` over tensor-sharded params, so generate() is
 the same jitted loop as jax/ (greedy, sampling and beam search; GSPMD partitions it). With
-pp > 1 generate() runs a host loop over the stage actors, with the rows split into
-micro-batches that are in flight together; greedy and sampling only.
+pp > 1 generate() runs a host loop over the stage actors, with the rows (beam search: the
+prompts, each with its beams) split into micro-batches that are in flight together. Beam
+search there runs `_beam_step` (wrapper's `_beam_search` step, without the decode) on the
+driver, then has every stage reorder its cache rows before the next decode.
 """
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -85,6 +88,67 @@ def _pick(logits, state, settings, unfinished, pad):
     return tok, sampling.update_state(state, tok), unfinished & (tok != settings.eos_token_id)
 
 
+def _beam_init(ids, mask, k: int, max_length: int, fill: int):
+    """Beam state for prompts already repeated k times (rows [B*K]), as in wrapper._beam_search."""
+    bk, s = ids.shape
+    b = bk // k
+    running = jnp.full((b, k, max_length), fill, jnp.int32).at[:, :, :s].set(ids.reshape(b, k, s))
+    idx = jnp.full((b, k, max_length - s), -1, jnp.int32)
+    return dict(cur=jnp.int32(s), running=running, running_scores=jnp.zeros((b, k), jnp.float32)
+                .at[:, 1:].set(-1e9), running_idx=idx, seqs=running,
+                beam_scores=jnp.full((b, k), -1e9, jnp.float32), beam_idx=idx,
+                finished=jnp.zeros((b, k), jnp.bool_), unsat=jnp.ones((b, 1), jnp.bool_))
+
+
+@partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def _beam_step(k, s, length_penalty, early_stop, eos, logits, c, prompt_seen, st):
+    """One step of transformers 5.23 `_beam_search` (wrapper._beam_search's loop body) given the
+    next-token logits [B*K, V]: -> new state, the parent row of every beam [B*K] (reorder the
+    cache by it), the token each beam feeds next [B*K], and whether to go on."""
+    bk, v = logits.shape
+    b = bk // k
+    cur, running, running_scores, running_idx = (c["cur"], c["running"], c["running_scores"],
+                                                 c["running_idx"])
+    max_length = running.shape[2]
+    keep = 2 * k  # beams_to_keep = max(2, 1 + n_eos) * num_beams
+    top_mask = jnp.arange(keep) < k
+    g = wrapper._gather_beams
+    state = wrapper._state_from_history(prompt_seen, running.reshape(bk, max_length), cur, v)
+    log_probs = sampling.process_logits(jax.nn.log_softmax(logits.astype(jnp.float32), -1),
+                                        state, st)
+    acc = (log_probs.reshape(b, k, v) + running_scores[:, :, None]).reshape(b, k * v)
+    topk_lp, topk_i = jax.lax.top_k(acc, keep)
+    cur_beam, topk_ids = topk_i // v, (topk_i % v).astype(jnp.int32)
+    t_idx = g(running_idx, cur_beam)
+    t_seq = jax.lax.dynamic_update_slice(g(running, cur_beam), topk_ids[:, :, None], (0, 0, cur))
+    flat_parent = (cur_beam + jnp.arange(b)[:, None] * k).astype(jnp.int32)
+    t_idx = jax.lax.dynamic_update_slice(t_idx, flat_parent[:, :, None], (0, 0, cur - s))
+    hits = (cur + 1 >= max_length) | (topk_ids == eos)
+    # the best unfinished beams continue
+    t_run_lp = topk_lp + hits.astype(jnp.float32) * -1.0e9
+    nxt = jax.lax.top_k(t_run_lp, k)[1]
+    running, running_scores, running_idx = g(t_seq, nxt), g(t_run_lp, nxt), g(t_idx, nxt)
+    # finished hypotheses merge into the kept ones by length-normalised score
+    did = hits & top_mask[None, :]
+    t_lp = topk_lp / ((cur + 1 - s).astype(jnp.float32) ** length_penalty)
+    full = jnp.all(c["finished"], axis=-1, keepdims=True) & early_stop
+    t_lp = t_lp + full * -1.0e9 + (~c["unsat"]) * -1.0e9 + (~did) * -1.0e9
+    top = jax.lax.top_k(jnp.concatenate([c["beam_scores"], t_lp], 1), k)[1]
+    merged = lambda a, t: g(jnp.concatenate([a, t], 1), top)
+    seqs, beam_scores = merged(c["seqs"], t_seq), merged(c["beam_scores"], t_lp)
+    beam_idx, finished = merged(c["beam_idx"], t_idx), merged(c["finished"], did)
+    parents = jax.lax.dynamic_slice_in_dim(running_idx, cur - s, 1, axis=2).reshape(bk)
+    cur = cur + 1
+    best = running_scores[:, :1] / ((cur - s).astype(jnp.float32) ** length_penalty)
+    worst = jnp.where(finished, jnp.min(beam_scores, axis=1, keepdims=True), -1.0e9)
+    unsat = c["unsat"] & jnp.any(best > worst, axis=-1, keepdims=True)
+    go = jnp.any(unsat) & ~(jnp.all(finished) & early_stop) & ~jnp.all(hits) & (cur < max_length)
+    last = jax.lax.dynamic_slice_in_dim(running, cur - 1, 1, axis=2).reshape(bk)
+    c = dict(cur=cur, running=running, running_scores=running_scores, running_idx=running_idx,
+             seqs=seqs, beam_scores=beam_scores, beam_idx=beam_idx, finished=finished, unsat=unsat)
+    return c, parents, last, go
+
+
 class PipelinedOPT:
     """pp stage actors; generate() keeps `micro_batches` groups of rows in flight."""
 
@@ -108,12 +172,15 @@ class PipelinedOPT:
     def generate(self, input_ids, attention_mask=None, max_new_tokens=None, max_length=None,
                  do_sample=False, temperature=1.0, top_k=50, top_p=1.0, repetition_penalty=1.0,
                  no_repeat_ngram_size=0, min_new_tokens=0, eos_token_id=None, pad_token_id=None,
-                 num_beams=1, seed=None, **unused):
+                 num_beams=1, num_return_sequences=1, length_penalty=1.0, early_stopping=False,
+                 seed=None, **unused):
         if unused:
             raise TypeError(f"generate() got unsupported arguments: {sorted(unused)}")
-        if num_beams > 1:
-            raise NotImplementedError("beam search over pipeline stages is not supported yet; "
-                                      "use pipeline_parallel=1 (tensor parallel) for beams")
+        if num_beams > 1 and do_sample:
+            raise NotImplementedError("beam sampling (num_beams > 1 with do_sample) is not supported")
+        if num_return_sequences > max(num_beams, 1) and not do_sample:
+            raise ValueError(f"num_return_sequences ({num_return_sequences}) > num_beams ({num_beams}); "
+                             "greedy search returns one sequence per prompt")
         cfg = self.config
         ids = np.asarray(input_ids, np.int32)
         ids = ids[None] if ids.ndim == 1 else ids
@@ -131,6 +198,15 @@ class PipelinedOPT:
         eos = cfg.eos_token_id if eos_token_id is None else int(eos_token_id)
         pad = cfg.pad_token_id if pad_token_id is None else int(pad_token_id)
         seed = int(np.random.randint(0, 2 ** 31)) if seed is None else seed
+        settings = dict(repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
+                        min_new_tokens=min_new_tokens, eos_token_id=eos)
+        if num_beams > 1:
+            return self._beam_search(ids, mask, max_new_tokens, num_beams, num_return_sequences,
+                                     float(length_penalty), early_stopping is True, eos, pad,
+                                     settings, seed)
+        if num_return_sequences > 1:
+            ids, mask = np.repeat(ids, num_return_sequences, 0), np.repeat(mask, num_return_sequences, 0)
+            b = ids.shape[0]
         total = s + max_new_tokens
         groups = [g for g in np.array_split(np.arange(b), min(self.micro_batches, b)) if len(g)]
         runs = []
@@ -138,8 +214,7 @@ class PipelinedOPT:
             st = sampling.make_settings(
                 len(rows), temperature=temperature if do_sample else 0.0,
                 top_k=(top_k or 0) if do_sample else 0, top_p=top_p if do_sample else 1.0,
-                repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
-                min_new_tokens=min_new_tokens, eos_token_id=eos, seed=seed + rows)
+                seed=seed + rows, **settings)
             self.pipeline.init_cache(mb, len(rows), total)
             runs.append(dict(rows=rows, st=st, state=sampling.init_state(ids[rows], mask[rows],
                                                                          cfg.vocab_size, total),
@@ -169,6 +244,59 @@ class PipelinedOPT:
             out[r["rows"]] = np.asarray(r["state"].history)
             out[r["rows"], int(r["state"].length[0]):] = pad
         return out[:, :steps]
+
+    def _beam_search(self, ids, mask, max_new, k, n_return, length_penalty, early_stop, eos, pad,
+                     settings, seed):
+        """wrapper._beam_search over the stages: prompts split into micro-batches, each with its
+        K beams; per step the logits come to the driver, `_beam_step` picks the beams, every
+        stage reorders its cache rows to follow them, and the next decode goes out."""
+        cfg = self.config
+        b, s = ids.shape
+        total = s + max_new
+        fill = pad if pad else eos
+        groups = [g for g in np.array_split(np.arange(b), min(self.micro_batches, b)) if len(g)]
+        runs = []
+        try:
+            for mb, items in enumerate(groups):
+                gi, gm = np.repeat(ids[items], k, 0), np.repeat(mask[items], k, 0)  # [n*K, S]
+                self.pipeline.init_cache(mb, len(gi), total)
+                runs.append(dict(items=items, c=_beam_init(jnp.asarray(gi), jnp.asarray(gm), k, total,
+                                                           fill),
+                                 seen=sampling.init_state(gi, gm, cfg.vocab_size, total),
+                                 st=sampling.make_settings(len(gi), seed=seed, **settings),
+                                 n_real=gm.sum(1).astype(np.int32),
+                                 ref=self.pipeline.prefill_async(mb, gi, gm, False), pending=[]))
+            live = True
+            while live:
+                live = False
+                for mb, r in enumerate(runs):
+                    if r["ref"] is None:
+                        continue
+                    # the reorders sent with this decode surface their errors here
+                    logits = self.pipeline._get([*r["pending"], r["ref"]])[-1]
+                    r["c"], parents, last, go = _beam_step(k, s, length_penalty, early_stop, eos,
+                                                           jnp.asarray(logits), r["c"], r["seen"], r["st"])
+                    r["ref"], r["pending"] = None, []
+                    if bool(go):
+                        cur = int(r["c"]["cur"])
+                        r["pending"] = self.pipeline.reorder_async(mb, np.asarray(parents))
+                        r["ref"] = self.pipeline.decode_async(
+                            mb, np.asarray(last), r["n_real"] + (cur - 1 - s),
+                            np.full(len(parents), cur - 1, np.int32))
+                        live = True
+        finally:
+            for mb in range(len(groups)):
+                self.pipeline.free_cache(mb)
+        out = np.full((b * n_return, total), fill, np.int32)
+        steps = 0
+        for r in runs:
+            n = len(r["items"])
+            seqs = np.asarray(r["c"]["seqs"])[:, :n_return].reshape(n * n_return, total)
+            idx = np.asarray(r["c"]["beam_idx"])[:, :n_return].reshape(n * n_return, -1)
+            rows = (r["items"][:, None] * n_return + np.arange(n_return)).reshape(-1)
+            out[rows] = seqs
+            steps = max(steps, int(((idx + 1) != 0).sum(1).max()))
+        return out[:, :s + steps]
 
 
 def get_alpa_model(model_name: str, path=None, dtype=jnp.float32, tensor_parallel: int | None = None,

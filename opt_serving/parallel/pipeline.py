@@ -18,7 +18,7 @@ import numpy as np
 
 from opt_serving.config import OPTConfig
 from opt_serving.model import opt
-from opt_serving.model.kv_cache import init_cache
+from opt_serving.model.kv_cache import init_cache, reorder
 from opt_serving.model.weights import flax_path, global_param_shapes, layer_param_shapes, load_checked
 
 
@@ -176,6 +176,7 @@ class Stage:
         self._prefill = jax.jit(partial(stage_prefill, *statics), static_argnames=("all_logits",),
                                 donate_argnums=(1,))
         self._decode = jax.jit(partial(stage_decode, *statics), donate_argnums=(1,))
+        self._reorder = jax.jit(reorder, donate_argnums=(0,))
         self.caches: dict[int, dict] = {}   # micro-batch id -> this stage's cache slice
 
     def init_cache(self, mb: int, batch: int, max_len: int) -> None:
@@ -199,6 +200,14 @@ class Stage:
         out, self.caches[mb] = self._decode(self.params, self.caches[mb], jnp.asarray(x),
                                             jnp.asarray(positions), jnp.asarray(write_index))
         return np.asarray(out)
+
+    def reorder(self, mb: int, index) -> None:
+        """Beam search: row i of the cache continues from row index[i]."""
+        index = np.asarray(index, np.int32)
+        n = self.caches[mb]["mask"].shape[0]
+        if index.shape != (n,) or index.min(initial=0) < 0 or index.max(initial=0) >= n:
+            raise ValueError(f"reorder index must be {n} row numbers in [0, {n}), got {index}")
+        self.caches[mb] = self._reorder(self.caches[mb], jnp.asarray(index))
 
 
 # ---- the pipeline over Ray actors ----
@@ -283,6 +292,15 @@ class Pipeline:
             x = a.decode.remote(mb, x, np.asarray(positions), np.asarray(write_index))
         return x
 
+    def reorder_async(self, mb: int, index) -> list:
+        """Every stage gathers its cache rows by `index`; Ray runs one caller's calls to an actor
+        in order, so a decode sent after this sees the reordered cache."""
+        index = np.asarray(index, np.int32)
+        return [a.reorder.remote(mb, index) for a in self.actors]
+
+    def reorder(self, mb: int, index) -> None:
+        self._get(self.reorder_async(mb, index))
+
     def prefill(self, mb, *args, **kw):
         return self._get(self.prefill_async(mb, *args, **kw))
 
@@ -335,6 +353,9 @@ class StageActor:
 
     def decode(self, mb, x, positions, write_index):
         return self.stage.decode(mb, x, positions, write_index)
+
+    def reorder(self, mb, index):
+        self.stage.reorder(mb, index)
 
     def pid(self) -> int:
         import os
