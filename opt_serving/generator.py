@@ -561,7 +561,9 @@ class Generator:
         """`count` copies with distinct seeds: choice 0 keeps `seed`, the others derive from it."""
         if params.seed is None:
             return [params.replace(seed=self._rng.getrandbits(31)) for _ in range(count)]
-        seeds = [params.seed] + [int(s) for s in np.random.SeedSequence(params.seed).generate_state(count)[1:]
+        # OpenAI seeds are any int64; SeedSequence takes only non-negative entropy
+        entropy = params.seed % 2 ** 64
+        seeds = [params.seed] + [int(s) for s in np.random.SeedSequence(entropy).generate_state(count)[1:]
                                  & 0x7FFFFFFF]
         return [params.replace(seed=s) for s in seeds]
 

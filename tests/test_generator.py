@@ -366,3 +366,14 @@ def test_real_tokenizer_echo_and_stop(opt_gen, opt_tokenizer):
     # stop at the second generated token's text: only the first survives
     c = run(opt_gen.complete("Hello world", greedy(max_tokens=3, stop=[expected[1]])))
     assert (c.text, c.token_ids, c.finish_reason) == (expected[0], [233], "stop")
+
+
+def test_negative_seeds_are_valid_and_reproducible(gen):
+    """OpenAI seeds are any int64 (schemathesis found -2 crashing the GPT-J route's n-way seeding)."""
+    params = SamplingParams(max_tokens=3, temperature=1.0, seed=-2)
+    seeds = [p.seed for p in gen.choice_params(params, 3)]
+    assert seeds[0] == -2 and len(set(seeds)) == 3 and all(s >= 0 for s in seeds[1:])
+    assert seeds == [p.seed for p in gen.choice_params(params, 3)]
+    first = gen.complete_many(["a"], params, n=2)[0]
+    again = gen.complete_many(["a"], params, n=2)[0]
+    assert [c.token_ids for c in first] == [c.token_ids for c in again]

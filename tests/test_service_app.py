@@ -409,3 +409,18 @@ def test_alpa_deployment_reserves_the_plans_gpus_on_one_node(monkeypatch):
     assert opts["placement_group_strategy"] == "STRICT_PACK"
     # a jax/ model reserves only the replica's CPUs
     assert _placement(ServeArgs(model="jax/opt-125m", num_cpus=2)) == {"ray_actor_options": {"num_cpus": 2}}
+
+
+def test_gptj_generate_with_a_negative_seed_is_answered():
+    """The schemathesis case that once gave a 500: seed -2 (only -1 means 'random' in GPT-API)."""
+    gen = fake_generator(num_slots=2, max_seq_len=64)
+    try:
+        client = TestClient(create_app(gen))
+        r = client.post("/generate", json={"prompt": ["a"], "bad_words": [], "do_sample": True,
+                                           "max_length": 3, "min_length": 0, "seed": -2})
+        assert r.status_code == 200, r.text
+        again = client.post("/generate", json={"prompt": ["a"], "bad_words": [], "do_sample": True,
+                                               "max_length": 3, "min_length": 0, "seed": -2})
+        assert r.json()["gen_text"] == again.json()["gen_text"]
+    finally:
+        gen.close()

@@ -23,7 +23,8 @@ def _close_generator():
 
 
 @schema.parametrize()
-@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+# derandomized: the same examples every run, so CI is deterministic; raise max_examples locally to explore
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 def test_no_server_errors(case):
     response = case.call()
     case.validate_response(response, checks=[not_a_server_error])
