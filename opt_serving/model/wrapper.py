@@ -114,6 +114,36 @@ class GenerateOutput:
     sequences_scores: Any = None
 
 
+def prepare_inputs(cfg: OPTConfig, input_ids, attention_mask, max_length, max_new_tokens):
+    """generate()'s inputs checked and as int32 numpy: (ids [B, S], mask [B, S], max_new_tokens, is_torch).
+    Shared by every backend's generate(), so they accept and refuse the same things."""
+    is_torch = type(input_ids).__module__.startswith("torch")
+    ids = np.asarray(input_ids.cpu().numpy() if is_torch else input_ids, np.int32)
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.ndim != 2 or ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be [batch, seq] with seq > 0, got shape {ids.shape}")
+    if ids.min() < 0 or ids.max() >= cfg.vocab_size:
+        raise ValueError(f"input_ids must lie in [0, {cfg.vocab_size}), got {ids.min()}..{ids.max()}")
+    if attention_mask is None:
+        mask = np.ones_like(ids)
+    else:
+        mask = np.asarray(attention_mask.cpu().numpy() if hasattr(attention_mask, "cpu")
+                          else attention_mask, np.int32)
+        if mask.shape != ids.shape:
+            raise ValueError(f"attention_mask shape {mask.shape} != input_ids shape {ids.shape}")
+    s = ids.shape[1]
+    if max_new_tokens is None:
+        max_new_tokens = (max_length if max_length is not None else 20) - s
+    if max_new_tokens < 1:
+        raise ValueError(f"nothing to generate: the prompt has {s} tokens and max_length is "
+                         f"{max_length}; set max_new_tokens")
+    if s + max_new_tokens > cfg.max_position_embeddings:
+        raise ValueError(f"prompt ({s} tokens) + {max_new_tokens} new tokens exceeds the model's "
+                         f"limit of {cfg.max_position_embeddings} positions")
+    return ids, mask, max_new_tokens, is_torch
+
+
 class OPTModel:
     """The Flax OPT on one device: params + config, the jitted steps, and generate()."""
 
@@ -144,31 +174,10 @@ class OPTModel:
                  length_penalty=1.0, early_stopping=False, **unused):
         if unused:
             raise TypeError(f"generate() got unsupported arguments: {sorted(unused)}")
-        is_torch = type(input_ids).__module__.startswith("torch")
-        ids = np.asarray(input_ids.cpu().numpy() if is_torch else input_ids, np.int32)
-        if ids.ndim == 1:
-            ids = ids[None]
-        if ids.ndim != 2 or ids.shape[1] == 0:
-            raise ValueError(f"input_ids must be [batch, seq] with seq > 0, got shape {ids.shape}")
         cfg = self.config
-        if ids.min() < 0 or ids.max() >= cfg.vocab_size:
-            raise ValueError(f"input_ids must lie in [0, {cfg.vocab_size}), got {ids.min()}..{ids.max()}")
-        if attention_mask is None:
-            mask = np.ones_like(ids)
-        else:
-            mask = np.asarray(attention_mask.cpu().numpy() if hasattr(attention_mask, "cpu")
-                              else attention_mask, np.int32)
-            if mask.shape != ids.shape:
-                raise ValueError(f"attention_mask shape {mask.shape} != input_ids shape {ids.shape}")
+        ids, mask, max_new_tokens, is_torch = prepare_inputs(cfg, input_ids, attention_mask,
+                                                             max_length, max_new_tokens)
         b, s = ids.shape
-        if max_new_tokens is None:
-            max_new_tokens = (max_length if max_length is not None else 20) - s
-        if max_new_tokens < 1:
-            raise ValueError(f"nothing to generate: the prompt has {s} tokens and max_length is "
-                             f"{max_length}; set max_new_tokens")
-        if s + max_new_tokens > cfg.max_position_embeddings:
-            raise ValueError(f"prompt ({s} tokens) + {max_new_tokens} new tokens exceeds the model's "
-                             f"limit of {cfg.max_position_embeddings} positions")
         eos = cfg.eos_token_id if eos_token_id is None else int(eos_token_id)
         pad = (cfg.pad_token_id if cfg.pad_token_id is not None else eos) \
             if pad_token_id is None else int(pad_token_id)

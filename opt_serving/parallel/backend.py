@@ -182,19 +182,9 @@ class PipelinedOPT:
             raise ValueError(f"num_return_sequences ({num_return_sequences}) > num_beams ({num_beams}); "
                              "greedy search returns one sequence per prompt")
         cfg = self.config
-        ids = np.asarray(input_ids, np.int32)
-        ids = ids[None] if ids.ndim == 1 else ids
-        mask = np.ones_like(ids) if attention_mask is None else np.asarray(attention_mask, np.int32)
-        if mask.shape != ids.shape:
-            raise ValueError(f"attention_mask shape {mask.shape} != input_ids shape {ids.shape}")
+        ids, mask, max_new_tokens, _ = wrapper.prepare_inputs(cfg, input_ids, attention_mask,
+                                                              max_length, max_new_tokens)
         b, s = ids.shape
-        if max_new_tokens is None:
-            max_new_tokens = (max_length if max_length is not None else 20) - s
-        if max_new_tokens < 1:
-            raise ValueError(f"nothing to generate: the prompt has {s} tokens; set max_new_tokens")
-        if s + max_new_tokens > cfg.max_position_embeddings:
-            raise ValueError(f"prompt ({s} tokens) + {max_new_tokens} new tokens exceeds the model's "
-                             f"limit of {cfg.max_position_embeddings} positions")
         eos = cfg.eos_token_id if eos_token_id is None else int(eos_token_id)
         pad = cfg.pad_token_id if pad_token_id is None else int(pad_token_id)
         seed = int(np.random.randint(0, 2 ** 31)) if seed is None else seed

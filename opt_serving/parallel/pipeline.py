@@ -124,8 +124,9 @@ def load_stage_params(folder, cfg: OPTConfig, layers: range, first: bool, last: 
     return tree
 
 
-def select_stage_params(params: dict, cfg: OPTConfig, layers: range, first: bool, last: bool) -> dict:
-    """A full Flax tree (e.g. dummy weights) cut down to one stage."""
+def select_stage_params(params: dict, cfg: OPTConfig, layers: range, first: bool, last: bool,
+                        place=lambda name, arr: arr) -> dict:
+    """A full Flax tree (e.g. dummy weights) cut down to one stage; `place(name, leaf)` may move each leaf."""
     out: dict = {}
     for name in stage_param_names(cfg, layers, first, last):
         path, _ = flax_path(name)
@@ -134,7 +135,7 @@ def select_stage_params(params: dict, cfg: OPTConfig, layers: range, first: bool
             src = src[p]
         for p in path[:-1]:
             node = node.setdefault(p, {})
-        node[path[-1]] = src
+        node[path[-1]] = place(name, src)
     return out
 
 
@@ -142,16 +143,9 @@ def _shard_stage(params: dict, cfg: OPTConfig, layers, first, last, mesh) -> dic
     """Put a stage's param tree on its tp mesh with the Megatron specs of sharding.py."""
     from jax.sharding import NamedSharding
     from opt_serving.parallel.sharding import TP_RULES, param_spec
-    out: dict = {}
-    for name in stage_param_names(cfg, layers, first, last):
-        path, _ = flax_path(name)
-        src, node = params, out
-        for p in path:
-            src = src[p]
-        for p in path[:-1]:
-            node = node.setdefault(p, {})
-        node[path[-1]] = jax.device_put(src, NamedSharding(mesh, param_spec(name, TP_RULES)))
-    return out
+    return select_stage_params(
+        params, cfg, layers, first, last,
+        place=lambda name, arr: jax.device_put(arr, NamedSharding(mesh, param_spec(name, TP_RULES))))
 
 
 class Stage:
