@@ -71,6 +71,31 @@ def _unwrap(e: BaseException) -> BaseException:
     return e
 
 
+@contextlib.contextmanager
+def _as_http_errors():
+    """Engine refusals raised inside (queue full, too long, closing, timeout) leave as their HTTP errors."""
+    try:
+        yield
+    except Exception as e:
+        mapped = _engine_error(_unwrap(e))
+        if mapped is None:
+            raise
+        raise mapped from e
+
+
+async def _until_done_or_gone(request, coro, handles):
+    """Await `coro` as the response, engine errors mapped; a client that disconnects first cancels it.
+    The handles (engine streams, beam futures) are cancelled however it ends."""
+    try:
+        with _as_http_errors():
+            return await _cancel_on_disconnect(request, coro)
+    except ClientGone:
+        return Response(status_code=499)  # nobody reads it; recorded in the metrics
+    finally:
+        for h in handles:
+            h.cancel()
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Talking to the generator
 # ---------------------------------------------------------------------------------------------------------
@@ -299,30 +324,14 @@ def create_app(generator, *, model_name: str | None = None, api_keys: Sequence[s
 
     def start(jobs) -> list:
         """Start the jobs' engine requests, mapping refusals (queue full, too long) to HTTP errors."""
-        try:
+        with _as_http_errors():
             return svc.start(jobs)
-        except Exception as e:
-            mapped = _engine_error(e)
-            if mapped is None:
-                raise
-            raise mapped from e
 
     async def run(request: Request, work, jobs):
         """Start the jobs and await `work(streams)`, mapping engine errors to HTTP ones; a client that
         disconnects first cancels the work (and with it the engine requests)."""
         streams = start(jobs)
-        try:
-            return await _cancel_on_disconnect(request, work(streams))
-        except ClientGone:
-            return Response(status_code=499)  # nobody reads it; recorded in the metrics
-        except Exception as e:
-            mapped = _engine_error(_unwrap(e))
-            if mapped is None:
-                raise
-            raise mapped from e
-        finally:
-            for st in streams:
-                st.cancel()
+        return await _until_done_or_gone(request, work(streams), streams)
 
     # ---- pages and probes ----
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
@@ -444,15 +453,13 @@ def create_app(generator, *, model_name: str | None = None, api_keys: Sequence[s
         it), then awaited; a client that leaves drops the searches not yet started."""
         futures = []
         try:
-            for prompt, params in jobs:
-                futures.append(generator.beam(prompt, params, num_beams, early_stopping=early_stopping))
-        except Exception as e:
+            with _as_http_errors():
+                for prompt, params in jobs:
+                    futures.append(generator.beam(prompt, params, num_beams, early_stopping=early_stopping))
+        except Exception:
             for f in futures:
                 f.cancel()
-            mapped = _engine_error(e)
-            if mapped is None:
-                raise
-            raise mapped from e
+            raise
 
         async def work():
             timer = svc.metrics.timer("generate")
@@ -463,18 +470,7 @@ def create_app(generator, *, model_name: str | None = None, api_keys: Sequence[s
                     timer.tokens(outs[-1].completion_tokens, i)
             timer.finish(sum(c.prompt_tokens for c in outs))
             return answer(outs)
-        try:
-            return await _cancel_on_disconnect(request, work())
-        except ClientGone:
-            return Response(status_code=499)
-        except Exception as e:
-            mapped = _engine_error(_unwrap(e))
-            if mapped is None:
-                raise
-            raise mapped from e
-        finally:
-            for f in futures:
-                f.cancel()
+        return await _until_done_or_gone(request, work(), futures)
 
     return app
 
