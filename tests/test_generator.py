@@ -14,7 +14,8 @@ import pytest
 
 from opt_serving.engine import Engine, QueueFull
 from opt_serving.generator import Completion, Generator, SamplingParams, _Detokenizer
-from opt_serving.testing.fake_engine import (FakeSlots, byte_tokenizer, fake_generator, fake_logprob)
+from opt_serving.testing.fake_engine import (GatedSlots, byte_tokenizer, fake_generator,
+                                              fake_logprob)
 
 LN2 = math.log(2)
 ASSETS = Path(__file__).resolve().parents[1] / ".." / "shared" / "opt-assets"
@@ -175,18 +176,6 @@ def test_prompt_too_long_and_bad_params(gen):
             SamplingParams(**bad).validate()
 
 
-class GatedSlots(FakeSlots):
-    """Each decode step waits for a permit, so a test decides exactly when steps happen."""
-
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.permits = threading.Semaphore(0)
-
-    def step(self):
-        self.permits.acquire()
-        return super().step()
-
-
 def test_cancelled_stream_frees_its_slot():
     model = GatedSlots(num_slots=1, max_seq_len=64)
     gen = Generator(Engine(model), byte_tokenizer())
@@ -197,7 +186,7 @@ def test_cancelled_stream_frees_its_slot():
         await stream.aclose()             # the client goes away
         with pytest.raises(StopAsyncIteration):
             await stream.__anext__()
-        model.permits.release(100)
+        model.gate.release(100)
         # one slot only: the next request can run only once the cancelled one left it
         return first, await gen.complete("x", greedy(max_tokens=3))
 

@@ -2,7 +2,6 @@
 text arrive piece by piece (the fake engine's decode steps are released one at a time by the test)."""
 import shutil
 import tempfile
-import threading
 
 import pytest
 
@@ -20,17 +19,7 @@ from opt_serving.engine import Engine  # noqa: E402
 from opt_serving.generator import Generator  # noqa: E402
 from opt_serving.service.app import create_app  # noqa: E402
 from opt_serving.service.testserver import serve_in_thread  # noqa: E402
-from opt_serving.testing.fake_engine import FakeSlots, byte_tokenizer  # noqa: E402
-
-
-class GatedSlots(FakeSlots):
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.gate = threading.Semaphore(0)
-
-    def step(self):
-        self.gate.acquire()
-        return super().step()
+from opt_serving.testing.fake_engine import GatedSlots, byte_tokenizer  # noqa: E402
 
 
 @pytest.fixture

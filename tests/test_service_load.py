@@ -15,7 +15,7 @@ from opt_serving.engine import Engine
 from opt_serving.generator import Generator
 from opt_serving.service.app import create_app
 from opt_serving.service.testserver import serve_in_thread
-from opt_serving.testing.fake_engine import FakeSlots, byte_tokenizer, fake_generator
+from opt_serving.testing.fake_engine import GatedSlots, byte_tokenizer, fake_generator
 
 
 def wait_for(cond, what: str, timeout: float = 20.0):
@@ -80,18 +80,6 @@ def test_64_concurrent_streaming_clients_share_decode_steps():
         assert metric(metrics, "opt_serving_time_to_first_token_seconds_count") == 64
     finally:
         g.close()
-
-
-class GatedSlots(FakeSlots):
-    """Fake slots whose decode step waits for the test to allow it."""
-
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.gate = threading.Semaphore(0)
-
-    def step(self):
-        self.gate.acquire()
-        return super().step()
 
 
 @pytest.fixture

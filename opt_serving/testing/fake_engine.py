@@ -14,6 +14,7 @@ with the prompt "a" (ids [2, 101]) greedy decoding continues "bcdef..."; after b
 from __future__ import annotations
 
 import math
+import threading
 from typing import Optional, Sequence
 
 import numpy as np
@@ -100,6 +101,18 @@ class FakeSlots:
     @property
     def active(self) -> int:
         return sum(s is not None for s in self.settings)
+
+
+class GatedSlots(FakeSlots):
+    """Each decode step waits for a permit (`gate.release(n)`), so a test decides exactly when steps happen."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.gate = threading.Semaphore(0)
+
+    def step(self):
+        self.gate.acquire()
+        return super().step()
 
 
 class FakeBeamModel:
