@@ -12,7 +12,7 @@ With pp = 1 the model is `wrapper.OPTModel` over tensor-sharded params, so gener
 the same jitted loop as jax/ (greedy, sampling and beam search; GSPMD partitions it). With
 pp > 1 generate() runs a host loop over the stage actors, with the rows (beam search: the
 prompts, each with its beams) split into micro-batches that are in flight together. Beam
-search there runs `_beam_step` (wrapper's `_beam_search` step, without the decode) on the
+search there runs `wrapper.beam_step` (the step of jax/'s beam search, without the decode) on the
 driver, then has every stage reorder its cache rows before the next decode.
 """
 from __future__ import annotations
@@ -88,65 +88,13 @@ def _pick(logits, state, settings, unfinished, pad):
     return tok, sampling.update_state(state, tok), unfinished & (tok != settings.eos_token_id)
 
 
-def _beam_init(ids, mask, k: int, max_length: int, fill: int):
-    """Beam state for prompts already repeated k times (rows [B*K]), as in wrapper._beam_search."""
-    bk, s = ids.shape
-    b = bk // k
-    running = jnp.full((b, k, max_length), fill, jnp.int32).at[:, :, :s].set(ids.reshape(b, k, s))
-    idx = jnp.full((b, k, max_length - s), -1, jnp.int32)
-    return dict(cur=jnp.int32(s), running=running, running_scores=jnp.zeros((b, k), jnp.float32)
-                .at[:, 1:].set(-1e9), running_idx=idx, seqs=running,
-                beam_scores=jnp.full((b, k), -1e9, jnp.float32), beam_idx=idx,
-                finished=jnp.zeros((b, k), jnp.bool_), unsat=jnp.ones((b, 1), jnp.bool_))
+_beam_init = wrapper.beam_init
 
 
 @partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
 def _beam_step(k, s, length_penalty, early_stop, eos, logits, c, prompt_seen, st):
-    """One step of transformers 5.23 `_beam_search` (wrapper._beam_search's loop body) given the
-    next-token logits [B*K, V]: -> new state, the parent row of every beam [B*K] (reorder the
-    cache by it), the token each beam feeds next [B*K], and whether to go on."""
-    bk, v = logits.shape
-    b = bk // k
-    cur, running, running_scores, running_idx = (c["cur"], c["running"], c["running_scores"],
-                                                 c["running_idx"])
-    max_length = running.shape[2]
-    keep = 2 * k  # beams_to_keep = max(2, 1 + n_eos) * num_beams
-    top_mask = jnp.arange(keep) < k
-    g = wrapper._gather_beams
-    state = wrapper._state_from_history(prompt_seen, running.reshape(bk, max_length), cur, v)
-    log_probs = sampling.process_logits(jax.nn.log_softmax(logits.astype(jnp.float32), -1),
-                                        state, st)
-    acc = (log_probs.reshape(b, k, v) + running_scores[:, :, None]).reshape(b, k * v)
-    topk_lp, topk_i = jax.lax.top_k(acc, keep)
-    cur_beam, topk_ids = topk_i // v, (topk_i % v).astype(jnp.int32)
-    t_idx = g(running_idx, cur_beam)
-    t_seq = jax.lax.dynamic_update_slice(g(running, cur_beam), topk_ids[:, :, None], (0, 0, cur))
-    flat_parent = (cur_beam + jnp.arange(b)[:, None] * k).astype(jnp.int32)
-    t_idx = jax.lax.dynamic_update_slice(t_idx, flat_parent[:, :, None], (0, 0, cur - s))
-    hits = (cur + 1 >= max_length) | (topk_ids == eos)
-    # the best unfinished beams continue
-    t_run_lp = topk_lp + hits.astype(jnp.float32) * -1.0e9
-    nxt = jax.lax.top_k(t_run_lp, k)[1]
-    running, running_scores, running_idx = g(t_seq, nxt), g(t_run_lp, nxt), g(t_idx, nxt)
-    # finished hypotheses merge into the kept ones by length-normalised score
-    did = hits & top_mask[None, :]
-    t_lp = topk_lp / ((cur + 1 - s).astype(jnp.float32) ** length_penalty)
-    full = jnp.all(c["finished"], axis=-1, keepdims=True) & early_stop
-    t_lp = t_lp + full * -1.0e9 + (~c["unsat"]) * -1.0e9 + (~did) * -1.0e9
-    top = jax.lax.top_k(jnp.concatenate([c["beam_scores"], t_lp], 1), k)[1]
-    merged = lambda a, t: g(jnp.concatenate([a, t], 1), top)
-    seqs, beam_scores = merged(c["seqs"], t_seq), merged(c["beam_scores"], t_lp)
-    beam_idx, finished = merged(c["beam_idx"], t_idx), merged(c["finished"], did)
-    parents = jax.lax.dynamic_slice_in_dim(running_idx, cur - s, 1, axis=2).reshape(bk)
-    cur = cur + 1
-    best = running_scores[:, :1] / ((cur - s).astype(jnp.float32) ** length_penalty)
-    worst = jnp.where(finished, jnp.min(beam_scores, axis=1, keepdims=True), -1.0e9)
-    unsat = c["unsat"] & jnp.any(best > worst, axis=-1, keepdims=True)
-    go = jnp.any(unsat) & ~(jnp.all(finished) & early_stop) & ~jnp.all(hits) & (cur < max_length)
-    last = jax.lax.dynamic_slice_in_dim(running, cur - 1, 1, axis=2).reshape(bk)
-    c = dict(cur=cur, running=running, running_scores=running_scores, running_idx=running_idx,
-             seqs=seqs, beam_scores=beam_scores, beam_idx=beam_idx, finished=finished, unsat=unsat)
-    return c, parents, last, go
+    """wrapper.beam_step, jitted on its own: the driver runs it between pipelined decodes."""
+    return wrapper.beam_step(k, s, length_penalty, early_stop, eos, logits, c, prompt_seen, st)[:4]
 
 
 class PipelinedOPT:
