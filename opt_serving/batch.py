@@ -450,6 +450,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="jax/opt-125m, alpa/opt-175b, ... (default: the embedded tiny model)")
     parser.add_argument("--path", default=None, help="numpy weights folder (or its parent)")
+    parser.add_argument("--dummy", action="store_true", help="random weights of --model's size (no weight files)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the --dummy weights")
+    parser.add_argument("--tokenizer", default=None, metavar="DIR",
+                        help="tokenizer folder (vocab.json + merges.txt, tokenizer.json, or metaseq's "
+                             "gpt2-vocab.json + gpt2-merges.txt); needed with --dummy beyond opt-tiny")
     parser.add_argument("--budget", type=int, default=16384,
                         help="most prompt + generated tokens (x best_of) in flight at once (default 16384)")
     parser.add_argument("--max-batch-size", type=int, default=16,
@@ -464,9 +469,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_generator(model: str | None, path: str | None, dtype: str = "float32", max_batch_size: int = 16,
-                   max_seq_len: int | None = None):
-    """The named model from `path`, or the embedded tiny one, as the service loads it."""
+                   max_seq_len: int | None = None, dummy: bool = False, seed: int = 0,
+                   tokenizer: str | None = None):
+    """The named model from `path` (random weights of its size with `dummy`), or the embedded tiny one,
+    as the service loads it."""
     from opt_serving.generator import Generator
+    if dummy:
+        if model is None or path is not None:
+            raise SystemExit("batch: --dummy needs --model (e.g. --model jax/opt-125m) and no --path")
+        return Generator.from_pretrained(model, None, dtype=dtype, max_batch_size=max_batch_size,
+                                         max_seq_len=max_seq_len, dummy=True, seed=seed, tokenizer=tokenizer)
     if path is None:
         if model is not None:
             raise SystemExit("batch: --model needs --path (the numpy weights folder)")
@@ -475,7 +487,7 @@ def load_generator(model: str | None, path: str | None, dtype: str = "float32", 
     elif model is None:
         raise SystemExit("batch: --path needs --model (e.g. --model jax/opt-125m)")
     return Generator.from_pretrained(model, path, dtype=dtype, max_batch_size=max_batch_size,
-                                     max_seq_len=max_seq_len)
+                                     max_seq_len=max_seq_len, tokenizer=tokenizer)
 
 
 def _interrupt(*_):
@@ -494,7 +506,8 @@ def run(args: argparse.Namespace) -> int:
     # SIGTERM ends like Ctrl-C: every finished line is already flushed, requests in flight are redone
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        gen = load_generator(args.model, args.path, args.dtype, args.max_batch_size, args.max_seq_len)
+        gen = load_generator(args.model, args.path, args.dtype, args.max_batch_size, args.max_seq_len,
+                             dummy=args.dummy, seed=args.seed, tokenizer=args.tokenizer)
     except (OSError, ValueError, NotImplementedError) as e:  # missing folder, unknown name, alpa/ not ready
         print(f"batch: cannot load {args.model}: {e}", file=sys.stderr)
         return 2

@@ -402,7 +402,9 @@ class OPTSlots:
         import jax.numpy as jnp
         from opt_serving import sampling
         from opt_serving.model import kv_cache, opt
-        self.cfg, self.params = cfg, params
+        # one device: q/k/v as one matmul (a tensor-parallel plan's params stay split by heads)
+        one_device = all(len(x.sharding.device_set) == 1 for x in jax.tree_util.tree_leaves(params))
+        self.cfg, self.params = cfg, (opt.fuse_qkv(params) if one_device else params)
         self.num_slots = num_slots
         self.max_seq_len = min(max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.vocab_size = cfg.vocab_size
@@ -546,8 +548,9 @@ class OPTSlots:
 def load_engine(model_name: str, path=None, dtype: str = "float32", num_slots: int = 16,
                 max_seq_len: Optional[int] = None, max_queue: int = 256, warmup: bool = True,
                 dummy: bool = False, tensor_parallel: Optional[int] = None,
-                pipeline_parallel: Optional[int] = None) -> Engine:
-    """An engine serving weights from a numpy folder (or its parent holding `<size>-np/`).
+                pipeline_parallel: Optional[int] = None, seed: int = 0) -> Engine:
+    """An engine serving weights from a numpy folder (or its parent holding `<size>-np/`), or random
+    weights of the named size (`dummy`, drawn from `seed`; no files).
 
     `jax/` and `facebook/` names run on one device. `alpa/` names take the planner's tensor-parallel
     plan: the jitted steps accept the sharded params as they are (GSPMD shards the KV cache by heads),
@@ -565,8 +568,9 @@ def load_engine(model_name: str, path=None, dtype: str = "float32", num_slots: i
                       batch_size=num_slots, max_seq_len=max_seq_len)
     elif model_name.startswith("facebook/"):
         model_name = "jax/" + model_name[len("facebook/"):]
-    m = get_model(model_name, path, dtype=dtype, dummy=dummy, **kwargs)
-    slots = OPTSlots(m.config, m.params, num_slots=num_slots, max_seq_len=max_seq_len)
+    m = get_model(model_name, path, dtype=dtype, dummy=dummy, seed=seed, **kwargs)
+    params = m.fused_params if hasattr(m, "fused_params") else m.params  # no unfused copy
+    slots = OPTSlots(m.config, params, num_slots=num_slots, max_seq_len=max_seq_len)
     if warmup:
         slots.warmup()
     return Engine(slots, max_queue=max_queue)

@@ -351,19 +351,27 @@ class Generator:
         self._closed = False
 
     @classmethod
-    def from_pretrained(cls, model_name: str, path, dtype: str = "float32", max_batch_size: Optional[int] = None,
+    def from_pretrained(cls, model_name: str, path=None, dtype: str = "float32", max_batch_size: Optional[int] = None,
                         max_seq_len: Optional[int] = None, max_queue: int = 256,
-                        warmup: bool = True) -> "Generator":
+                        warmup: bool = True, dummy: bool = False, seed: int = 0,
+                        tokenizer=None) -> "Generator":
         """Weights from a numpy folder (or its parent holding `<size>-np/`), the tokenizer from the same
-        folder; `max_batch_size` decode slots (default 16). Compiles every shape before returning."""
+        folder; `max_batch_size` decode slots (default 16). Compiles every shape before returning.
+        `dummy`: random weights of the named size from `seed` instead (no `path`). `tokenizer`: a folder
+        to take the tokenizer from instead (needed with `dummy` when the vocabulary is larger than the
+        embedded model's)."""
         from opt_serving.engine import load_engine
         from opt_serving.model.wrapper import resolve_numpy_folder
-        from opt_serving.tokenizer import load_tokenizer
-        folder = resolve_numpy_folder(path, model_name)
-        tokenizer = load_tokenizer(folder)
+        from opt_serving.tokenizer import load_tokenizer, tokenizer_for_dummy
+        if dummy:
+            folder, tok = None, load_tokenizer(tokenizer_for_dummy(model_name, tokenizer))
+        else:
+            folder = resolve_numpy_folder(path, model_name)
+            tok = load_tokenizer(folder if tokenizer is None else tokenizer)
         engine = load_engine(model_name, folder, dtype=dtype, num_slots=max_batch_size or 16,
-                             max_seq_len=max_seq_len, max_queue=max_queue, warmup=warmup)
-        return cls(engine, tokenizer, max_seq_len=max_seq_len, model_name=model_name)
+                             max_seq_len=max_seq_len, max_queue=max_queue, warmup=warmup,
+                             dummy=dummy, seed=seed)
+        return cls(engine, tok, max_seq_len=max_seq_len, model_name=model_name)
 
     @property
     def vocab_size(self) -> int:

@@ -1,9 +1,11 @@
 """Load the tokenizer that belongs to a model folder (or the embedded opt-tiny one).
 
 A model folder carries OPT's GPT-2 byte-level BPE as vocab.json + merges.txt
-(or a tokenizer.json) beside the weights. OPT prepends </s> (id 2) to every
-prompt; tokenizer_config.json says so, and a folder without one gets the same
-settings here, so "Hello world" encodes as OPT does: [2, 31414, 232].
+(or a tokenizer.json) beside the weights; a folder with metaseq's names
+(gpt2-vocab.json + gpt2-merges.txt, e.g. ../shared/opt-assets) loads in place.
+OPT prepends </s> (id 2) to every prompt; tokenizer_config.json says so, and a
+folder without one gets the same settings here, so "Hello world" encodes as
+OPT does: [2, 31414, 232].
 """
 from __future__ import annotations
 
@@ -18,12 +20,17 @@ OPT_TOKENIZER_CONFIG = {"tokenizer_class": "GPT2Tokenizer", "bos_token": "</s>",
                         "add_bos_token": True}
 
 EMBEDDED_NAMES = ("opt-tiny", "tiny", "jax/opt-tiny")
+METASEQ_FILES = ("gpt2-vocab.json", "gpt2-merges.txt")  # metaseq's projects/OPT/assets names
+
+
+def _has_metaseq_files(folder: Path) -> bool:
+    return all((folder / name).is_file() for name in METASEQ_FILES)
 
 
 def has_tokenizer(folder: str | os.PathLike) -> bool:
     folder = Path(folder)
     return (folder / "tokenizer.json").is_file() or (
-        (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file())
+        (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file()) or _has_metaseq_files(folder)
 
 
 def install_tokenizer(folder: str | os.PathLike, vocab_json: str | os.PathLike,
@@ -50,11 +57,30 @@ def load_tokenizer(path: str | os.PathLike | None = None):
         raise FileNotFoundError(f"model folder not found: {folder}")
     if not has_tokenizer(folder):
         raise FileNotFoundError(
-            f"{folder} has no tokenizer: expected vocab.json + merges.txt (OPT's GPT-2 BPE) or "
-            f"tokenizer.json; for a real OPT model copy metaseq's gpt2-vocab.json and "
-            f"gpt2-merges.txt there with opt_serving.tokenizer.install_tokenizer()")
+            f"{folder} has no tokenizer: expected vocab.json + merges.txt (OPT's GPT-2 BPE), "
+            f"tokenizer.json, or metaseq's {' + '.join(METASEQ_FILES)}")
     import transformers
+    settings = {k: v for k, v in OPT_TOKENIZER_CONFIG.items() if k != "tokenizer_class"}
+    if not (folder / "tokenizer.json").is_file() and not (folder / "vocab.json").is_file():
+        # metaseq's file names: read in place (the folder may be read-only, e.g. ../shared/opt-assets)
+        vocab, merges = (str(folder / name) for name in METASEQ_FILES)
+        return transformers.GPT2Tokenizer(vocab=vocab, merges=merges, **settings)
     if (folder / "tokenizer_config.json").is_file():
         return transformers.AutoTokenizer.from_pretrained(folder)
-    settings = {k: v for k, v in OPT_TOKENIZER_CONFIG.items() if k != "tokenizer_class"}
     return transformers.GPT2Tokenizer.from_pretrained(folder, **settings)
+
+
+def tokenizer_for_dummy(model_name: str, tokenizer: str | os.PathLike | None = None):
+    """What `load_tokenizer` should read for random weights of `model_name` (no weights folder to take it
+    from): `tokenizer` if given, else the embedded one (None) when the model's vocabulary is no larger than
+    its; otherwise ValueError, since generated ids past the embedded vocabulary would decode to nothing."""
+    from opt_serving.config import TINY_VOCAB_SIZE, get_config
+    if tokenizer is not None:
+        return tokenizer
+    vocab = get_config(model_name).vocab_size
+    if vocab > TINY_VOCAB_SIZE:
+        raise ValueError(
+            f"{model_name} with random weights (--dummy) has a {vocab}-token vocabulary, larger than the "
+            f"embedded tokenizer's {TINY_VOCAB_SIZE}: give a tokenizer folder with --tokenizer DIR "
+            f"(tokenizer=DIR), e.g. one holding OPT's gpt2-vocab.json + gpt2-merges.txt")
+    return None

@@ -1,4 +1,5 @@
 """Flax OPT vs Hugging Face: prefill and every cached decode step, pre-LN and 350m-style."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -33,10 +34,21 @@ def left_padded(rng, lengths, width, vocab, pad=1):
     return ids, mask
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["qkv_split", "qkv_fused"])
 @pytest.mark.parametrize("cfg", [PRE_LN, POST_LN], ids=["pre_ln", "post_ln_350m"])
-def test_prefill_and_decode_match_hf(cfg):
+def test_prefill_and_decode_match_hf(cfg, fused):
     hf = hf_model(cfg)
     params = weights.params_from_hf_state_dict(cfg, hf.state_dict())
+    if fused:  # the single-device layout generate() and the engine run: one [D, 3D] q/k/v matmul
+        split = params
+        params = opt.fuse_qkv(params)
+        back = opt.unfuse_qkv(params)  # what OPTModel.params shows: the checkpoint's layout again
+        assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(split)
+        assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(back),
+                                                         jax.tree_util.tree_leaves(split)))
+        attn = params["layers_1"]["self_attn"]
+        assert sorted(attn) == ["out_proj", "qkv_proj"] and attn["qkv_proj"]["kernel"].shape == (32, 96)
+        assert opt.fuse_qkv(params) == params  # already fused: unchanged
     rng = np.random.RandomState(0)
     ids, mask = left_padded(rng, [8, 5, 2], 8, cfg.vocab_size)
     steps = 5

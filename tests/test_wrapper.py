@@ -134,8 +134,7 @@ def test_nearby_lengths_share_one_compiled_loop(models):
     hf, ours, ids, mask, eos, _ = models
     ours.generate(ids, attention_mask=mask, max_new_tokens=NEW, eos_token_id=eos)
     compiled = wrapper._sample_loop._cache_size()
-    longer = torch.cat([ids[:, :2], ids], 1)  # 9 tokens: the same 16-wide bucket as 7
-    longer_mask = torch.cat([mask[:, :2], mask], 1)
+    longer, longer_mask = ids[:, 1:], mask[:, 1:]  # 6 tokens: the same 8-wide bucket as 7
     out = ours.generate(longer, attention_mask=longer_mask, max_new_tokens=NEW + 3, eos_token_id=eos)
     assert wrapper._sample_loop._cache_size() == compiled
     with torch.no_grad():

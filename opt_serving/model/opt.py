@@ -41,20 +41,27 @@ class LayerNorm(nn.Module):
 class SelfAttention(nn.Module):
     cfg: OPTConfig
     dtype: Any = jnp.float32
+    fused_qkv: bool = False  # params hold one qkv_proj [D, 3D] (see fuse_qkv) instead of q/k/v
 
     def setup(self):
         h = self.cfg.hidden_size
-        dense = partial(nn.Dense, h, dtype=self.dtype, param_dtype=self.dtype)
-        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (
-            dense(name=n) for n in ("q_proj", "k_proj", "v_proj", "out_proj"))
+        dense = partial(nn.Dense, dtype=self.dtype, param_dtype=self.dtype)
+        if self.fused_qkv:
+            self.qkv_proj = dense(3 * h, name="qkv_proj")
+        else:
+            self.q_proj, self.k_proj, self.v_proj = (dense(h, name=n) for n in ("q_proj", "k_proj", "v_proj"))
+        self.out_proj = dense(h, name="out_proj")
 
     def __call__(self, x, attend: Callable):
         cfg = self.cfg
         b, s, _ = x.shape
         split = lambda t: t.reshape(b, s, cfg.num_attention_heads, cfg.head_dim)  # [B, S, H, D]
+        if self.fused_qkv:
+            q, k, v = jnp.split(self.qkv_proj(x), 3, axis=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         # OPT scales q after its bias, as HF and metaseq do
-        q = split(self.q_proj(x) * (cfg.head_dim ** -0.5))
-        k, v = split(self.k_proj(x)), split(self.v_proj(x))
+        q, k, v = split(q * (cfg.head_dim ** -0.5)), split(k), split(v)
         ctx, cache_out = attend(q, k, v)  # ctx [B, S, H, D]
         return self.out_proj(ctx.reshape(b, s, cfg.hidden_size)), cache_out
 
@@ -62,10 +69,11 @@ class SelfAttention(nn.Module):
 class DecoderLayer(nn.Module):
     cfg: OPTConfig
     dtype: Any = jnp.float32
+    fused_qkv: bool = False
 
     def setup(self):
         cfg, dt = self.cfg, self.dtype
-        self.self_attn = SelfAttention(cfg, dt)
+        self.self_attn = SelfAttention(cfg, dt, self.fused_qkv)
         self.self_attn_layer_norm = LayerNorm(dt)
         self.fc1 = nn.Dense(cfg.ffn_dim, dtype=dt, param_dtype=dt)
         self.fc2 = nn.Dense(cfg.hidden_size, dtype=dt, param_dtype=dt)
@@ -92,6 +100,7 @@ class OPT(nn.Module):
     (prefill or decode, with its cache) and returns (context, new layer cache)."""
     cfg: OPTConfig
     dtype: Any = jnp.float32
+    fused_qkv: bool = False
 
     def setup(self):
         cfg, dt = self.cfg, self.dtype
@@ -103,7 +112,7 @@ class OPT(nn.Module):
             self.project_in = nn.Dense(cfg.hidden_size, use_bias=False, dtype=dt, param_dtype=dt)
             self.project_out = nn.Dense(cfg.word_embed_proj_dim, use_bias=False, dtype=dt,
                                         param_dtype=dt)
-        self.layers = [DecoderLayer(cfg, dt) for _ in range(cfg.num_hidden_layers)]
+        self.layers = [DecoderLayer(cfg, dt, self.fused_qkv) for _ in range(cfg.num_hidden_layers)]
         if cfg.has_final_layer_norm:
             self.layer_norm = LayerNorm(dt)
 
@@ -200,7 +209,7 @@ def _prefill(cfg, params, cache, input_ids, attention_mask, all_logits=True, ret
         raise ValueError(f"prompt of {s} tokens does not fit a cache of {cache['mask'].shape[1]}")
     attends = [_prefill_attend(kc, vc, attention_mask)
                for kc, vc in zip(cache["k"], cache["v"])]
-    logits, caches = OPT(cfg, dtype).apply({"params": params}, input_ids,
+    logits, caches = OPT(cfg, dtype, is_fused(params)).apply({"params": params}, input_ids,
                                            prefill_positions(attention_mask), attends, all_logits,
                                            return_hidden)
     # prefill starts the rows afresh: only the prompt's real tokens are valid
@@ -215,7 +224,7 @@ def _decode(cfg, params, cache, tokens, positions, write_index, attend_len=None)
     mask = cache["mask"].at[rows, write_index].set(True)
     attends = [_decode_attend(kc, vc, mask, write_index, attend_len)
                for kc, vc in zip(cache["k"], cache["v"])]
-    logits, caches = OPT(cfg, dtype).apply({"params": params}, tokens[:, None],
+    logits, caches = OPT(cfg, dtype, is_fused(params)).apply({"params": params}, tokens[:, None],
                                            positions[:, None], attends)
     new_cache = {"k": tuple(c[0] for c in caches), "v": tuple(c[1] for c in caches), "mask": mask}
     return logits[:, 0], new_cache
@@ -251,6 +260,42 @@ def forward(cfg: OPTConfig, params, input_ids, attention_mask=None):
     dtype = param_dtype(params)
     cache = init_cache(cfg, input_ids.shape[0], input_ids.shape[1], dtype)
     return prefill(cfg, params, cache, input_ids, jnp.asarray(attention_mask))[0]
+
+
+def fuse_qkv(params: dict) -> dict:
+    """The same params with each layer's q, k and v projections as one qkv_proj [D, 3D].
+
+    One [D, 3D] matmul runs faster than three [D, D] ones (XLA CPU: ~1.5x at batch 16-64).
+    For one device only: a tensor-parallel plan splits q, k and v by heads separately."""
+    out = dict(params)
+    for name, layer in params.items():
+        attn = layer.get("self_attn", {}) if name.startswith("layers_") else {}
+        if "q_proj" not in attn:
+            continue
+        parts = [attn[n] for n in ("q_proj", "k_proj", "v_proj")]
+        fused = {key: jnp.concatenate([p[key] for p in parts], axis=-1) for key in ("kernel", "bias")}
+        rest = {k: v for k, v in attn.items() if k not in ("q_proj", "k_proj", "v_proj")}
+        out[name] = {**layer, "self_attn": {**rest, "qkv_proj": fused}}
+    return out
+
+
+def unfuse_qkv(params: dict) -> dict:
+    """fuse_qkv undone: the checkpoint's layout (q_proj, k_proj, v_proj)."""
+    out = dict(params)
+    for name, layer in params.items():
+        attn = layer.get("self_attn", {}) if name.startswith("layers_") else {}
+        if "qkv_proj" not in attn:
+            continue
+        parts = {key: jnp.split(attn["qkv_proj"][key], 3, axis=-1) for key in ("kernel", "bias")}
+        rest = {k: v for k, v in attn.items() if k != "qkv_proj"}
+        rest.update({n: {key: parts[key][i] for key in parts}
+                     for i, n in enumerate(("q_proj", "k_proj", "v_proj"))})
+        out[name] = {**layer, "self_attn": rest}
+    return out
+
+
+def is_fused(params: dict) -> bool:
+    return "qkv_proj" in params["layers_0"]["self_attn"]
 
 
 def param_dtype(params):

@@ -149,22 +149,28 @@ class OPTModel:
 
     def __init__(self, cfg: OPTConfig, params):
         self.config = cfg
-        self.params = params
+        # kept with q/k/v fused into one matmul (opt.fuse_qkv): the steps and generate() run these
+        self.fused_params = opt.fuse_qkv(params)
         self.dtype = opt.param_dtype(params)
+
+    @property
+    def params(self):
+        """The params in the checkpoint's layout (q_proj / k_proj / v_proj), as a new tree."""
+        return opt.unfuse_qkv(self.fused_params)
 
     # engine-facing pass-throughs
     def init_cache(self, batch: int, max_len: int):
         return kv_cache.init_cache(self.config, batch, max_len, self.dtype)
 
     def prefill(self, cache, input_ids, attention_mask, all_logits=True):
-        return opt.prefill(self.config, self.params, cache, input_ids, attention_mask,
+        return opt.prefill(self.config, self.fused_params, cache, input_ids, attention_mask,
                            all_logits=all_logits)
 
     def decode(self, cache, tokens, positions, write_index):
-        return opt.decode(self.config, self.params, cache, tokens, positions, write_index)
+        return opt.decode(self.config, self.fused_params, cache, tokens, positions, write_index)
 
     def __call__(self, input_ids, attention_mask=None):
-        return opt.forward(self.config, self.params, input_ids, attention_mask)
+        return opt.forward(self.config, self.fused_params, input_ids, attention_mask)
 
     def generate(self, input_ids=None, attention_mask=None, max_length=None, max_new_tokens=None,
                  min_length=None, min_new_tokens=None, do_sample=False, temperature=1.0, top_k=50,
@@ -199,7 +205,7 @@ class OPTModel:
             ids, mask = np.repeat(ids, num_beams, 0), np.repeat(mask, num_beams, 0)
             st = sampling.make_settings(b * num_beams, seed=seed, **settings)
             seqs, scores, seq_scores = _beam_search(
-                cfg, self.params, jnp.asarray(ids), jnp.asarray(mask), st, max_new_tokens, num_beams,
+                cfg, self.fused_params, jnp.asarray(ids), jnp.asarray(mask), st, max_new_tokens, num_beams,
                 num_return_sequences, float(length_penalty), bool(early_stopping is True), eos, pad,
                 output_scores)
             seqs, beam_idx = np.asarray(seqs[0]), np.asarray(seqs[1])
@@ -215,7 +221,7 @@ class OPTModel:
             rows = ids.shape[0]
             # bucket the prompt width (extra left pads) and the new-token budget so that
             # prompts of nearby lengths share one compiled loop
-            sb = kv_cache.bucket_length(s, cfg.max_position_embeddings)
+            sb = kv_cache.bucket_length(s, cfg.max_position_embeddings, min_bucket=8)
             extra = sb - s
             ids = np.concatenate([np.full((rows, extra), pad, np.int32), ids], 1)
             mask = np.concatenate([np.zeros((rows, extra), np.int32), mask], 1)
@@ -223,7 +229,7 @@ class OPTModel:
                 settings["min_length"] += extra  # HF's min_length counts the history we lengthened
             st = sampling.make_settings(rows, seed=np.asarray(seed) + np.arange(rows), **settings)
             new_bucket = kv_cache.bucket_length(max_new_tokens, 1 << 30)
-            seqs, steps, scores = _sample_loop(cfg, self.params, jnp.asarray(ids), jnp.asarray(mask),
+            seqs, steps, scores = _sample_loop(cfg, self.fused_params, jnp.asarray(ids), jnp.asarray(mask),
                                                st, jnp.int32(max_new_tokens), new_bucket, pad,
                                                output_scores)
             n_steps = int(steps)
@@ -261,6 +267,7 @@ def _sample_loop(cfg, params, ids, mask, st, max_new, new_bucket, pad, output_sc
     """HF `_sample`: greedy or sampled rows, finished rows filled with pad; stops when all are done.
 
     `max_new` is traced; buffers are sized by the static `new_bucket` >= max_new."""
+    params = opt.fuse_qkv(params)  # once per call, outside the loop
     b, s = ids.shape
     total = s + new_bucket
     n_real = jnp.sum(mask, axis=1).astype(jnp.int32)
@@ -372,6 +379,7 @@ def _beam_search(cfg, params, ids, mask, st, max_new, k, n_return, length_penalt
     n_real = jnp.sum(mask, axis=1).astype(jnp.int32)  # [B*K]; equal within a batch item
     prompt_seen = sampling.init_state(ids, mask, cfg.vocab_size, s + max_new)
     scores_buf = jnp.zeros((max_new if output_scores else 0, bk, cfg.vocab_size), jnp.float32)
+    params = opt.fuse_qkv(params)  # once per call, outside the loop
     logits, cache = _start(cfg, params, ids, mask, max_new)
 
     def step(carry):

@@ -543,6 +543,9 @@ class ServeArgs(BaseModel):
     strings from the command line are converted (lax mode)."""
     model: Optional[str] = None          # None: the embedded tiny model
     path: Optional[str] = None
+    dummy: bool = False                  # random weights of the named size (no path)
+    seed: int = 0                        # of the random weights
+    tokenizer: Optional[str] = None      # tokenizer folder, instead of the weights folder's / the embedded one
     dtype: str = "float32"
     max_batch_size: int = 16
     max_seq_len: Optional[int] = None
@@ -558,22 +561,47 @@ class ServeArgs(BaseModel):
         return [k.strip() for k in keys if k.strip()]
 
 
+def check_model_args(args: ServeArgs) -> None:
+    """The model arguments' own errors (ValueError, naming the builder argument and the CLI flag), found
+    before anything loads or Ray starts."""
+    if args.model == "opt-fake":
+        return
+    if args.dummy:
+        if args.model is None:
+            raise ValueError("dummy (--dummy, random weights) needs a model name for the size (--model), "
+                             "e.g. jax/opt-125m")
+        if args.path is not None:
+            raise ValueError("give either path (--path, a weights folder) or dummy (--dummy, random weights), "
+                             "not both")
+        from opt_serving.tokenizer import tokenizer_for_dummy
+        tokenizer_for_dummy(args.model, args.tokenizer)  # a large vocabulary needs a tokenizer folder
+    elif args.path is None:
+        from opt_serving.tokenizer import EMBEDDED_NAMES
+        if args.model is not None and args.model not in EMBEDDED_NAMES:
+            raise ValueError(f"{args.model}: give path (--path, the numpy weights folder) or dummy (--dummy, "
+                             "random weights)")
+        if args.tokenizer is not None:
+            raise ValueError("tokenizer (--tokenizer) goes with path or dummy; the embedded model has its own")
+    elif args.model is None:
+        raise ValueError("give model (--model NAME, e.g. facebook/opt-125m) together with path (--path)")
+
+
 def build_generator(args: ServeArgs):
-    """The generator a replica serves: the named model from `path`, or the embedded tiny one."""
-    model, path = args.model, args.path
-    if model == "opt-fake":  # the hand-checkable fake engine (tests, demos of the HTTP side)
+    """The generator a replica serves: the named model from `path` (or random weights of its size with
+    `dummy`), or the embedded tiny one."""
+    if args.model == "opt-fake":  # the hand-checkable fake engine (tests, demos of the HTTP side)
         from opt_serving.testing.fake_engine import fake_generator
         return fake_generator(num_slots=args.max_batch_size, max_seq_len=args.max_seq_len or 256,
                               max_queue=args.max_queue)
     from opt_serving.generator import Generator
-    if path is None:
+    check_model_args(args)
+    model, path = args.model, args.path
+    if path is None and not args.dummy:
         from opt_serving.embedded import ensure_embedded_model
-        path = str(ensure_embedded_model())
-        model = model or "jax/opt-tiny"
-    elif model is None:
-        raise ValueError("give model=NAME together with path=FOLDER (e.g. model=facebook/opt-125m)")
+        path, model = str(ensure_embedded_model()), "jax/opt-tiny"
     return Generator.from_pretrained(model, path, dtype=args.dtype, max_batch_size=args.max_batch_size,
-                                     max_seq_len=args.max_seq_len, max_queue=args.max_queue)
+                                     max_seq_len=args.max_seq_len, max_queue=args.max_queue,
+                                     dummy=args.dummy, seed=args.seed, tokenizer=args.tokenizer)
 
 
 def _placement(args: ServeArgs) -> dict:

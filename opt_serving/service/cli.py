@@ -18,6 +18,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model name, e.g. facebook/opt-125m, jax/opt-2.7b, alpa/opt-175b (default: the embedded "
                         "tiny model)")
     p.add_argument("--path", default=None, help="numpy weight folder (default: the embedded tiny model)")
+    p.add_argument("--dummy", action="store_true",
+                   help="random weights of --model's size (no weight files); for benchmarks and smoke tests")
+    p.add_argument("--seed", type=int, default=0, help="seed of the --dummy weights")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="tokenizer folder: vocab.json + merges.txt, tokenizer.json, or metaseq's gpt2-vocab.json + "
+                        "gpt2-merges.txt (e.g. ../shared/opt-assets); needed with --dummy beyond opt-tiny, and "
+                        "with a --path that has no tokenizer files")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -53,16 +60,49 @@ def _start_ray(address: str | None, num_cpus: int | None) -> bool:
     return True
 
 
-def run(args: argparse.Namespace) -> int:
-    from ray import serve
-
-    from opt_serving.service.app import ServeArgs, build_app
-
+def serve_args_from(args: argparse.Namespace):
+    """The command line -> the application builder's `ServeArgs`."""
+    from opt_serving.service.app import ServeArgs
     keys = list(args.api_key) + [k for k in os.environ.get("OPT_SERVING_API_KEYS", "").split(",") if k]
-    serve_args = ServeArgs(model=args.model, path=args.path, dtype=args.dtype, max_batch_size=args.max_batch_size,
-                           max_seq_len=args.max_seq_len, max_queue=args.max_queue,
-                           request_timeout=args.request_timeout, api_keys=keys, num_replicas=args.num_replicas,
-                           graceful_shutdown_timeout_s=args.drain_timeout)
+    # absolute paths: the replica that reads them is another process, maybe in another folder
+    path, tokenizer = (None if a is None else os.path.abspath(a) for a in (args.path, args.tokenizer))
+    return ServeArgs(model=args.model, path=path, dummy=args.dummy, seed=args.seed, tokenizer=tokenizer,
+                     dtype=args.dtype, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
+                     max_queue=args.max_queue, request_timeout=args.request_timeout, api_keys=keys,
+                     num_replicas=args.num_replicas, graceful_shutdown_timeout_s=args.drain_timeout)
+
+
+def check_args(serve_args) -> str | None:
+    """What is wrong with the model arguments (None: nothing), found before Ray starts: the replica that
+    loads the model would only report it as a failed deployment."""
+    from opt_serving.service.app import check_model_args
+    from opt_serving.tokenizer import load_tokenizer
+    try:
+        check_model_args(serve_args)
+        if serve_args.tokenizer is not None:
+            if not os.path.isdir(serve_args.tokenizer):
+                return f"--tokenizer {serve_args.tokenizer}: no such folder"
+            tok = load_tokenizer(serve_args.tokenizer)  # a missing or broken folder fails here, not in Ray
+            if serve_args.dummy:
+                from opt_serving.config import get_config
+                vocab = get_config(serve_args.model).vocab_size
+                if len(tok) > vocab:
+                    return (f"--tokenizer {serve_args.tokenizer} has {len(tok)} tokens, more than "
+                            f"{serve_args.model}'s {vocab}-token vocabulary")
+    except (OSError, ValueError) as e:  # unknown size, bad combination, missing or broken tokenizer folder
+        return str(e)
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    from opt_serving.service.app import build_app
+
+    serve_args = serve_args_from(args)
+    problem = check_args(serve_args)
+    if problem:
+        print(f"opt-serving serve: {problem}", file=sys.stderr)
+        return 2
+    from ray import serve
     stop = threading.Event()
     signals = (signal.SIGINT, signal.SIGTERM)
     previous = {s: signal.getsignal(s) for s in signals}
@@ -84,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
         serve.run(build_app(serve_args), name="opt", route_prefix="/", blocking=False)
         take_signals()
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-        print(f"opt-serving: serving {serve_args.model or 'the embedded tiny model'} at http://{host}:{args.port}/ "
+        what = (serve_args.model or "the embedded tiny model") + (" (random weights)" if serve_args.dummy else "")
+        print(f"opt-serving: serving {what} at http://{host}:{args.port}/ "
               f"(OpenAI base_url http://{host}:{args.port}/v1); Ctrl-C to stop", flush=True)
         stop.wait()
         print("opt-serving: shutting down (draining in-flight requests)", file=sys.stderr, flush=True)

@@ -1,0 +1,115 @@
+"""`opt-serving serve`'s model arguments (opt_serving/service/cli.py): --dummy, --seed and --tokenizer reach the
+generator a replica builds, and bad combinations exit 2 before Ray starts. No Ray here: the Ray round trip is
+tests/test_service_signals.py."""
+import asyncio
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from opt_serving.cli import build_parser, main
+from opt_serving.config import get_config
+from opt_serving.embedded import ensure_embedded_model
+from opt_serving.service.app import build_generator
+from opt_serving.service.cli import check_args, serve_args_from
+from opt_serving.tokenizer import load_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+ASSETS = REPO / ".." / "shared" / "opt-assets"
+
+
+def parse(*argv):
+    parser, _ = build_parser("serve")
+    return parser.parse_args(["serve", *argv])
+
+
+@pytest.fixture(scope="module")
+def metaseq_dir(tmp_path_factory) -> Path:
+    """The embedded tokenizer under metaseq's file names (as ../shared/opt-assets spells them), with the ids
+    of "Hello"'s first token and token 1000 swapped, so ids show which tokenizer encoded a text."""
+    tiny = ensure_embedded_model()
+    d = tmp_path_factory.mktemp("tok")
+    vocab = json.loads((tiny / "vocab.json").read_text())
+    first = load_tokenizer(tiny)("Hello")["input_ids"][1]  # [</s>, ...]
+    assert first != 1000
+    a, b = (next(t for t, i in vocab.items() if i == n) for n in (first, 1000))
+    vocab[a], vocab[b] = 1000, first
+    (d / "gpt2-vocab.json").write_text(json.dumps(vocab))
+    shutil.copyfile(tiny / "merges.txt", d / "gpt2-merges.txt")
+    return d
+
+
+def test_dummy_large_vocab_without_tokenizer_exits_2_naming_the_flag():
+    # as a user runs it: the real command line, in a subprocess
+    res = subprocess.run([sys.executable, "-m", "opt_serving", "serve", "--model", "jax/opt-125m", "--dummy"],
+                         cwd=REPO, capture_output=True, text=True)
+    assert res.returncode == 2, res.stderr
+    assert "--tokenizer" in res.stderr and "50272" in res.stderr
+    assert "opt-serving: serving" not in res.stdout  # it never got as far as serving
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dummy"], "--model"),
+    (["--model", "jax/opt-tiny", "--dummy", "--path", "weights"], "not both"),
+    (["--model", "jax/opt-125m"], "--path"),
+    (["--model", "jax/opt-3q", "--dummy"], "unknown OPT model"),
+    (["--tokenizer", "."], "--tokenizer"),
+    (["--model", "jax/opt-tiny", "--dummy", "--tokenizer", "no/such/folder"], "no such folder"),
+], ids=["dummy-without-model", "dummy-and-path", "model-without-weights", "unknown-size",
+        "tokenizer-for-embedded", "missing-tokenizer-folder"])
+def test_bad_model_arguments_exit_2(argv, message, capsys):
+    assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("opt-serving serve: ") and message in err, err
+
+
+def test_tokenizer_folder_without_tokenizer_files_exits_2(tmp_path, capsys):
+    assert main(["serve", "--model", "jax/opt-tiny", "--dummy", "--tokenizer", str(tmp_path)]) == 2
+    assert "has no tokenizer" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not (ASSETS / "gpt2-vocab.json").is_file(),
+                    reason="../shared/opt-assets (the real OPT tokenizer) is not on this machine")
+def test_tokenizer_larger_than_the_dummy_vocabulary_exits_2(capsys):
+    assert main(["serve", "--model", "jax/opt-tiny", "--dummy", "--tokenizer", str(ASSETS)]) == 2
+    err = capsys.readouterr().err
+    assert "50265 tokens" in err and "1024" in err
+    fits = serve_args_from(parse("--model", "jax/opt-125m", "--dummy", "--tokenizer", str(ASSETS)))
+    assert check_args(fits) is None
+
+
+def test_dummy_tiny_needs_no_tokenizer():
+    assert check_args(serve_args_from(parse("--model", "jax/opt-tiny", "--dummy"))) is None
+
+
+def test_dummy_serve_arguments_build_a_working_generator(metaseq_dir, monkeypatch):
+    monkeypatch.chdir(metaseq_dir.parent)  # a relative --tokenizer reaches the replica as an absolute path
+    args = serve_args_from(parse("--model", "jax/opt-tiny", "--dummy", "--seed", "3", "--tokenizer",
+                                 metaseq_dir.name, "--max-batch-size", "2", "--max-seq-len", "32"))
+    assert (args.dummy, args.seed, args.tokenizer, args.path) == (True, 3, str(metaseq_dir), None)
+    assert check_args(args) is None
+    gen = build_generator(args)
+    try:
+        # the seeded random weights opt.init_params draws (seed 3, not 0), not the embedded model's; compared
+        # on the embeddings, which the engine keeps as drawn (it may regroup the layers' projections)
+        from opt_serving.model import opt
+        cfg = get_config("jax/opt-tiny")
+        got = gen.engine.model.params
+        for seed, same in ((3, True), (0, False)):
+            want = opt.init_params(cfg, seed, jnp.float32)
+            for name in ("embed_tokens", "embed_positions"):
+                assert np.array_equal(got[name]["embedding"], want[name]["embedding"]) is same, (seed, name)
+        # the tokenizer read from the metaseq-named folder, not the embedded one
+        embedded = load_tokenizer()("Hello world")["input_ids"]
+        assert gen.encode("Hello world") == [embedded[0], 1000, *embedded[2:]]
+        from opt_serving.generator import SamplingParams
+        c = asyncio.run(gen.complete("Hello world", SamplingParams(temperature=0.0, max_tokens=4)))
+        assert c.completion_tokens == 4 and all(0 <= t < 1024 for t in c.token_ids)
+        assert (gen.engine.num_slots, gen.max_seq_len) == (2, 32)
+    finally:
+        gen.close()
