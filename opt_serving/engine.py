@@ -56,6 +56,7 @@ class SlotSettings:
     bad_words_ids: tuple[tuple[int, ...], ...] = ()  # HF's: a word's last token is banned after its prefix
     no_repeat_ngram_size: int = 0
     prompt_logprobs: bool = False   # score the prompt too (echo with logprobs)
+    top_logprobs: bool = True       # find each token's top alternatives (a top-k over the vocabulary)
 
 
 @dataclasses.dataclass
@@ -94,7 +95,7 @@ class StepResult:
     top_logprobs: np.ndarray  # float32 [slots, MAX_TOP_LOGPROBS]
 
     def token(self, slot: int) -> TokenInfo:
-        top = [(int(i), float(lp)) for i, lp in zip(self.top_ids[slot], self.top_logprobs[slot])]
+        top = [(int(i), float(lp)) for i, lp in zip(self.top_ids[slot], self.top_logprobs[slot]) if i >= 0]
         return TokenInfo(int(self.tokens[slot]), float(self.logprobs[slot]), top)
 
 
@@ -388,6 +389,24 @@ def _raw_scores(logits):
     return lp, top_ids.astype("int32"), top_lp
 
 
+def _token_scores(logits, tok, want_top):
+    """The chosen tokens' log-probabilities [B] and, when `want_top`, the top alternatives ([B, K] ids
+    and log-probabilities; ids -1 otherwise). Each pass over [B, V] costs milliseconds on a CPU at
+    batch 32, so neither the full log-softmax nor an unwanted top-k is materialised."""
+    import jax
+    import jax.numpy as jnp
+    lse = jax.nn.logsumexp(logits, axis=-1)  # [B]
+    lp = jnp.take_along_axis(logits, tok[:, None], axis=-1)[:, 0] - lse
+
+    def top():
+        vals, ids = jax.lax.top_k(logits, MAX_TOP_LOGPROBS)
+        return ids.astype(jnp.int32), vals - lse[:, None]
+
+    b = logits.shape[0]
+    none = lambda: (jnp.full((b, MAX_TOP_LOGPROBS), -1, jnp.int32), jnp.zeros((b, MAX_TOP_LOGPROBS), jnp.float32))
+    return lp, *jax.lax.cond(want_top, top, none)
+
+
 class OPTSlots:
     """`SlotModel` over the Flax OPT in `model/opt.py`: one batch-`num_slots` KV cache of `max_seq_len` entries.
 
@@ -420,6 +439,7 @@ class OPTSlots:
         self.active = jnp.zeros(num_slots, jnp.bool_)
         # host copy of each slot's token count (0 = free): picks the step's attention window
         self._lengths = np.zeros(num_slots, np.int64)
+        self._want_top = np.zeros(num_slots, np.bool_)  # host copy: does any active slot want alternatives
 
         # The model steps compile once per prefill bucket / attention window; sampling (a large graph
         # of per-row processors) compiles once for batch 1 and once for the slots, not inside each.
@@ -444,13 +464,13 @@ class OPTSlots:
                             jnp.zeros((n, MAX_TOP_LOGPROBS), jnp.float32))
             return cache, state, last, jax.lax.cond(want_prompt, prompt_scores, none)
 
-        def choose(logits, state, settings, active):
+        def choose(logits, state, settings, active, want_top):
             """Sample one token per row, score it, and append it to the rows that are `active`."""
             tok, _ = sampling.sample(logits, state, settings)
-            lp, top_ids, top_lp = _raw_scores(logits)
+            lp, top_ids, top_lp = _token_scores(logits, tok, want_top)
             # free slots keep their state, so their positions never run past the cache
             state = sampling.update_state(state, tok, active)
-            return state, (tok, jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0], top_ids, top_lp)
+            return state, (tok, lp, top_ids, top_lp)
 
         def insert(cache, state, settings, active, pcache, row_state, row_settings, slot):
             cache = kv_cache.insert(cache, pcache, slot)
@@ -501,9 +521,10 @@ class OPTSlots:
         row_settings = self._settings_row(settings)
         pcache, row_state, last, scores = self._prefill(self.params, ids, mask, np.int32(n),
                                                         np.bool_(settings.prompt_logprobs))
-        row_state, first = self._choose(last, row_state, row_settings, np.ones(1, np.bool_))
+        row_state, first = self._choose(last, row_state, row_settings, np.ones(1, np.bool_),
+                                        np.bool_(settings.top_logprobs))
         tok, lp, top_ids, top_lp = (np.asarray(a) for a in first)
-        first = TokenInfo(int(tok[0]), float(lp[0]), list(zip(top_ids[0].tolist(), top_lp[0].tolist())))
+        first = StepResult(tok, lp, top_ids, top_lp).token(0)
         prompt = None
         if settings.prompt_logprobs:
             plp, ptop, ptop_lp = (np.asarray(a) for a in scores)
@@ -518,6 +539,7 @@ class OPTSlots:
         self.cache, self.state, self.settings, self.active = self._insert(
             self.cache, self.state, self.settings, self.active, pcache, row_state, row_settings, np.int32(slot))
         self._lengths[slot] = prefix.length + 1  # the prompt and the first token
+        self._want_top[slot] = prefix.settings.top_logprobs
 
     def attend_len(self) -> int:
         """The step's attention window: the bucket holding every active slot's tokens."""
@@ -527,9 +549,12 @@ class OPTSlots:
     def step(self) -> StepResult:
         # two dispatches, one host sync (np.asarray below)
         logits, self.cache = self._step(self.params, self.cache, self.state, self.active, self.attend_len())
-        self.state, out = self._choose(logits, self.state, self.settings, self.active)
+        want_top = np.bool_(self._want_top[self._lengths > 0].any())
+        self.state, out = self._choose(logits, self.state, self.settings, self.active, want_top)
         self._lengths[self._lengths > 0] += 1
-        return StepResult(*(np.asarray(a) for a in out))
+        tok, lp, top_ids, top_lp = (np.asarray(a) for a in out)
+        # the top-k ran for every row if one wanted it: the others get none
+        return StepResult(tok, lp, np.where(self._want_top[:, None], top_ids, -1), top_lp)
 
     def free(self, slot: int) -> None:
         self.cache, self.active = self._free(self.cache, self.active, np.int32(slot))

@@ -624,7 +624,8 @@ class Generator:
             repetition_penalty=float(params.repetition_penalty), seed=seed, stop_token_ids=stop_ids,
             bad_words_ids=tuple(tuple(w) for w in params.bad_words_ids),
             no_repeat_ngram_size=params.no_repeat_ngram_size,
-            prompt_logprobs=params.echo and params.logprobs is not None)
+            prompt_logprobs=params.echo and params.logprobs is not None,
+            top_logprobs=bool(params.logprobs))
 
     def _start(self, prompt: Prompt, params: SamplingParams, sink: Callable[[Any], None],
                ids: Optional[list[int]] = None) -> EngineRequest:

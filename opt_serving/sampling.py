@@ -216,8 +216,9 @@ def process_logits(logits, state: State, s: Settings):
                               lambda: jnp.where(_bad_words_mask(state, s, v), NEG_INF, logits),
                               lambda: logits)
     eos_banned = (state.length < s.min_length) | (state.length - state.prompt_length < s.min_new_tokens)
-    is_eos = jnp.arange(v)[None, :] == s.eos_token_id[:, None]
-    return jnp.where(eos_banned[:, None] & is_eos, NEG_INF, logits)
+    # one entry per row, not a pass over [B, V]; index v (no EOS, or not banned) is dropped
+    col = jnp.where(eos_banned & (s.eos_token_id >= 0), s.eos_token_id, v)
+    return logits.at[jnp.arange(logits.shape[0]), col].set(NEG_INF, mode="drop")
 
 
 @partial(jax.jit, static_argnums=(2,))

@@ -123,6 +123,21 @@ def test_logprobs_match_hf(engine, hf):
         [lp[i, prompt[i + 1]] for i in range(len(prompt) - 1)], abs=1e-4)
 
 
+def test_top_alternatives_only_for_requests_that_want_them(engine, hf):
+    """Skipping the top-k keeps the chosen tokens and their logprobs; a step shared with a request that
+    wants alternatives gives them to that request only."""
+    prompt = PROMPTS[1]
+    plain = SlotSettings(max_tokens=6, top_logprobs=False)
+    alone, with_top, beside = run_all(engine, [(prompt, plain), (prompt, SlotSettings(max_tokens=6)),
+                                               (PROMPTS[0], plain)])
+    lp = log_softmax(hf_logits(hf, prompt + alone.ids[:-1]))
+    assert alone.ids == with_top.ids == hf_greedy(hf, prompt, 6)
+    for i, tok in enumerate(alone.tokens):
+        assert tok.top == [] and tok.logprob == pytest.approx(lp[len(prompt) - 1 + i, tok.id], abs=1e-4)
+    assert [t.logprob for t in alone.tokens] == pytest.approx([t.logprob for t in with_top.tokens], abs=1e-6)
+    assert all(len(t.top) == 5 for t in with_top.tokens) and all(t.top == [] for t in beside.tokens)
+
+
 def test_per_request_settings_share_a_step(engine, hf):
     p = PROMPTS[0]
     sampled = SlotSettings(max_tokens=10, temperature=3.0, seed=7)
