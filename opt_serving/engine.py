@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 # top alternatives computed for every token; OpenAI's `logprobs` goes up to 5
 MAX_TOP_LOGPROBS = 5
+PREFILL_MIN_BUCKET = 8  # short prompts (chat turns, benchmarks) are not padded to 16: prefill is compute
 # bad words live in fixed-shape per-slot arrays so the decode step compiles once
 MAX_BAD_WORDS, MAX_BAD_WORD_LEN = 8, 8
 
@@ -410,7 +411,7 @@ def _token_scores(logits, tok, want_top):
 class OPTSlots:
     """`SlotModel` over the Flax OPT in `model/opt.py`: one batch-`num_slots` KV cache of `max_seq_len` entries.
 
-    Prompts are right-padded to a bucket (powers of two from 16), so a slot's tokens sit at cache entries
+    Prompts are right-padded to a bucket (powers of two from 8), so a slot's tokens sit at cache entries
     0..n-1 and each decode writes at the token's own position. Per-slot sampling state and settings are
     `sampling.State` / `sampling.Settings` rows; all prefill buckets, their inserts, the decode step and free
     compile in `warmup()`."""
@@ -429,7 +430,8 @@ class OPTSlots:
         self.vocab_size = cfg.vocab_size
         dtype = opt.param_dtype(params)
         L, V = self.max_seq_len, cfg.vocab_size
-        self.buckets = sorted({kv_cache.bucket_length(n, L) for n in [1] + [2 ** i for i in range(4, 16)] + [L]
+        self.buckets = sorted({kv_cache.bucket_length(n, L, PREFILL_MIN_BUCKET)
+                               for n in [1] + [2 ** i for i in range(3, 16)] + [L]
                                if n <= L})
         self.cache = kv_cache.init_cache(cfg, num_slots, L, dtype)
         empty = jnp.zeros((num_slots, 1), jnp.int32)
@@ -513,7 +515,7 @@ class OPTSlots:
     def prefill(self, tokens: Sequence[int], settings: SlotSettings) -> Prefix:
         from opt_serving.model.kv_cache import bucket_length
         n = len(tokens)
-        b = bucket_length(n, self.max_seq_len)
+        b = bucket_length(n, self.max_seq_len, PREFILL_MIN_BUCKET)
         ids = np.full((1, b), self.cfg.pad_token_id, np.int32)
         ids[0, :n] = tokens   # right padding: the prompt owns cache entries 0..n-1
         mask = np.zeros((1, b), np.int32)

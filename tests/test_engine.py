@@ -12,7 +12,7 @@ from opt_serving.model import weights
 
 CFG = OPTConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
                 max_position_embeddings=64)
-MAX_SEQ = 32  # prefill buckets 16 and 32
+MAX_SEQ = 32  # prefill buckets 8, 16 and 32
 
 
 @pytest.fixture(scope="module")

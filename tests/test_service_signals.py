@@ -34,13 +34,17 @@ def _wait_for_line(proc, text: str, timeout: float) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_serve_answers_through_ray_and_a_signal_leaves_no_processes(sig):
+@pytest.mark.parametrize("sig,ingress,owner", [(signal.SIGINT, "auto", "ServeReplica"),
+                                               (signal.SIGTERM, "proxy", "ProxyActor")],
+                         ids=["SIGINT-direct", "SIGTERM-proxy"])
+def test_serve_answers_through_ray_and_a_signal_leaves_no_processes(sig, ingress, owner):
+    """One replica on a Ray started here: by default the replica itself listens on --port (direct
+    ingress); with --ingress proxy, Serve's proxy does."""
     port = free_port()
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "opt_serving", "serve", "--model", "opt-fake", "--port", str(port),
-         "--num-cpus", "2", "--ray-address", "local", "--drain-timeout", "2"],
+         "--num-cpus", "2", "--ray-address", "local", "--drain-timeout", "2", "--ingress", ingress],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         _wait_for_line(proc, f"http://127.0.0.1:{port}/", timeout=240)
@@ -50,9 +54,10 @@ def test_serve_answers_through_ray_and_a_signal_leaves_no_processes(sig):
                        json={"prompt": "a", "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == "bcde"
         try:  # bound to 127.0.0.1 only
-            listening = [c.laddr.ip for c in psutil.net_connections("tcp")
+            listening = [c for c in psutil.net_connections("tcp")
                          if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
-            assert listening and set(listening) == {"127.0.0.1"}
+            assert listening and {c.laddr.ip for c in listening} == {"127.0.0.1"}
+            assert all(owner in " ".join(psutil.Process(c.pid).cmdline()) for c in listening if c.pid)
         except psutil.AccessDenied:
             pass  # not allowed to list sockets here; the default host is checked in the CLI test instead
 
