@@ -412,7 +412,9 @@ class OPTSlots:
     """`SlotModel` over the Flax OPT in `model/opt.py`: one batch-`num_slots` KV cache of `max_seq_len` entries.
 
     Prompts are right-padded to a bucket (powers of two from 8), so a slot's tokens sit at cache entries
-    0..n-1 and each decode writes at the token's own position. Per-slot sampling state and settings are
+    0..n-1 and each decode writes at the token's own position. The cache holds only the window the
+    longest active slot needs (powers of two from 16): it grows and shrinks by a bucket at a time, where
+    slicing a window out of a full-length cache made XLA copy it every step (~20% of a step at 32 slots). Per-slot sampling state and settings are
     `sampling.State` / `sampling.Settings` rows; all prefill buckets, their inserts, the decode step and free
     compile in `warmup()`."""
 
@@ -433,7 +435,9 @@ class OPTSlots:
         self.buckets = sorted({kv_cache.bucket_length(n, L, PREFILL_MIN_BUCKET)
                                for n in [1] + [2 ** i for i in range(3, 16)] + [L]
                                if n <= L})
-        self.cache = kv_cache.init_cache(cfg, num_slots, L, dtype)
+        self.windows = sorted({kv_cache.bucket_length(n, L) for n in [1] + [2 ** i for i in range(4, 16)] + [L]
+                               if n <= L})
+        self.cache = kv_cache.init_cache(cfg, num_slots, self.windows[0], dtype)
         empty = jnp.zeros((num_slots, 1), jnp.int32)
         # own buffers per leaf (init_state shares one for length and prompt_length): the step donates them
         self.state = jax.tree_util.tree_map(jnp.copy, sampling.init_state(empty, empty, V, L))
@@ -474,10 +478,10 @@ class OPTSlots:
             state = sampling.update_state(state, tok, active)
             return state, (tok, lp, top_ids, top_lp)
 
-        def insert(cache, state, settings, active, pcache, row_state, row_settings, slot):
-            cache = kv_cache.insert(cache, pcache, slot)
+        # the cache part compiles per (window, prefill bucket) pair, so it is kept apart from the rest
+        def insert(state, settings, active, row_state, row_settings, slot):
             put = lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r.astype(a.dtype), slot, axis=0)
-            return (cache, jax.tree_util.tree_map(put, state, row_state),
+            return (jax.tree_util.tree_map(put, state, row_state),
                     jax.tree_util.tree_map(put, settings, row_settings), active.at[slot].set(True))
 
         def step(params, cache, state, active, attend_len):
@@ -492,7 +496,11 @@ class OPTSlots:
 
         self._prefill = jax.jit(prefill)
         self._choose = jax.jit(choose, donate_argnums=(1,))
-        self._insert = jax.jit(insert, donate_argnums=(0, 1, 2, 3))
+        self._insert = jax.jit(insert, donate_argnums=(0, 1, 2))
+        # its own compiled copies (jit shares the compile cache of a function among its wrappers)
+        self._insert_cache = jax.jit(lambda cache, pcache, slot: kv_cache._insert(cache, pcache, slot),
+                                     donate_argnums=(0,))
+        self._resize = jax.jit(lambda cache, n: kv_cache._resize(cache, n), static_argnums=(1,))
         self._step = jax.jit(step, static_argnums=(4,), donate_argnums=(1,))
         self._free = jax.jit(free, donate_argnums=(0, 1))
 
@@ -536,10 +544,23 @@ class OPTSlots:
         return Prefix(length=n, first=first, prompt=prompt, state=(pcache, row_state, row_settings),
                       settings=settings)
 
+    def _fit_cache(self, need: int, shrink: bool) -> None:
+        """Resize the cache to the smallest window holding `need` entries, one window at a time (so
+        only neighbouring sizes compile); without `shrink` it only grows."""
+        from opt_serving.model import kv_cache
+        target = next(w for w in self.windows if w >= need)
+        at = self.windows.index(kv_cache.cache_max_len(self.cache))
+        while self.windows[at] < target or (shrink and self.windows[at] > target):
+            at += 1 if self.windows[at] < target else -1
+            self.cache = self._resize(self.cache, self.windows[at])
+
     def insert(self, prefix: Prefix, slot: int) -> None:
         pcache, row_state, row_settings = prefix.state
-        self.cache, self.state, self.settings, self.active = self._insert(
-            self.cache, self.state, self.settings, self.active, pcache, row_state, row_settings, np.int32(slot))
+        from opt_serving.model.kv_cache import cache_max_len
+        self._fit_cache(cache_max_len(pcache), shrink=False)
+        self.cache = self._insert_cache(self.cache, pcache, np.int32(slot))
+        self.state, self.settings, self.active = self._insert(
+            self.state, self.settings, self.active, row_state, row_settings, np.int32(slot))
         self._lengths[slot] = prefix.length + 1  # the prompt and the first token
         self._want_top[slot] = prefix.settings.top_logprobs
 
@@ -550,7 +571,8 @@ class OPTSlots:
 
     def step(self) -> StepResult:
         # two dispatches, one host sync (np.asarray below)
-        logits, self.cache = self._step(self.params, self.cache, self.state, self.active, self.attend_len())
+        self._fit_cache(self.attend_len(), shrink=True)
+        logits, self.cache = self._step(self.params, self.cache, self.state, self.active, None)
         want_top = np.bool_(self._want_top[self._lengths > 0].any())
         self.state, out = self._choose(logits, self.state, self.settings, self.active, want_top)
         self._lengths[self._lengths > 0] += 1
@@ -563,13 +585,19 @@ class OPTSlots:
         self._lengths[slot] = 0
 
     def warmup(self) -> None:
-        """Compile every prefill bucket, its insert, the decode step and free, with throwaway requests."""
-        for b in self.buckets:
-            # b - 1 prompt tokens fill prefill bucket b, and with the first token the step's window is b
-            prefix = self.prefill([self.cfg.bos_token_id] * (b - 1), SlotSettings())
-            self.insert(prefix, 0)
+        """Compile every prefill bucket, its insert into every cache window that holds it, the decode
+        step and free at every window, and the resizes between neighbouring windows."""
+        # b - 1 prompt tokens fill prefill bucket b
+        prefixes = [self.prefill([self.cfg.bos_token_id] * (b - 1), SlotSettings()) for b in self.buckets]
+        for w in self.windows:  # growing: each window's inserts, then its step (length w -> window w)
+            self._fit_cache(w, shrink=False)
+            for b, prefix in zip(self.buckets, prefixes):
+                if b <= w:
+                    self.insert(prefix, 0)
             self.step()
-        self.free(0)
+            self.free(0)
+        for w in reversed(self.windows[:-1]):  # shrinking
+            self._fit_cache(w, shrink=True)
 
 
 def load_engine(model_name: str, path=None, dtype: str = "float32", num_slots: int = 16,

@@ -221,11 +221,12 @@ def test_cancel_frees_the_slot_at_once(engine, hf):
 
 
 def test_warmup_compiled_every_shape(engine, model):
-    sizes = [f._cache_size() for f in (model._prefill, model._insert, model._step, model._free)]
+    compiled = (model._prefill, model._insert, model._insert_cache, model._resize, model._step, model._free)
+    sizes = [f._cache_size() for f in compiled]
     jobs = [([2] + [7] * (n - 1), SlotSettings(max_tokens=MAX_SEQ - n, temperature=0.5, top_p=0.9, seed=n))
             for n in (1, 15, 16, 17, 31)]
     run_all(engine, jobs)
-    assert [f._cache_size() for f in (model._prefill, model._insert, model._step, model._free)] == sizes
+    assert [f._cache_size() for f in compiled] == sizes
 
 
 def test_queue_full_too_long_and_close(model):

@@ -75,3 +75,19 @@ def test_insert_rejects_wrong_shapes():
         kv_cache.insert(small, big, 0)
     with pytest.raises(ValueError, match="batch-1"):
         kv_cache.insert(kv_cache.init_cache(CFG, 2, 64), small, 0)
+
+
+def test_resize_keeps_entries_and_adds_invalid_ones():
+    rng = np.random.RandomState(3)
+    cache = kv_cache.init_cache(CFG, 2, 16)
+    filled = {"k": tuple(jnp.asarray(rng.randn(*a.shape), jnp.float32) for a in cache["k"]),
+              "v": tuple(jnp.asarray(rng.randn(*a.shape), jnp.float32) for a in cache["v"]),
+              "mask": jnp.asarray(rng.rand(2, 16) < 0.5)}
+    grown = kv_cache.resize(filled, 32)
+    assert kv_cache.cache_max_len(grown) == 32
+    assert not np.asarray(grown["mask"])[:, 16:].any()  # the new entries are invalid
+    back = kv_cache.resize(grown, 16)
+    for name in ("k", "v"):
+        for a, b in zip(filled[name], back[name]):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(filled["mask"]), np.asarray(back["mask"]))
