@@ -425,8 +425,7 @@ class OPTSlots:
         from opt_serving import sampling
         from opt_serving.model import kv_cache, opt
         # one device: q/k/v as one matmul (a tensor-parallel plan's params stay split by heads)
-        one_device = all(len(x.sharding.device_set) == 1 for x in jax.tree_util.tree_leaves(params))
-        self.cfg, self.params = cfg, (opt.fuse_qkv(params) if one_device else params)
+        self.cfg, self.params = cfg, opt.fuse_qkv_on_one_device(params)
         self.num_slots = num_slots
         self.max_seq_len = min(max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.vocab_size = cfg.vocab_size

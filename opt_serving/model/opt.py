@@ -279,6 +279,13 @@ def fuse_qkv(params: dict) -> dict:
     return out
 
 
+def fuse_qkv_on_one_device(params: dict) -> dict:
+    """fuse_qkv when every parameter sits on one device; a sharded (tensor-parallel) tree as it is."""
+    one_device = all(len(x.sharding.device_set) == 1 for x in jax.tree_util.tree_leaves(params)
+                     if hasattr(x, "sharding"))
+    return fuse_qkv(params) if one_device else params
+
+
 def unfuse_qkv(params: dict) -> dict:
     """fuse_qkv undone: the checkpoint's layout (q_proj, k_proj, v_proj)."""
     out = dict(params)

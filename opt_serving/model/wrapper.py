@@ -149,8 +149,9 @@ class OPTModel:
 
     def __init__(self, cfg: OPTConfig, params):
         self.config = cfg
-        # kept with q/k/v fused into one matmul (opt.fuse_qkv): the steps and generate() run these
-        self.fused_params = opt.fuse_qkv(params)
+        # kept with q/k/v fused into one matmul (opt.fuse_qkv; a sharded tree, e.g. a tensor-parallel
+        # engine's, stays as it is): the steps and generate() run these
+        self.fused_params = opt.fuse_qkv_on_one_device(params)
         self.dtype = opt.param_dtype(params)
 
     @property
@@ -267,7 +268,6 @@ def _sample_loop(cfg, params, ids, mask, st, max_new, new_bucket, pad, output_sc
     """HF `_sample`: greedy or sampled rows, finished rows filled with pad; stops when all are done.
 
     `max_new` is traced; buffers are sized by the static `new_bucket` >= max_new."""
-    params = opt.fuse_qkv(params)  # once per call, outside the loop
     b, s = ids.shape
     total = s + new_bucket
     n_real = jnp.sum(mask, axis=1).astype(jnp.int32)
@@ -379,7 +379,6 @@ def _beam_search(cfg, params, ids, mask, st, max_new, k, n_return, length_penalt
     n_real = jnp.sum(mask, axis=1).astype(jnp.int32)  # [B*K]; equal within a batch item
     prompt_seen = sampling.init_state(ids, mask, cfg.vocab_size, s + max_new)
     scores_buf = jnp.zeros((max_new if output_scores else 0, bk, cfg.vocab_size), jnp.float32)
-    params = opt.fuse_qkv(params)  # once per call, outside the loop
     logits, cache = _start(cfg, params, ids, mask, max_new)
 
     def step(carry):
