@@ -2,17 +2,13 @@
 2 x tensor 2 (Ray stage actors; beam search on pp 2 and 2 x 2), a dead stage reported, and a
 rebuild in the same process. Ray starts are slow on 2 cores: one test holds them.
 """
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from opt_serving.config import OPTConfig
+from opt_serving.testing.multidevice import IN_CHILD as MULTI, rerun_with_8_devices
 
-FLAG = "--xla_force_host_platform_device_count=8"
-MULTI = FLAG in os.environ.get("XLA_FLAGS", "")
 needs8 = pytest.mark.skipif(not MULTI, reason="runs in the 8-device child process")
 no_ray_in_child = pytest.mark.skipif(MULTI, reason="Ray tests run in the parent process")
 
@@ -43,12 +39,8 @@ def reference(folder):
 def test_in_8_device_subprocess():
     if MULTI:
         pytest.skip("already the child")
-    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {FLAG}".strip(),
-           "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                       env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    assert "3 passed" in r.stdout, r.stdout[-2000:]
+    out = rerun_with_8_devices(__file__)
+    assert "3 passed" in out, out[-2000:]
 
 
 @needs8

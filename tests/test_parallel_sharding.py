@@ -3,18 +3,14 @@
 jax must see 8 CPU devices before it is imported, so the real tests run in a child
 pytest with XLA_FLAGS set; in the parent only `test_in_8_device_subprocess` runs.
 """
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from opt_serving.config import OPTConfig
 from opt_serving.parallel import cost
+from opt_serving.testing.multidevice import IN_CHILD as MULTI, rerun_with_8_devices
 
-FLAG = "--xla_force_host_platform_device_count=8"
-MULTI = FLAG in os.environ.get("XLA_FLAGS", "")
 needs8 = pytest.mark.skipif(not MULTI, reason="runs in the 8-device child process")
 
 CFG = OPTConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -24,13 +20,9 @@ CFG = OPTConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attenti
 def test_in_8_device_subprocess():
     if MULTI:
         pytest.skip("already the child")
-    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {FLAG}".strip(),
-           "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                       env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    out = rerun_with_8_devices(__file__)
     # the child ran the 8-device tests rather than skipping them
-    assert "4 passed, 1 skipped" in r.stdout, r.stdout[-2000:]
+    assert "4 passed, 1 skipped" in out, out[-2000:]
 
 
 def test_specs_agree_with_the_cost_model():

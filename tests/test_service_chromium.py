@@ -37,66 +37,64 @@ def browser():
     shutil.rmtree(profile, ignore_errors=True)
 
 
-def test_page_streams_the_completion(browser):
+@pytest.fixture
+def page(browser):
+    """The page served over the gated fake engine, loaded: (slots, generator, wait). The test releases
+    each decode step through `slots.gate`."""
     slots = GatedSlots(num_slots=2, max_seq_len=64)
     g = Generator(Engine(slots, max_queue=4), byte_tokenizer(), model_name="opt-fake")
     try:
         with serve_in_thread(create_app(g)) as url:
             browser.get(url + "/")
-            wait = WebDriverWait(browser, 30)
-            wait.until(lambda d: d.find_element(By.ID, "model").text == "opt-fake")
-            for field, value in (("prompt", "a"), ("max_tokens", "4"), ("temperature", "0")):
-                el = browser.find_element(By.ID, field)
-                el.clear()
-                el.send_keys(value)
-            browser.find_element(By.ID, "generate").click()
-
-            def completion(d):
-                return d.find_element(By.ID, "completion").text
-            # the first token comes from the prefill; no decode step has run yet
-            wait.until(lambda d: completion(d) == "b")
-            assert browser.find_element(By.ID, "status").text.startswith("generating")
-            slots.gate.release()
-            wait.until(lambda d: completion(d) == "bc")
-            for _ in range(2):
-                slots.gate.release()
-            wait.until(lambda d: d.find_element(By.ID, "status").text == "done (length)")
-            assert completion(browser) == "bcde"
-            assert browser.find_element(By.CSS_SELECTOR, "#output .prompt").text == "a"
+            yield slots, g, WebDriverWait(browser, 30)
     finally:
-        for _ in range(10):
+        for _ in range(30):  # no step left waiting at the gate, so the engine can close
             slots.gate.release()
         g.close()
 
 
-def test_page_shows_errors_and_stops(browser):
-    slots = GatedSlots(num_slots=2, max_seq_len=64)
-    g = Generator(Engine(slots, max_queue=4), byte_tokenizer(), model_name="opt-fake")
-    try:
-        with serve_in_thread(create_app(g)) as url:
-            browser.get(url + "/")
-            wait = WebDriverWait(browser, 30)
-            wait.until(lambda d: d.find_element(By.ID, "context").text == "(context: 64 tokens)")
-            tokens = browser.find_element(By.ID, "max_tokens")
-            tokens.clear()
-            tokens.send_keys("100")  # the default prompt + 100 tokens do not fit in 64
-            browser.find_element(By.ID, "generate").click()
-            status = browser.find_element(By.ID, "status")
-            wait.until(lambda d: status.text.startswith("error"))
-            assert "maximum context length is 64 tokens" in status.text
-            assert status.value_of_css_property("color") == "rgba(176, 0, 32, 1)"  # shown as an error
-            # Stop during a stream: the request ends and its engine slot is freed
-            tokens.clear()
-            tokens.send_keys("20")
-            browser.find_element(By.ID, "generate").click()
-            wait.until(lambda d: d.find_element(By.ID, "completion").text != "")
-            browser.find_element(By.ID, "stop").click()
-            wait.until(lambda d: status.text == "stopped")
-            assert status.value_of_css_property("color") != "rgba(176, 0, 32, 1)"
-            slots.gate.release()  # let the engine run a step so it sees the cancellation
-            wait.until(lambda d: g.stats()["running"] == 0)
-            assert browser.find_element(By.ID, "generate").is_enabled()
-    finally:
-        for _ in range(30):
-            slots.gate.release()
-        g.close()
+def test_page_streams_the_completion(browser, page):
+    slots, _, wait = page
+    wait.until(lambda d: d.find_element(By.ID, "model").text == "opt-fake")
+    for field, value in (("prompt", "a"), ("max_tokens", "4"), ("temperature", "0")):
+        el = browser.find_element(By.ID, field)
+        el.clear()
+        el.send_keys(value)
+    browser.find_element(By.ID, "generate").click()
+
+    def completion(d):
+        return d.find_element(By.ID, "completion").text
+    # the first token comes from the prefill; no decode step has run yet
+    wait.until(lambda d: completion(d) == "b")
+    assert browser.find_element(By.ID, "status").text.startswith("generating")
+    slots.gate.release()
+    wait.until(lambda d: completion(d) == "bc")
+    for _ in range(2):
+        slots.gate.release()
+    wait.until(lambda d: d.find_element(By.ID, "status").text == "done (length)")
+    assert completion(browser) == "bcde"
+    assert browser.find_element(By.CSS_SELECTOR, "#output .prompt").text == "a"
+
+
+def test_page_shows_errors_and_stops(browser, page):
+    slots, g, wait = page
+    wait.until(lambda d: d.find_element(By.ID, "context").text == "(context: 64 tokens)")
+    tokens = browser.find_element(By.ID, "max_tokens")
+    tokens.clear()
+    tokens.send_keys("100")  # the default prompt + 100 tokens do not fit in 64
+    browser.find_element(By.ID, "generate").click()
+    status = browser.find_element(By.ID, "status")
+    wait.until(lambda d: status.text.startswith("error"))
+    assert "maximum context length is 64 tokens" in status.text
+    assert status.value_of_css_property("color") == "rgba(176, 0, 32, 1)"  # shown as an error
+    # Stop during a stream: the request ends and its engine slot is freed
+    tokens.clear()
+    tokens.send_keys("20")
+    browser.find_element(By.ID, "generate").click()
+    wait.until(lambda d: d.find_element(By.ID, "completion").text != "")
+    browser.find_element(By.ID, "stop").click()
+    wait.until(lambda d: status.text == "stopped")
+    assert status.value_of_css_property("color") != "rgba(176, 0, 32, 1)"
+    slots.gate.release()  # let the engine run a step so it sees the cancellation
+    wait.until(lambda d: g.stats()["running"] == 0)
+    assert browser.find_element(By.ID, "generate").is_enabled()
