@@ -30,7 +30,7 @@ $(VENV)/.chromium: | $(STAMP)
 	fi
 	@touch $@
 
-opt_serving/_speedups.so.stamp: $(STAMP) opt_serving/_speedups.pyx
+opt_serving/_speedups.so.stamp: $(STAMP) opt_serving/_speedups.pyx opt_serving/_cpu_kernels.cc build.sh
 	PYTHON=$(PY) ./build.sh
 	@touch $@
 
@@ -43,4 +43,4 @@ test: build $(VENV)/.chromium
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 clean:
-	rm -rf build *.egg-info opt_serving/_speedups*.so opt_serving/_speedups.c opt_serving/*.stamp
+	rm -rf build *.egg-info opt_serving/_speedups*.so opt_serving/_cpu_kernels.so opt_serving/_speedups.c opt_serving/*.stamp

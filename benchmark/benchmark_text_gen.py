@@ -5,7 +5,7 @@ Usage:
   python benchmark/benchmark_text_gen.py --model facebook/opt-125m --dummy
   # our JAX model, one device, printing the generated text
   python benchmark/benchmark_text_gen.py --model jax/opt-125m --path /data/opt-125m-np --debug
-  # ours against Hugging Face in the same process, runs interleaved so both see the same load
+  # ours against Hugging Face, each in its own process, runs interleaved so both see the same load
   python benchmark/benchmark_text_gen.py --model jax/opt-125m --dummy --batch-size 16 --compare facebook/opt-125m
   # the parallel backend on a Ray cluster
   python benchmark/benchmark_text_gen.py --model alpa/opt-175b --path /data/opt-175b-np
@@ -56,6 +56,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compare", metavar="MODEL",
                    help="a second model (e.g. facebook/opt-125m) run in the same invocation with the same "
                         "settings, interleaved call by call; prints ours / baseline")
+    p.add_argument("--same-process", action="store_true",
+                   help="with --compare, load both models in this process (by default each runs in its own "
+                        "process: both frameworks run OpenMP thread teams, and two in one process slow "
+                        "each other down)")
     p.add_argument("--tensor-parallel", type=int, help="alpa/ only")
     p.add_argument("--pipeline-parallel", type=int, help="alpa/ only")
     p.add_argument("--seed", type=int, default=0)
@@ -188,7 +192,65 @@ class Runner:
             "compile_s": max(0.0, (self.first_call_s or latency) - latency),
             "first_call_s": self.first_call_s,
             "peak_rss_mb": peak_rss_mb(), "load_rss_mb": self.load_rss_mb,
+            "pid": os.getpid(),  # the process it ran in (--compare: one each, unless --same-process)
         }
+
+
+def _runner_process(conn, name: str, args) -> None:
+    """A child process's loop: load `name`, then answer ProcessRunner's calls."""
+    try:
+        r = Runner(name, args)
+        conn.send(("ok", (r.cfg, r.load_s, r.load_rss_mb)))
+        while True:
+            cmd, payload = conn.recv()
+            if cmd == "timed":
+                conn.send(("ok", r.timed(payload)))
+            elif cmd == "result":
+                r.latencies, r.first_call_s = payload
+                conn.send(("ok", r.result()))
+            else:
+                return
+    except BaseException as e:  # SystemExit too: the parent reports it and exits
+        conn.send(("error", str(e) if isinstance(e, SystemExit) else repr(e)))
+
+
+class ProcessRunner:
+    """A Runner in a process of its own (spawned), driven call by call; timings are taken in there."""
+
+    def __init__(self, name: str, args):
+        import multiprocessing
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_runner_process, args=(child, name, args), daemon=True)
+        self._proc.start()
+        self.name = name
+        self.cfg, self.load_s, self.load_rss_mb = self._reply()
+        self.latencies: list[float] = []
+        self.first_call_s = None
+
+    def _reply(self):
+        try:
+            status, payload = self._conn.recv()
+        except EOFError:
+            raise SystemExit(f"{self.name}: its benchmark process died (exit code {self._proc.exitcode})")
+        if status == "error":
+            raise SystemExit(payload)
+        return payload
+
+    def timed(self, input_ids: np.ndarray) -> tuple[float, np.ndarray]:
+        self._conn.send(("timed", input_ids))
+        return self._reply()
+
+    def result(self) -> dict:
+        self._conn.send(("result", (self.latencies, self.first_call_s)))
+        return self._reply()
+
+    def close(self) -> None:
+        if self._proc.is_alive():
+            self._conn.send(("stop", None))
+        self._proc.join(timeout=30)
+        if self._proc.is_alive():
+            self._proc.kill()
 
 
 def make_prompts(cfg: OPTConfig, batch_size: int, prompt_len: int, seed: int) -> np.ndarray:
@@ -208,9 +270,19 @@ def decode(cfg: OPTConfig, ids: np.ndarray) -> list[str]:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    runners = [Runner(args.model, args)]
-    if args.compare:
-        runners.append(Runner(args.compare, args))
+    make = ProcessRunner if args.compare and not args.same_process else Runner
+    runners = [make(args.model, args)]
+    try:
+        if args.compare:
+            runners.append(make(args.compare, args))
+        return _run(args, runners)
+    finally:
+        for r in runners:
+            if isinstance(r, ProcessRunner):
+                r.close()
+
+
+def _run(args, runners) -> dict:
     cfgs = {(r.cfg.hidden_size, r.cfg.num_hidden_layers, r.cfg.vocab_size) for r in runners}
     if len(cfgs) > 1:
         raise SystemExit(f"--compare needs the same model shape on both sides, got {cfgs}")

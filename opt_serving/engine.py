@@ -424,8 +424,9 @@ class OPTSlots:
         import jax.numpy as jnp
         from opt_serving import sampling
         from opt_serving.model import kv_cache, opt
-        # one device: q/k/v as one matmul (a tensor-parallel plan's params stay split by heads)
-        self.cfg, self.params = cfg, opt.fuse_qkv_on_one_device(params)
+        # one device: q/k/v as one matmul, on a CPU pre-packed (opt.runtime_params; a tensor-parallel
+        # plan's params stay split by heads)
+        self.cfg, self.params = cfg, opt.runtime_params(params)
         self.num_slots = num_slots
         self.max_seq_len = min(max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.vocab_size = cfg.vocab_size
@@ -451,17 +452,16 @@ class OPTSlots:
         def prefill(params, ids, mask, length, want_prompt):
             cache = kv_cache.init_cache(cfg, 1, ids.shape[1], dtype)
             h, cache = opt._prefill(cfg, params, cache, ids, mask, return_hidden=True)  # [1, bucket, D]
-            emb = params["embed_tokens"]["embedding"]
             # right-padded prompt: its own sampling state, history = the prompt, `length` tokens long
             history = jnp.zeros((1, L), jnp.int32).at[:, :ids.shape[1]].set(ids * mask)
             seen = jnp.zeros((1, V), jnp.bool_).at[0, jnp.where(mask[0] > 0, ids[0], V)].set(True, mode="drop")
             n = jnp.reshape(length, (1,))
             state = sampling.State(history=history, length=n, prompt_length=n, seen=seen,
                                    counts=jnp.zeros((1, V), jnp.int32))
-            last = opt.lm_logits(emb, jax.lax.dynamic_index_in_dim(h[0], length - 1, keepdims=True))  # [1, V]
+            last = opt.lm_logits(params, jax.lax.dynamic_index_in_dim(h[0], length - 1, keepdims=True))  # [1, V]
 
             def prompt_scores():  # position i predicts token i+1; the full logits only when asked
-                plp, ptop, ptop_lp = _raw_scores(opt.lm_logits(emb, h[0]))
+                plp, ptop, ptop_lp = _raw_scores(opt.lm_logits(params, h[0]))
                 return jnp.take_along_axis(plp, jnp.roll(ids[0], -1)[:, None], axis=-1)[:, 0], ptop, ptop_lp
 
             n = ids.shape[1]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -61,10 +62,14 @@ def test_text_gen_side_by_side(tmp_path, monkeypatch, capsys):
         assert res["peak_rss_mb"] > 50  # at least the interpreter and the framework
     assert out["speedup"] == pytest.approx(out["tokens_per_s"] / out["baseline"]["tokens_per_s"])
     assert out["tokens_agree"] == 1.0
+    # each side ran in a process of its own, neither of them this one
+    assert len({out["pid"], out["baseline"]["pid"], os.getpid()}) == 3
     assert "speedup jax/opt-tiny / facebook/opt-tiny" in capsys.readouterr().out
     # one TSV row per model, under one header; a second run appends rows only
     bench.main(["--model", "facebook/opt-tiny", "--dummy", "--gen-len", "2", "--n-warmup", "0", "--n-iter", "1"])
     rows = list(csv.reader(open(tmp_path / "results.tsv"), delimiter="\t"))
+    same = bench.main(argv[:-2] + ["--same-process", "--tsv", ""])
+    assert same["pid"] == same["baseline"]["pid"] == os.getpid() and same["tokens_agree"] == 1.0
     assert rows[0][:2] == ["time", "model"] and [r[1] for r in rows[1:]] == [
         "jax/opt-tiny", "facebook/opt-tiny", "facebook/opt-tiny"]
 

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from opt_serving.config import OPTConfig
-from opt_serving.model import kv_cache, opt, weights, wrapper
+from opt_serving.model import cpu_kernels, kv_cache, opt, weights, wrapper
 
 PRE_LN = OPTConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                    ffn_dim=64, max_position_embeddings=64)
@@ -34,12 +34,17 @@ def left_padded(rng, lengths, width, vocab, pad=1):
     return ids, mask
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["qkv_split", "qkv_fused"])
+@pytest.mark.parametrize("fused", [False, True, "packed"], ids=["qkv_split", "qkv_fused", "packed"])
 @pytest.mark.parametrize("cfg", [PRE_LN, POST_LN], ids=["pre_ln", "post_ln_350m"])
 def test_prefill_and_decode_match_hf(cfg, fused):
     hf = hf_model(cfg)
     params = weights.params_from_hf_state_dict(cfg, hf.state_dict())
-    if fused:  # the single-device layout generate() and the engine run: one [D, 3D] q/k/v matmul
+    if fused == "packed":  # what runs on a CPU: fused, and every dense weight packed for oneDNN
+        if not cpu_kernels.available():
+            pytest.skip("opt_serving/_cpu_kernels.so not built")
+        params = opt.runtime_params(params)
+        assert cpu_kernels.is_packed(params) and "packed" in params["layers_1"]["fc2"]
+    elif fused:  # the single-device layout generate() and the engine run: one [D, 3D] q/k/v matmul
         split = params
         params = opt.fuse_qkv(params)
         back = opt.unfuse_qkv(params)  # what OPTModel.params shows: the checkpoint's layout again

@@ -141,3 +141,18 @@ def test_nearby_lengths_share_one_compiled_loop(models):
         ref = hf.generate(longer, attention_mask=longer_mask, max_new_tokens=NEW + 3, do_sample=False,
                           eos_token_id=eos)
     np.testing.assert_array_equal(out.numpy(), ref.numpy())
+
+
+def test_decode_windows():
+    assert wrapper.decode_windows(8, 72) == [16, 32, 64, 72]
+    assert wrapper.decode_windows(16, 24) == [24]          # the prompt's first decode entry is 16
+    assert wrapper.decode_windows(40, 104) == [64, 104]
+
+
+def test_generation_through_several_cache_windows_matches_hf(models):
+    # 8 prompt positions + 40 new: the cache grows 16 -> 32 -> 64 -> 72 during the loop
+    hf, ours, ids, mask, _, _ = models
+    with torch.no_grad():
+        ref = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=40, eos_token_id=None)
+    out = ours.generate(ids, attention_mask=mask, max_new_tokens=40, eos_token_id=None)
+    np.testing.assert_array_equal(out.numpy(), ref.numpy())

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from opt_serving.config import OPTConfig
+from opt_serving.model import cpu_kernels
 from opt_serving.model.kv_cache import init_cache
 
 LN_EPS = 1e-5  # torch.nn.LayerNorm's default, which OPT uses
@@ -38,6 +39,29 @@ class LayerNorm(nn.Module):
         return y.astype(self.dtype)
 
 
+class Linear(nn.Module):
+    """nn.Dense's params and numbers (kernel [in, out], bias), plus two things it cannot do:
+    a weight pre-packed for the CPU (a `packed` param in place of `kernel`, see cpu_kernels.py),
+    and the ReLU that follows fc1 fused into that product."""
+    features: int
+    use_bias: bool = True
+    relu: bool = False
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        bias = (self.param("bias", nn.initializers.zeros, (self.features,), self.dtype)
+                if self.use_bias else None)
+        if self.has_variable("params", "packed"):
+            return cpu_kernels.matmul(x, self.get_variable("params", "packed"), self.features, bias, self.relu)
+        kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features),
+                            self.dtype)
+        y = jax.lax.dot_general(x.astype(self.dtype), kernel, (((x.ndim - 1,), (0,)), ((), ())))
+        if bias is not None:
+            y = y + bias
+        return nn.relu(y) if self.relu else y
+
+
 class SelfAttention(nn.Module):
     cfg: OPTConfig
     dtype: Any = jnp.float32
@@ -45,7 +69,7 @@ class SelfAttention(nn.Module):
 
     def setup(self):
         h = self.cfg.hidden_size
-        dense = partial(nn.Dense, dtype=self.dtype, param_dtype=self.dtype)
+        dense = partial(Linear, dtype=self.dtype)
         if self.fused_qkv:
             self.qkv_proj = dense(3 * h, name="qkv_proj")
         else:
@@ -75,8 +99,8 @@ class DecoderLayer(nn.Module):
         cfg, dt = self.cfg, self.dtype
         self.self_attn = SelfAttention(cfg, dt, self.fused_qkv)
         self.self_attn_layer_norm = LayerNorm(dt)
-        self.fc1 = nn.Dense(cfg.ffn_dim, dtype=dt, param_dtype=dt)
-        self.fc2 = nn.Dense(cfg.hidden_size, dtype=dt, param_dtype=dt)
+        self.fc1 = Linear(cfg.ffn_dim, relu=True, dtype=dt)
+        self.fc2 = Linear(cfg.hidden_size, dtype=dt)
         self.final_layer_norm = LayerNorm(dt)
 
     def __call__(self, h, attend: Callable):
@@ -89,7 +113,7 @@ class DecoderLayer(nn.Module):
             h = self.self_attn_layer_norm(h)
         residual = h
         x = self.final_layer_norm(h) if pre else h
-        h = residual + self.fc2(nn.relu(self.fc1(x)))
+        h = residual + self.fc2(self.fc1(x))
         if not pre:
             h = self.final_layer_norm(h)
         return h, cache_out
@@ -109,9 +133,8 @@ class OPT(nn.Module):
         self.embed_positions = nn.Embed(cfg.max_position_embeddings + cfg.position_offset,
                                         cfg.hidden_size, dtype=dt, param_dtype=dt)
         if cfg.has_project_in_out:
-            self.project_in = nn.Dense(cfg.hidden_size, use_bias=False, dtype=dt, param_dtype=dt)
-            self.project_out = nn.Dense(cfg.word_embed_proj_dim, use_bias=False, dtype=dt,
-                                        param_dtype=dt)
+            self.project_in = Linear(cfg.hidden_size, use_bias=False, dtype=dt)
+            self.project_out = Linear(cfg.word_embed_proj_dim, use_bias=False, dtype=dt)
         self.layers = [DecoderLayer(cfg, dt, self.fused_qkv) for _ in range(cfg.num_hidden_layers)]
         if cfg.has_final_layer_norm:
             self.layer_norm = LayerNorm(dt)
@@ -136,11 +159,19 @@ class OPT(nn.Module):
             h = self.project_out(h)
         if return_hidden:  # the caller applies lm_logits to the positions it needs
             return h, caches
-        return lm_logits(self.embed_tokens.embedding, h), caches
+        if self.is_initializing():
+            return lm_logits(self.embed_tokens.embedding, h), caches
+        return lm_logits(self.variables["params"], h), caches
 
 
-def lm_logits(embedding, h):
-    """The tied LM head: h [..., word_embed_proj_dim] -> float32 logits [..., V]."""
+def lm_logits(params_or_embedding, h):
+    """The tied LM head: h [..., word_embed_proj_dim] -> float32 logits [..., V]. Takes the params
+    (using the packed copy of the embedding when there is one) or the embedding [V, D] itself."""
+    p = params_or_embedding
+    if isinstance(p, dict) and "lm_head" in p:
+        return cpu_kernels.matmul(h.astype(jnp.float32), p["lm_head"]["packed"],
+                             p["embed_tokens"]["embedding"].shape[0])
+    embedding = p["embed_tokens"]["embedding"] if isinstance(p, dict) else p
     return jnp.einsum("...d,vd->...v", h, embedding, preferred_element_type=jnp.float32)
 
 
@@ -281,9 +312,23 @@ def fuse_qkv(params: dict) -> dict:
 
 def fuse_qkv_on_one_device(params: dict) -> dict:
     """fuse_qkv when every parameter sits on one device; a sharded (tensor-parallel) tree as it is."""
-    one_device = all(len(x.sharding.device_set) == 1 for x in jax.tree_util.tree_leaves(params)
-                     if hasattr(x, "sharding"))
+    leaves = [x for x in jax.tree_util.tree_leaves(params) if hasattr(x, "sharding")]
+    one_device = len(set().union(*(x.sharding.device_set for x in leaves))) == 1 if leaves else True
     return fuse_qkv(params) if one_device else params
+
+
+def runtime_params(params: dict) -> dict:
+    """The layout the steps run fastest on where the params lie: on one device q/k/v fused
+    (fuse_qkv), and on one CPU in float32 every dense weight pre-packed for oneDNN (cpu_kernels.pack_params).
+    Idempotent; the forward pass gives the same numbers with either layout."""
+    if cpu_kernels.is_packed(params):
+        return params
+    return cpu_kernels.pack_params(fuse_qkv_on_one_device(params))
+
+
+def checkpoint_params(params: dict) -> dict:
+    """runtime_params undone: the checkpoint's layout (plain kernels, q_proj / k_proj / v_proj)."""
+    return unfuse_qkv(cpu_kernels.unpack_params(params))
 
 
 def unfuse_qkv(params: dict) -> dict:
@@ -306,7 +351,8 @@ def is_fused(params: dict) -> bool:
 
 
 def param_dtype(params):
-    return jax.tree_util.tree_leaves(params)[0].dtype
+    """The model dtype (packed weights are uint8 bytes: skipped)."""
+    return next(x.dtype for x in jax.tree_util.tree_leaves(params) if jnp.issubdtype(x.dtype, jnp.floating))
 
 
 def init_params(cfg: OPTConfig, seed: int = 0, dtype=jnp.float32, std: float = 0.02):

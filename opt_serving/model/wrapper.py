@@ -149,15 +149,16 @@ class OPTModel:
 
     def __init__(self, cfg: OPTConfig, params):
         self.config = cfg
-        # kept with q/k/v fused into one matmul (opt.fuse_qkv; a sharded tree, e.g. a tensor-parallel
-        # engine's, stays as it is): the steps and generate() run these
-        self.fused_params = opt.fuse_qkv_on_one_device(params)
+        # kept in the layout the steps run fastest (opt.runtime_params: q/k/v fused into one matmul,
+        # on a CPU pre-packed for oneDNN; a sharded tree, e.g. a tensor-parallel engine's, stays as
+        # it is): the steps and generate() run these
         self.dtype = opt.param_dtype(params)
+        self.fused_params = opt.runtime_params(params)
 
     @property
     def params(self):
-        """The params in the checkpoint's layout (q_proj / k_proj / v_proj), as a new tree."""
-        return opt.unfuse_qkv(self.fused_params)
+        """The params in the checkpoint's layout (q_proj / k_proj / v_proj, plain kernels), as a new tree."""
+        return opt.checkpoint_params(self.fused_params)
 
     # engine-facing pass-throughs
     def init_cache(self, batch: int, max_len: int):
@@ -257,21 +258,35 @@ class OPTModel:
 
 
 def _start(cfg, params, ids, mask, max_new):
-    """Prefill a cache sized for the whole generation; next-token logits [B, V]."""
+    """Prefill a cache of `max_new` more entries than the prompt; next-token logits [B, V]."""
     b, s = ids.shape
     cache = kv_cache.init_cache(cfg, b, s + max_new, opt.param_dtype(params))
     return opt._prefill(cfg, params, cache, ids, mask, all_logits=False)
+
+
+def decode_windows(prompt_len: int, total: int) -> list[int]:
+    """The cache sizes a generation of `total` positions runs through: powers of two from the
+    first that holds the prompt, then `total`. A decode step's cost is reading its cache, so
+    rows 20 tokens long should not read a cache sized for 72."""
+    first = kv_cache.bucket_length(prompt_len + 1, total)
+    windows = [first]
+    while windows[-1] < total:
+        windows.append(min(windows[-1] * 2, total))
+    return windows
 
 
 @partial(jax.jit, static_argnums=(0, 6, 7, 8))
 def _sample_loop(cfg, params, ids, mask, st, max_new, new_bucket, pad, output_scores):
     """HF `_sample`: greedy or sampled rows, finished rows filled with pad; stops when all are done.
 
-    `max_new` is traced; buffers are sized by the static `new_bucket` >= max_new."""
+    `max_new` is traced; buffers are sized by the static `new_bucket` >= max_new. The cache
+    starts at the smallest window holding the prompt and grows a window at a time
+    (decode_windows): one decode loop per window."""
     b, s = ids.shape
     total = s + new_bucket
+    windows = decode_windows(s, total)
     n_real = jnp.sum(mask, axis=1).astype(jnp.int32)
-    logits, cache = _start(cfg, params, ids, mask, new_bucket)
+    logits, cache = _start(cfg, params, ids, mask, windows[0] - s)
     state = sampling.init_state(ids, mask, cfg.vocab_size, total)
     scores_buf = jnp.zeros((new_bucket if output_scores else 0, b, cfg.vocab_size), jnp.float32)
 
@@ -286,10 +301,6 @@ def _sample_loop(cfg, params, ids, mask, st, max_new, new_bucket, pad, output_sc
 
     tok, state, unfinished, scores_buf = pick(logits, state, jnp.ones((b,), jnp.bool_), scores_buf, 0)
 
-    def cond(c):
-        i, _, _, _, unfinished, _ = c
-        return (i < max_new) & jnp.any(unfinished)
-
     def body(c):
         i, tok, cache, state, unfinished, scores_buf = c
         # one write index for all rows (a scalar): an in-place slice update, where a per-row
@@ -298,8 +309,14 @@ def _sample_loop(cfg, params, ids, mask, st, max_new, new_bucket, pad, output_sc
         tok, state, unfinished, scores_buf = pick(logits, state, unfinished, scores_buf, i)
         return i + 1, tok, cache, state, unfinished, scores_buf
 
-    steps, _, _, state, _, scores_buf = jax.lax.while_loop(
-        cond, body, (jnp.int32(1), tok, cache, state, unfinished, scores_buf))
+    carry = (jnp.int32(1), tok, cache, state, unfinished, scores_buf)
+    for j, window in enumerate(windows):
+        if j:
+            carry = carry[:2] + (kv_cache._resize(carry[2], window),) + carry[3:]
+        # step i writes entry s + i - 1: this window holds the steps up to i = window - s
+        carry = jax.lax.while_loop(
+            lambda c, last=window - s: (c[0] < max_new) & (c[0] <= last) & jnp.any(c[4]), body, carry)
+    steps, _, _, state, _, scores_buf = carry
     return state.history, steps, scores_buf
 
 

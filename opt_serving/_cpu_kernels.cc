@@ -1,0 +1,266 @@
+// CPU kernels as XLA FFI custom calls: oneDNN matrix products with pre-packed weights,
+// and a fast argmax. Built by build.sh; opt_serving/model/cpu_kernels.py loads it.
+//
+// Why: XLA CPU's GEMMs take the weights as a plain [K, N] runtime argument and
+// re-pack them on every call. A decode step multiplies a few rows by every weight
+// of the model, so that packing is most of its memory traffic. oneDNN's matmul
+// reads weights already in its blocked layout; we pack them once at load time
+// (opt_onednn_pack) and every step streams them as they lie.
+//
+// Exposed:
+//   opt_onednn_packed_bytes(K, N)             size of a packed [K, N] float32 weight
+//   opt_onednn_pack(w, K, N, transposed, out)  w row-major [K, N] (or [N, K] when transposed)
+//   opt_onednn_unpack(packed, K, N, transposed, w)  the reverse
+//   OptOnednnMatmul (FFI handler)             y[M, N] = x[M, K] @ W (+ bias[N]) (relu)
+//   OptArgmax (FFI handler)                   jnp.argmax(x[B, V], -1) as int32, at memory speed
+// The packed layout is the one oneDNN's matmul picks for kPackRows rows; it is worked
+// out the same way on both sides, so a packed buffer is only valid in the process
+// (same oneDNN, same CPU) that made it. Nothing packed is ever written to disk.
+#include <cstdint>
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+
+#include "dnnl.hpp"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+using dt = dnnl::memory::data_type;
+using tag = dnnl::memory::format_tag;
+
+namespace {
+
+constexpr int64_t kPackRows = 32;  // the rows the weight layout is chosen for (the same BA16a64b for 16-128 here)
+
+dnnl::engine& cpu_engine() {
+  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  return engine;
+}
+
+std::mutex mu;  // guards the two caches below (XLA may call from several threads)
+// One product at a time: each already uses every core (OpenMP), and XLA may start
+// independent ones together from its own threads.
+std::mutex run_mu;
+
+const dnnl::memory::desc& packed_desc(int64_t k, int64_t n) {
+  static std::map<std::pair<int64_t, int64_t>, dnnl::memory::desc> descs;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = descs.find({k, n});
+  if (it == descs.end()) {
+    dnnl::memory::desc src({kPackRows, k}, dt::f32, tag::ab);
+    dnnl::memory::desc w({k, n}, dt::f32, tag::any);
+    dnnl::memory::desc dst({kPackRows, n}, dt::f32, tag::ab);
+    dnnl::matmul::primitive_desc pd(cpu_engine(), src, w, dst);
+    it = descs.emplace(std::make_pair(k, n), pd.weights_desc()).first;
+  }
+  return it->second;
+}
+
+using Key = std::tuple<int64_t, int64_t, int64_t, bool, bool>;  // m, k, n, bias, relu
+
+dnnl::matmul matmul_for(int64_t m, int64_t k, int64_t n, bool bias, bool relu) {
+  const dnnl::memory::desc& w = packed_desc(k, n);
+  static std::map<Key, dnnl::matmul> prims;
+  std::lock_guard<std::mutex> lock(mu);
+  Key key{m, k, n, bias, relu};
+  auto it = prims.find(key);
+  if (it == prims.end()) {
+    dnnl::primitive_attr attr;
+    if (relu) {
+      dnnl::post_ops ops;
+      ops.append_eltwise(dnnl::algorithm::eltwise_relu, 0.f, 0.f);
+      attr.set_post_ops(ops);
+    }
+    dnnl::memory::desc src({m, k}, dt::f32, tag::ab);
+    dnnl::memory::desc dst({m, n}, dt::f32, tag::ab);
+    dnnl::matmul::primitive_desc pd =
+        bias ? dnnl::matmul::primitive_desc(cpu_engine(), src, w,
+                                            dnnl::memory::desc({1, n}, dt::f32, tag::ab), dst, attr)
+             : dnnl::matmul::primitive_desc(cpu_engine(), src, w, dst, attr);
+    it = prims.emplace(key, dnnl::matmul(pd)).first;
+  }
+  return it->second;
+}
+
+// A few rows (a decode step at batch 1-4) over the BA16a64b layout oneDNN packs these weights
+// in: oneDNN's kernels take ~15% longer than XLA's matrix-vector products there, and such a
+// step is a plain stream over the weights. In that layout the 64 columns of block nb are
+// contiguous [K_padded, 64] rows: entry (k, n) sits at (n / 64) * K_padded * 64 + k * 64 + n % 64.
+constexpr int64_t kSmallRows = 4;
+
+bool streams_as_rows(const dnnl::memory::desc& packed, int64_t k, int64_t n) {
+  return packed == dnnl::memory::desc({k, n}, dt::f32, tag::BA16a64b);
+}
+
+// M is a template argument so the accumulators stay in registers.
+template <int M>
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void small_rows(const float* x, int64_t k, int64_t n, const float* w, const float* bias, bool relu,
+                float* y) {
+  const int64_t k_padded = (k + 15) / 16 * 16, blocks = (n + 63) / 64;
+#pragma omp parallel for schedule(static)
+  for (int64_t nb = 0; nb < blocks; ++nb) {
+    float acc[M][64] = {};
+    const float* block = w + nb * k_padded * 64;
+    for (int64_t kk = 0; kk < k; ++kk) {
+      const float* row = block + kk * 64;
+      for (int r = 0; r < M; ++r) {
+        const float xv = x[r * k + kk];
+#pragma omp simd
+        for (int j = 0; j < 64; ++j) acc[r][j] += xv * row[j];
+      }
+    }
+    const int64_t n0 = nb * 64, cols = std::min<int64_t>(64, n - n0);
+    for (int r = 0; r < M; ++r) {
+      for (int64_t j = 0; j < cols; ++j) {
+        float v = acc[r][j] + (bias ? bias[n0 + j] : 0.f);
+        y[r * n + n0 + j] = relu && v < 0.f ? 0.f : v;
+      }
+    }
+  }
+}
+
+void small_rows(const float* x, int64_t m, int64_t k, int64_t n, const float* w, const float* bias,
+                bool relu, float* y) {
+  switch (m) {
+    case 1: return small_rows<1>(x, k, n, w, bias, relu, y);
+    case 2: return small_rows<2>(x, k, n, w, bias, relu, y);
+    case 3: return small_rows<3>(x, k, n, w, bias, relu, y);
+    default: return small_rows<4>(x, k, n, w, bias, relu, y);
+  }
+}
+
+}  // namespace
+
+extern "C" int64_t opt_onednn_packed_bytes(int64_t k, int64_t n) {
+  try {
+    return static_cast<int64_t>(packed_desc(k, n).get_size());
+  } catch (...) {
+    return -1;
+  }
+}
+
+extern "C" int opt_onednn_pack(const float* w, int64_t k, int64_t n, int transposed, void* out) {
+  try {
+    dnnl::memory::desc plain({k, n}, dt::f32, transposed ? tag::ba : tag::ab);
+    dnnl::memory src(plain, cpu_engine(), const_cast<float*>(w));
+    dnnl::memory dst(packed_desc(k, n), cpu_engine(), out);
+    dnnl::stream stream(cpu_engine());
+    dnnl::reorder(src, dst).execute(stream, src, dst);
+    stream.wait();
+    return 0;
+  } catch (...) {
+    return 1;
+  }
+}
+
+extern "C" int opt_onednn_unpack(const void* packed, int64_t k, int64_t n, int transposed, float* w) {
+  try {
+    dnnl::memory::desc plain({k, n}, dt::f32, transposed ? tag::ba : tag::ab);
+    dnnl::memory src(packed_desc(k, n), cpu_engine(), const_cast<void*>(packed));
+    dnnl::memory dst(plain, cpu_engine(), w);
+    dnnl::stream stream(cpu_engine());
+    dnnl::reorder(src, dst).execute(stream, src, dst);
+    stream.wait();
+    return 0;
+  } catch (...) {
+    return 1;
+  }
+}
+
+static ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ffi::Buffer<ffi::F32> bias,
+                         ffi::ResultBuffer<ffi::F32> y, bool relu) {
+  auto xd = x.dimensions();
+  auto yd = y->dimensions();
+  if (xd.size() != 2 || yd.size() != 2 || xd[0] != yd[0]) {
+    return ffi::Error::InvalidArgument("opt_onednn_matmul: x must be [M, K] and y [M, N]");
+  }
+  const int64_t m = xd[0], k = xd[1], n = yd[1];
+  const bool has_bias = bias.element_count() > 0;
+  if (has_bias && static_cast<int64_t>(bias.element_count()) != n) {
+    return ffi::Error::InvalidArgument("opt_onednn_matmul: bias must have N entries");
+  }
+  if (m == 0) return ffi::Error::Success();
+  try {
+    const dnnl::memory::desc& wd = packed_desc(k, n);
+    if (packed.size_bytes() != wd.get_size()) {
+      return ffi::Error::InvalidArgument(
+          "opt_onednn_matmul: the packed weight has " + std::to_string(packed.size_bytes()) +
+          " bytes, a packed [" + std::to_string(k) + ", " + std::to_string(n) + "] weight " +
+          std::to_string(wd.get_size()));
+    }
+    if (m <= kSmallRows && streams_as_rows(wd, k, n)) {
+      std::lock_guard<std::mutex> lock(run_mu);
+      small_rows(x.typed_data(), m, k, n, static_cast<const float*>(packed.untyped_data()),
+                 has_bias ? bias.typed_data() : nullptr, relu, y->typed_data());
+      return ffi::Error::Success();
+    }
+    dnnl::matmul prim = matmul_for(m, k, n, has_bias, relu);
+    dnnl::engine& eng = cpu_engine();
+    dnnl::memory src({{m, k}, dt::f32, tag::ab}, eng, x.typed_data());
+    dnnl::memory wts(wd, eng, packed.untyped_data());
+    dnnl::memory dst({{m, n}, dt::f32, tag::ab}, eng, y->typed_data());
+    std::unordered_map<int, dnnl::memory> args{
+        {DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wts}, {DNNL_ARG_DST, dst}};
+    if (has_bias) {
+      args.emplace(DNNL_ARG_BIAS, dnnl::memory({{1, n}, dt::f32, tag::ab}, eng, bias.typed_data()));
+    }
+    std::lock_guard<std::mutex> lock(run_mu);
+    dnnl::stream stream(eng);
+    prim.execute(stream, args);
+    stream.wait();
+  } catch (const dnnl::error& e) {
+    return ffi::Error::Internal(std::string("opt_onednn_matmul: ") + e.what());
+  }
+  return ffi::Error::Success();
+}
+
+// The index of each row's maximum: the first one, and a NaN (the first) wins, as jnp.argmax.
+// XLA CPU's own argmax (a variadic reduce) and its TopK with k=1 both run at ~1.5 ns an
+// element; this reads a [64, 50272] row block at memory speed. Two passes per row: the
+// max and any NaN (vectorised), then the first index holding it (the row is in cache).
+static ffi::Error Argmax(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> out) {
+  auto d = x.dimensions();
+  if (d.size() != 2 || out->element_count() != static_cast<size_t>(d[0])) {
+    return ffi::Error::InvalidArgument("opt_argmax: x must be [B, V] and out [B]");
+  }
+  const int64_t rows = d[0], v = d[1];
+  const float* data = x.typed_data();
+  int32_t* idx = out->typed_data();
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = data + r * v;
+    float best = -std::numeric_limits<float>::infinity();
+    bool nan = false;
+#pragma omp simd reduction(max : best) reduction(| : nan)
+    for (int64_t i = 0; i < v; ++i) {
+      best = row[i] > best ? row[i] : best;
+      nan |= row[i] != row[i];
+    }
+    int64_t at = 0;
+    for (int64_t i = 0; i < v; ++i) {
+      if (nan ? row[i] != row[i] : row[i] == best) {
+        at = i;
+        break;
+      }
+    }
+    idx[r] = static_cast<int32_t>(at);
+  }
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptArgmax, Argmax,
+                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptOnednnMatmul, Matmul,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("relu"));

@@ -1,0 +1,184 @@
+"""CPU kernels as XLA FFI custom calls (opt_serving/_cpu_kernels.cc, built by build.sh): matrix
+products against pre-packed weights (oneDNN), and an argmax.
+
+XLA CPU re-packs a dense layer's [K, N] weight on every call; a decode step reads every
+weight once for a handful of rows, so that packing is most of its cost. `pack_params`
+packs each float32 weight once, into the blocked layout oneDNN's matmul reads, and
+`matmul` runs the product on it (see opt_serving/_onednn.cc, built by build.sh).
+
+On this project's 2-core CPU the OPT-125m set of products (12 layers + logits) takes
+~31-35 ms at 16 rows and ~80-85 ms at 64, against ~44 and ~110 ms with XLA's own GEMMs
+(benchmark/README.md). Used only where it can be: float32 params on one CPU device, the
+extension built; `OPT_SERVING_ONEDNN=0` turns it off. A packed buffer is only meaningful
+in the process that made it (its layout depends on the oneDNN build and the CPU), so
+packed params are never saved: `unpack_params` gives the plain ones back.
+
+`argmax` is jnp.argmax over the last axis: XLA CPU's own (and its TopK with k=1) run at
+~1.5 ns an element, ~4.9 ms a greedy step at batch 64 over OPT's 50272 logits.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+TARGET = "opt_onednn_matmul"
+ARGMAX_TARGET = "opt_argmax"
+LIBRARY = Path(__file__).resolve().parent.parent / "_cpu_kernels.so"
+
+
+@functools.cache
+def _lib():
+    """The loaded extension with its FFI target registered, or None when it cannot be used."""
+    if os.environ.get("OPT_SERVING_ONEDNN", "1") == "0" or not LIBRARY.exists():
+        return None
+    try:
+        lib = ctypes.CDLL(str(LIBRARY))
+    except OSError:  # built against a oneDNN that is gone: the plain XLA path still works
+        return None
+    lib.opt_onednn_packed_bytes.restype = ctypes.c_int64
+    lib.opt_onednn_packed_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64]
+    for fn in (lib.opt_onednn_pack, lib.opt_onednn_unpack):
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.OptOnednnMatmul), platform="cpu")
+    jax.ffi.register_ffi_target(ARGMAX_TARGET, jax.ffi.pycapsule(lib.OptArgmax), platform="cpu")
+    return lib
+
+
+def available() -> bool:
+    return _lib() is not None
+
+
+def pack(w, transposed: bool = False, device=None) -> jax.Array:
+    """A float32 weight [K, N] (or [N, K] with `transposed`, as the tied embedding is) -> packed bytes."""
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError(f"the oneDNN extension is not available ({LIBRARY} not built or disabled)")
+    w = np.ascontiguousarray(np.asarray(w), np.float32)
+    if w.ndim != 2:
+        raise ValueError(f"pack takes a 2-D weight, got shape {w.shape}")
+    k, n = (w.shape[1], w.shape[0]) if transposed else w.shape
+    out = np.empty(lib.opt_onednn_packed_bytes(k, n), np.uint8)
+    if lib.opt_onednn_pack(w.ctypes.data, k, n, int(transposed), out.ctypes.data) != 0:
+        raise RuntimeError(f"oneDNN could not pack a [{k}, {n}] weight")
+    return jax.device_put(out, device or jax.devices("cpu")[0])
+
+
+def unpack(packed, k: int, n: int) -> np.ndarray:
+    """`pack` undone: the plain [K, N] float32 weight."""
+    lib = _lib()
+    src = np.ascontiguousarray(np.asarray(packed))
+    if lib is None or src.nbytes != lib.opt_onednn_packed_bytes(k, n):
+        raise ValueError(f"not a packed [{k}, {n}] weight ({src.nbytes} bytes)")
+    out = np.empty((k, n), np.float32)
+    if lib.opt_onednn_unpack(src.ctypes.data, k, n, 0, out.ctypes.data) != 0:
+        raise RuntimeError(f"oneDNN could not unpack a [{k}, {n}] weight")
+    return out
+
+
+def matmul(x, packed, n: int, bias=None, relu: bool = False):
+    """x [..., K] @ W[K, N] (+ bias) (then ReLU), W packed by `pack`. float32."""
+    if x.dtype != jnp.float32:
+        raise TypeError(f"packed products are float32, got {x.dtype}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])  # [rows, K]
+    b = jnp.zeros((0,), jnp.float32) if bias is None else bias
+    y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32))(
+        x2, packed, b, relu=bool(relu))
+    return y.reshape(*lead, n)
+
+
+def argmax(x) -> jax.Array:
+    """jnp.argmax(x, -1).astype(int32) for float32 x [..., V] (the first maximum; a NaN wins).
+    Traced for every platform: the kernel on the CPU, jnp.argmax elsewhere or without the extension."""
+    def reference(x):
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    if not available() or x.dtype != jnp.float32:
+        return reference(x)
+
+    def kernel(x):
+        x2 = x.reshape(-1, x.shape[-1])  # [rows, V]
+        out = jax.ffi.ffi_call(ARGMAX_TARGET, jax.ShapeDtypeStruct((x2.shape[0],), jnp.int32))(x2)
+        return out.reshape(x.shape[:-1])
+    return jax.lax.platform_dependent(x, cpu=kernel, default=reference)
+
+
+def can_pack(params: dict) -> bool:
+    """float32 params all on one CPU device, and the extension usable."""
+    leaves = [x for x in jax.tree_util.tree_leaves(params) if hasattr(x, "sharding")]
+    if not leaves or not available():
+        return False
+    devices = set().union(*(x.sharding.device_set for x in leaves))
+    return (len(devices) == 1 and next(iter(devices)).platform == "cpu"
+            and all(x.dtype in (jnp.float32, jnp.uint8) for x in leaves))
+
+
+def is_packed(params: dict) -> bool:
+    return "lm_head" in params
+
+
+def pack_params(params: dict) -> dict:
+    """Every decoder layer's dense weight (`kernel` -> `packed`) and a packed copy of the tied
+    embedding for the logits (`lm_head`); the embedding itself stays for the lookup.
+    Params that cannot be packed (see can_pack), or already are, come back as they are."""
+    if is_packed(params) or not can_pack(params):
+        return params
+    device = next(iter(params["embed_tokens"]["embedding"].sharding.device_set))
+    out = dict(params)
+    for name, layer in params.items():
+        if name.startswith("layers_"):
+            out[name] = jax.tree_util.tree_map(lambda x: x, layer)  # a new nesting to edit
+            for path in _dense_paths(layer):
+                parent = _at(out[name], path[:-1])
+                dense = dict(parent[path[-1]])
+                dense["packed"] = pack(dense.pop("kernel"), device=device)
+                parent[path[-1]] = dense
+    out["lm_head"] = {"packed": pack(params["embed_tokens"]["embedding"], transposed=True, device=device)}
+    return out
+
+
+def unpack_params(params: dict) -> dict:
+    """pack_params undone (exactly: packing only moves the numbers)."""
+    if not is_packed(params):
+        return params
+    out = {k: v for k, v in params.items() if k != "lm_head"}
+    for name, layer in params.items():
+        if name.startswith("layers_"):
+            out[name] = jax.tree_util.tree_map(lambda x: x, layer)
+            for path in _dense_paths(layer, key="packed"):
+                parent = _at(out[name], path[:-1])
+                dense = dict(parent[path[-1]])
+                n = dense["bias"].shape[0]
+                k = _in_features(layer, path, n)
+                dense["kernel"] = jnp.asarray(unpack(dense.pop("packed"), k, n))
+                parent[path[-1]] = dense
+    return out
+
+
+def _dense_paths(tree: dict, key: str = "kernel", prefix=()):
+    for name, sub in tree.items():
+        if isinstance(sub, dict):
+            if key in sub:
+                yield prefix + (name,)
+            else:
+                yield from _dense_paths(sub, key, prefix + (name,))
+
+
+def _at(tree: dict, path):
+    for name in path:
+        tree[name] = dict(tree[name])
+        tree = tree[name]
+    return tree
+
+
+def _in_features(layer: dict, path, n: int) -> int:
+    """K of a packed layer weight: fc2 reads the FFN width (fc1's N); every other one the hidden size."""
+    if path[-1] == "fc2":
+        return layer["fc1"]["bias"].shape[0]
+    return layer["fc2"]["bias"].shape[0]

@@ -1,0 +1,108 @@
+"""The CPU kernels (opt_serving/_cpu_kernels.cc via cpu_kernels.py): oneDNN products on packed
+weights, and argmax, against numpy; packing the params and undoing it."""
+import platform
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from opt_serving.config import OPTConfig
+from opt_serving.model import cpu_kernels, opt
+
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="opt_serving/_cpu_kernels.so not built")
+CFG = OPTConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                ffn_dim=64, max_position_embeddings=64)
+
+
+def test_built_where_the_requirements_install_onednn():
+    # requirements.txt installs oneDNN on Linux x86_64 and build.sh compiles against it there
+    if sys.platform == "linux" and platform.machine() == "x86_64":
+        assert cpu_kernels.available(), f"{cpu_kernels.LIBRARY} missing or not loadable: run ./build.sh"
+
+
+@needs_kernels
+@pytest.mark.parametrize("m,k,n", [(1, 32, 96), (5, 33, 70), (17, 768, 300), (64, 64, 16)])
+def test_packed_product_equals_numpy(m, k, n):
+    rng = np.random.default_rng(m)
+    x, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((m, k), (k, n), (n,)))
+    packed = cpu_kernels.pack(w)
+    assert packed.dtype == jnp.uint8
+    ref = x.astype(np.float64) @ w.astype(np.float64) + b
+    got = jax.jit(lambda x, p, b: cpu_kernels.matmul(x, p, n, b))(x, packed, b)
+    np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-4)
+    relu = cpu_kernels.matmul(jnp.asarray(x), packed, n, jnp.asarray(b), relu=True)
+    np.testing.assert_allclose(np.asarray(relu), np.maximum(ref, 0), rtol=1e-5, atol=1e-4)
+    no_bias = cpu_kernels.matmul(jnp.asarray(x)[None], packed, n)  # leading dims kept: [1, m, n]
+    assert no_bias.shape == (1, m, n)
+    np.testing.assert_allclose(np.asarray(no_bias)[0], ref - b, rtol=1e-5, atol=1e-4)
+    assert np.array_equal(cpu_kernels.unpack(packed, k, n), w)  # packing only moves the numbers
+
+
+@needs_kernels
+def test_transposed_packing_is_the_tied_lm_head():
+    rng = np.random.default_rng(0)
+    emb, h = rng.standard_normal((96, 32), np.float32), rng.standard_normal((3, 32), np.float32)
+    got = cpu_kernels.matmul(jnp.asarray(h), cpu_kernels.pack(emb, transposed=True), 96)
+    np.testing.assert_allclose(np.asarray(got), h @ emb.T, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernels
+def test_a_packed_buffer_of_the_wrong_size_is_refused():
+    packed = cpu_kernels.pack(np.ones((32, 96), np.float32))
+    with pytest.raises(Exception, match="packed weight has"):
+        jax.block_until_ready(cpu_kernels.matmul(jnp.ones((2, 32)), packed[:-64], 96))
+    with pytest.raises(ValueError, match=r"not a packed \[48, 96\] weight"):
+        cpu_kernels.unpack(packed, 48, 96)
+
+
+@needs_kernels
+def test_argmax_is_numpys_first_maximum_and_first_nan():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, 50272)).astype(np.float32)
+    x[1, 7] = x[1, 9] = x[1].max() + 1          # a tie: the first index wins
+    x[2, 40000] = np.nan                         # a NaN wins, as in np.argmax
+    x[2, 50000] = np.nan
+    x[3] = -np.inf                               # all -inf: index 0
+    x[4, -1] = np.inf
+    got = np.asarray(jax.jit(cpu_kernels.argmax)(x))
+    assert got.dtype == np.int32
+    assert np.array_equal(got, np.argmax(x, -1)), (got, np.argmax(x, -1))
+    assert list(got[1:5]) == [7, 40000, 0, 50271]
+    batched = x[:4].reshape(2, 2, -1)  # leading dims kept
+    assert np.array_equal(np.asarray(cpu_kernels.argmax(jnp.asarray(batched))), np.argmax(batched, -1))
+
+
+@needs_kernels
+def test_pack_params_round_trip_and_where_it_applies():
+    params = opt.fuse_qkv(opt.init_params(CFG, seed=1))
+    packed = opt.runtime_params(opt.init_params(CFG, seed=1))
+    assert cpu_kernels.is_packed(packed) and opt.runtime_params(packed) is packed  # idempotent
+    layer = packed["layers_0"]
+    assert sorted(layer["fc1"]) == ["bias", "packed"] and sorted(layer["self_attn"]["qkv_proj"]) == ["bias", "packed"]
+    back = cpu_kernels.unpack_params(packed)
+    assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(params)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(back),
+                                                     jax.tree_util.tree_leaves(params)))
+    # float16 params stay as they are: the kernels are float32
+    half = jax.tree_util.tree_map(lambda a: a.astype(jnp.float16), params)
+    assert not cpu_kernels.is_packed(cpu_kernels.pack_params(half))
+    # the packed forward pass gives the plain one's numbers
+    ids = jnp.asarray(np.random.default_rng(0).integers(3, 96, (2, 7)), jnp.int32)
+    np.testing.assert_allclose(np.asarray(opt.forward(CFG, packed, ids)),
+                               np.asarray(opt.forward(CFG, params, ids)), rtol=1e-5, atol=1e-5)
+
+
+def test_turned_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("OPT_SERVING_ONEDNN", "0")
+    cpu_kernels._lib.cache_clear()
+    try:
+        assert not cpu_kernels.available()
+        params = opt.init_params(CFG, seed=1)
+        assert not cpu_kernels.is_packed(opt.runtime_params(params))
+        x = jnp.asarray([[0.0, 3.0, 3.0, 1.0]])
+        assert int(cpu_kernels.argmax(x)[0]) == 1  # the plain jnp.argmax path
+    finally:
+        monkeypatch.undo()
+        cpu_kernels._lib.cache_clear()
