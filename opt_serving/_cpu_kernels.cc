@@ -13,11 +13,14 @@
 //   opt_onednn_unpack(packed, K, N, transposed, w)  the reverse
 //   OptOnednnMatmul (FFI handler)             y[M, N] = x[M, K] @ W (+ bias[N]) (relu)
 //   OptArgmax (FFI handler)                   jnp.argmax(x[B, V], -1) as int32, at memory speed
+//   OptDecodeAttention (FFI handler)          a decode step's attention over a cache's first entries
 // The packed layout is the one oneDNN's matmul picks for kPackRows rows; it is worked
 // out the same way on both sides, so a packed buffer is only valid in the process
 // (same oneDNN, same CPU) that made it. Nothing packed is ever written to disk.
 #include <cstdint>
 #include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -25,6 +28,8 @@
 #include <string>
 #include <tuple>
 #include <unordered_map>
+
+#include <omp.h>
 
 #include "dnnl.hpp"
 #include "xla/ffi/api/ffi.h"
@@ -46,6 +51,18 @@ std::mutex mu;  // guards the two caches below (XLA may call from several thread
 // One product at a time: each already uses every core (OpenMP), and XLA may start
 // independent ones together from its own threads.
 std::mutex run_mu;
+
+// Threads for every parallel region we start or oneDNN starts for us (0: OpenMP's default). Set
+// from Python (cpu_kernels.threads()): XLA's own pool ignores OMP_NUM_THREADS, and a Ray worker
+// has it set to its CPU reservation (1 for a Serve replica), which would leave our kernels on one
+// core while XLA uses all. OpenMP keeps the count per calling thread, so each handler sets it for
+// the XLA thread that calls it.
+std::atomic<int> threads{0};
+
+void use_threads() {
+  const int n = threads.load(std::memory_order_relaxed);
+  if (n > 0 && omp_get_max_threads() != n) omp_set_num_threads(n);
+}
 
 const dnnl::memory::desc& packed_desc(int64_t k, int64_t n) {
   static std::map<std::pair<int64_t, int64_t>, dnnl::memory::desc> descs;
@@ -137,6 +154,20 @@ void small_rows(const float* x, int64_t m, int64_t k, int64_t n, const float* w,
 
 }  // namespace
 
+extern "C" void opt_cpu_kernels_set_threads(int n) { threads.store(n); }
+
+// The size of the team a kernel called from this thread runs with (for tests).
+extern "C" int opt_cpu_kernels_team_size() {
+  use_threads();
+  int size = 0;
+#pragma omp parallel
+  {
+#pragma omp single
+    size = omp_get_num_threads();
+  }
+  return size;
+}
+
 extern "C" int64_t opt_onednn_packed_bytes(int64_t k, int64_t n) {
   try {
     return static_cast<int64_t>(packed_desc(k, n).get_size());
@@ -175,6 +206,7 @@ extern "C" int opt_onednn_unpack(const void* packed, int64_t k, int64_t n, int t
 
 static ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ffi::Buffer<ffi::F32> bias,
                          ffi::ResultBuffer<ffi::F32> y, bool relu) {
+  use_threads();
   auto xd = x.dimensions();
   auto yd = y->dimensions();
   if (xd.size() != 2 || yd.size() != 2 || xd[0] != yd[0]) {
@@ -225,6 +257,7 @@ static ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ffi::Bu
 // element; this reads a [64, 50272] row block at memory speed. Two passes per row: the
 // max and any NaN (vectorised), then the first index holding it (the row is in cache).
 static ffi::Error Argmax(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> out) {
+  use_threads();
   auto d = x.dimensions();
   if (d.size() != 2 || out->element_count() != static_cast<size_t>(d[0])) {
     return ffi::Error::InvalidArgument("opt_argmax: x must be [B, V] and out [B]");
@@ -253,6 +286,76 @@ static ffi::Error Argmax(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> ou
   }
   return ffi::Error::Success();
 }
+
+// One decode step's attention over the first `read_len` entries of a [B, H, T, D] cache:
+// out[b, h] = softmax_t(q[b, h] . k[b, h, t]) @ v[b, h, t] over t < read_len where mask[b, t].
+// XLA's dots read the cache's whole static window; this reads only the entries written so
+// far (one contiguous [read_len, D] run per row and head), so generate() keeps one
+// full-size cache and a step still reads only what it needs. Rows with no valid entry
+// (never the case in generate()) get zeros.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+static void attend_rows(const float* q, const float* k, const float* v, const bool* mask, int64_t b_count,
+                        int64_t h_count, int64_t t_count, int64_t d, int64_t n, float* out) {
+#pragma omp parallel for schedule(static)
+  for (int64_t bh = 0; bh < b_count * h_count; ++bh) {
+    const int64_t b = bh / h_count;
+    const float* qr = q + bh * d;
+    const float* kr = k + bh * t_count * d;
+    const float* vr = v + bh * t_count * d;
+    const bool* m = mask + b * t_count;
+    float* o = out + bh * d;
+    float scores[4096];
+    float best = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < n; ++t) {
+      if (!m[t]) continue;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t j = 0; j < d; ++j) dot += qr[j] * kr[t * d + j];
+      scores[t] = dot;
+      best = dot > best ? dot : best;
+    }
+    for (int64_t j = 0; j < d; ++j) o[j] = 0.f;
+    if (best == -std::numeric_limits<float>::infinity()) continue;
+    float total = 0.f;
+    for (int64_t t = 0; t < n; ++t) {
+      if (!m[t]) continue;
+      const float p = std::exp(scores[t] - best);
+      total += p;
+#pragma omp simd
+      for (int64_t j = 0; j < d; ++j) o[j] += p * vr[t * d + j];
+    }
+    const float inv = 1.f / total;
+    for (int64_t j = 0; j < d; ++j) o[j] *= inv;
+  }
+}
+
+static ffi::Error DecodeAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                                  ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> read_len,
+                                  ffi::ResultBuffer<ffi::F32> out) {
+  use_threads();
+  auto qd = q.dimensions(), kd = k.dimensions(), md = mask.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || md.size() != 2 || kd[0] != qd[0] || kd[1] != qd[1] ||
+      kd[3] != qd[2] || md[0] != qd[0] || md[1] != kd[2] || v.element_count() != k.element_count()) {
+    return ffi::Error::InvalidArgument(
+        "opt_decode_attention: q [B, H, D], k and v [B, H, T, D], mask [B, T] expected");
+  }
+  const int64_t t_count = kd[2];
+  if (t_count > 4096) return ffi::Error::InvalidArgument("opt_decode_attention: at most 4096 entries");
+  const int64_t n = std::max<int64_t>(0, std::min<int64_t>(read_len.typed_data()[0], t_count));
+  std::lock_guard<std::mutex> lock(run_mu);
+  attend_rows(q.typed_data(), k.typed_data(), v.typed_data(), mask.typed_data(), qd[0], qd[1], t_count,
+              qd[2], n, out->typed_data());
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptDecodeAttention, DecodeAttention,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OptArgmax, Argmax,
                               ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::S32>>());

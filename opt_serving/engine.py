@@ -423,7 +423,7 @@ class OPTSlots:
         import jax
         import jax.numpy as jnp
         from opt_serving import sampling
-        from opt_serving.model import kv_cache, opt
+        from opt_serving.model import cpu_kernels, kv_cache, opt
         # one device: q/k/v as one matmul, on a CPU pre-packed (opt.runtime_params; a tensor-parallel
         # plan's params stay split by heads)
         self.cfg, self.params = cfg, opt.runtime_params(params)
@@ -483,11 +483,16 @@ class OPTSlots:
             return (jax.tree_util.tree_map(put, state, row_state),
                     jax.tree_util.tree_map(put, settings, row_settings), active.at[slot].set(True))
 
-        def step(params, cache, state, active, attend_len):
+        # packed params on a CPU: the decode attention kernel reads only the entries written so far
+        # (up to the longest slot), not the whole window
+        read_written = cpu_kernels.is_packed(self.params)
+
+        def step(params, cache, state, active, read_len):
             rows = jnp.arange(num_slots)
             pos = jnp.where(active, state.length - 1, 0)  # the newest token goes in at its own position
             tokens = state.history[rows, pos]
-            logits, cache = opt._decode(cfg, params, cache, tokens, pos, pos, attend_len)
+            logits, cache = opt._decode(cfg, params, cache, tokens, pos, pos,
+                                        read_len=read_len if read_written else None)
             return logits, cache
 
         def free(cache, active, slot):
@@ -500,7 +505,7 @@ class OPTSlots:
         self._insert_cache = jax.jit(lambda cache, pcache, slot: kv_cache._insert(cache, pcache, slot),
                                      donate_argnums=(0,))
         self._resize = jax.jit(lambda cache, n: kv_cache._resize(cache, n), static_argnums=(1,))
-        self._step = jax.jit(step, static_argnums=(4,), donate_argnums=(1,))
+        self._step = jax.jit(step, donate_argnums=(1,))
         self._free = jax.jit(free, donate_argnums=(0, 1))
 
     @staticmethod
@@ -571,7 +576,8 @@ class OPTSlots:
     def step(self) -> StepResult:
         # two dispatches, one host sync (np.asarray below)
         self._fit_cache(self.attend_len(), shrink=True)
-        logits, self.cache = self._step(self.params, self.cache, self.state, self.active, None)
+        logits, self.cache = self._step(self.params, self.cache, self.state, self.active,
+                                        np.int32(self._lengths.max()))
         want_top = np.bool_(self._want_top[self._lengths > 0].any())
         self.state, out = self._choose(logits, self.state, self.settings, self.active, want_top)
         self._lengths[self._lengths > 0] += 1

@@ -1,6 +1,8 @@
 """The CPU kernels (opt_serving/_cpu_kernels.cc via cpu_kernels.py): oneDNN products on packed
 weights, and argmax, against numpy; packing the params and undoing it."""
+import os
 import platform
+import subprocess
 import sys
 
 import jax
@@ -106,3 +108,39 @@ def test_turned_off_by_the_environment(monkeypatch):
     finally:
         monkeypatch.undo()
         cpu_kernels._lib.cache_clear()
+
+
+@needs_kernels
+def test_decode_attention_reads_only_the_written_entries():
+    rng = np.random.default_rng(0)
+    b, h, t, d, n = 3, 4, 32, 16, 11
+    q = rng.standard_normal((b, h, d)).astype(np.float32)
+    k, v = (rng.standard_normal((b, h, t, d)).astype(np.float32) for _ in range(2))
+    mask = np.zeros((b, t), bool)
+    mask[:, :n] = True
+    mask[1, :4] = False  # a left-padded row
+    k[:, :, n:], v[:, :, n:] = 1e30, np.nan  # past read_len: must never be read
+    ref_scores = np.einsum("bhd,bhtd->bht", q, k[:, :, :n]).astype(np.float64)
+    ref_scores[~np.broadcast_to(mask[:, None, :n], ref_scores.shape)] = -np.inf
+    p = np.exp(ref_scores - ref_scores.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    ref = np.einsum("bht,bhtd->bhd", p, v[:, :, :n])
+    zeros = lambda q, k, v, m: jnp.zeros_like(q)  # noqa: E731  (the non-CPU fallback: must not be what runs)
+    got = jax.jit(lambda *a: cpu_kernels.decode_attention(*a, jnp.int32(n), zeros))(q, k, v, mask)
+    np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to tell 1 thread from all")
+def test_kernels_use_every_cpu_whatever_omp_num_threads_says():
+    # a Ray worker (a Serve replica) gets OMP_NUM_THREADS=1 from Ray; the kernels must still use every CPU,
+    # as XLA's own pool does, unless OPT_SERVING_CPU_THREADS says otherwise
+    probe = ("from opt_serving.model import cpu_kernels as k; lib = k._lib(); "
+             "print(lib.opt_cpu_kernels_team_size(), k.threads())")
+    def team(**env):
+        out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, **env}, check=True,
+                             capture_output=True, text=True).stdout.split()
+        return int(out[0]), int(out[1])
+    cpus = len(os.sched_getaffinity(0))
+    assert team(OMP_NUM_THREADS="1") == (cpus, cpus)
+    assert team(OMP_NUM_THREADS="1", OPT_SERVING_CPU_THREADS="1") == (1, 1)

@@ -149,10 +149,25 @@ def test_decode_windows():
     assert wrapper.decode_windows(40, 104) == [64, 104]
 
 
-def test_generation_through_several_cache_windows_matches_hf(models):
-    # 8 prompt positions + 40 new: the cache grows 16 -> 32 -> 64 -> 72 during the loop
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpu_kernels", "plain_xla"])
+def test_long_generation_matches_hf(models, kernels, monkeypatch):
+    # 8 prompt positions + 40 new. With the CPU kernels the cache is full-size and attention reads the
+    # entries written so far; without them the cache grows 16 -> 32 -> 64 -> 72 during the loop.
+    from opt_serving.model import cpu_kernels
     hf, ours, ids, mask, _, _ = models
-    with torch.no_grad():
-        ref = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=40, eos_token_id=None)
-    out = ours.generate(ids, attention_mask=mask, max_new_tokens=40, eos_token_id=None)
-    np.testing.assert_array_equal(out.numpy(), ref.numpy())
+    if not kernels:
+        plain = ours.params  # unpacked while the kernels are still loaded
+        monkeypatch.setenv("OPT_SERVING_ONEDNN", "0")
+        cpu_kernels._lib.cache_clear()
+        ours = wrapper.OPTModel(CFG, plain)
+    try:
+        assert cpu_kernels.is_packed(ours.fused_params) == (kernels and cpu_kernels.available())
+        if kernels and not cpu_kernels.available():
+            pytest.skip("opt_serving/_cpu_kernels.so not built")
+        with torch.no_grad():
+            ref = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=40, eos_token_id=None)
+        out = ours.generate(ids, attention_mask=mask, max_new_tokens=40, eos_token_id=None)
+        np.testing.assert_array_equal(out.numpy(), ref.numpy())
+    finally:
+        monkeypatch.undo()
+        cpu_kernels._lib.cache_clear()

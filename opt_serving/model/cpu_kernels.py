@@ -1,5 +1,5 @@
 """CPU kernels as XLA FFI custom calls (opt_serving/_cpu_kernels.cc, built by build.sh): matrix
-products against pre-packed weights (oneDNN), and an argmax.
+products against pre-packed weights (oneDNN), an argmax, and a decode step's attention.
 
 XLA CPU re-packs a dense layer's [K, N] weight on every call; a decode step reads every
 weight once for a handful of rows, so that packing is most of its cost. `pack_params`
@@ -15,6 +15,9 @@ packed params are never saved: `unpack_params` gives the plain ones back.
 
 `argmax` is jnp.argmax over the last axis: XLA CPU's own (and its TopK with k=1) run at
 ~1.5 ns an element, ~4.9 ms a greedy step at batch 64 over OPT's 50272 logits.
+
+`decode_attention` reads only the cache entries written so far; XLA's dots read the whole
+static cache, so generate() had to grow its cache a window at a time (copies) to keep reads short.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ import numpy as np
 
 TARGET = "opt_onednn_matmul"
 ARGMAX_TARGET = "opt_argmax"
+ATTENTION_TARGET = "opt_decode_attention"
 LIBRARY = Path(__file__).resolve().parent.parent / "_cpu_kernels.so"
 
 
@@ -46,9 +50,22 @@ def _lib():
     for fn in (lib.opt_onednn_pack, lib.opt_onednn_unpack):
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+    lib.opt_cpu_kernels_set_threads.argtypes = [ctypes.c_int]
+    lib.opt_cpu_kernels_set_threads(threads())
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.OptOnednnMatmul), platform="cpu")
     jax.ffi.register_ffi_target(ARGMAX_TARGET, jax.ffi.pycapsule(lib.OptArgmax), platform="cpu")
+    jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.OptDecodeAttention), platform="cpu")
     return lib
+
+
+def threads() -> int:
+    """Threads the kernels use: OPT_SERVING_CPU_THREADS, else every CPU this process may run on, as
+    XLA's own pool does. OMP_NUM_THREADS is not followed: Ray sets it to a worker's CPU reservation
+    (1 for a Serve replica), which would leave the products on one core beside XLA on all."""
+    n = os.environ.get("OPT_SERVING_CPU_THREADS")
+    if n:
+        return max(1, int(n))
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def available() -> bool:
@@ -107,6 +124,19 @@ def argmax(x) -> jax.Array:
         out = jax.ffi.ffi_call(ARGMAX_TARGET, jax.ShapeDtypeStruct((x2.shape[0],), jnp.int32))(x2)
         return out.reshape(x.shape[:-1])
     return jax.lax.platform_dependent(x, cpu=kernel, default=reference)
+
+
+def decode_attention(q, k_cache, v_cache, mask, read_len, reference):
+    """One decode step's attention: q [B, H, D] over the cache's first `read_len` (traced int32) entries
+    of k/v [B, H, T, D] where mask [B, T] -> [B, H, D]. On a CPU the kernel reads only those entries;
+    elsewhere, or without the extension, `reference(q, k, v, mask)` (which reads all T) runs."""
+    if not available() or q.dtype != jnp.float32 or k_cache.shape[2] > 4096:
+        return reference(q, k_cache, v_cache, mask)
+
+    def kernel(q, k, v, mask):
+        return jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+            q, k, v, mask, jnp.asarray(read_len, jnp.int32))
+    return jax.lax.platform_dependent(q, k_cache, v_cache, mask, cpu=kernel, default=reference)
 
 
 def can_pack(params: dict) -> bool:

@@ -200,12 +200,19 @@ def _prefill_attend(k_cache, v_cache, attention_mask):
     return attend
 
 
-def _decode_attend(k_cache, v_cache, mask, write_index, attend_len=None):
+def _decode_attend(k_cache, v_cache, mask, write_index, attend_len=None, read_len=None):
     """One new token per row, written at that row's own index, attending to its valid entries.
 
     With `attend_len` (static) only entries 0..attend_len-1 are read: a decode step's
     cost is reading the cache, so a 2048-entry cache holding short rows should not
-    be read whole. Every valid entry and write_index must then lie below attend_len."""
+    be read whole. Every valid entry and write_index must then lie below attend_len.
+    With `read_len` (traced) the same holds for entries 0..read_len-1; on a CPU a kernel
+    reads only those (cpu_kernels.decode_attention), elsewhere the whole cache is read."""
+    def reference(q, ks, vs, m):  # [B, H, D], [B, H, n, D], [B, H, n, D], [B, n]
+        scores = jnp.einsum("bhd,bhtd->bht", q, ks)
+        probs = _masked_softmax(scores, m[:, None, :]).astype(q.dtype)
+        return jnp.einsum("bht,bhtd->bhd", probs, vs)
+
     def attend(q, k, v):  # each [B, 1, H, D]
         if jnp.ndim(write_index) == 0:  # every row writes the same entry: an in-place slice update
             at = (0, 0, write_index, 0)  # [B, H, 1, D] into [B, H, max_len, D]
@@ -215,11 +222,11 @@ def _decode_attend(k_cache, v_cache, mask, write_index, attend_len=None):
             rows = jnp.arange(q.shape[0])
             kc = k_cache.at[rows, :, write_index].set(k[:, 0].astype(k_cache.dtype))  # scatter [B,H,D]
             vc = v_cache.at[rows, :, write_index].set(v[:, 0].astype(v_cache.dtype))
+        if read_len is not None:
+            ctx = cpu_kernels.decode_attention(q[:, 0], kc, vc, mask, read_len, reference)
+            return ctx[:, None], (kc, vc)
         n = kc.shape[2] if attend_len is None else min(attend_len, kc.shape[2])
-        ks, vs, m = kc[:, :, :n], vc[:, :, :n], mask[:, :n]  # [B, H, n, D], [B, n]
-        scores = jnp.einsum("bhd,bhtd->bht", q[:, 0], ks)
-        probs = _masked_softmax(scores, m[:, None, :]).astype(q.dtype)
-        ctx = jnp.einsum("bht,bhtd->bhd", probs, vs)
+        ctx = reference(q[:, 0], kc[:, :, :n], vc[:, :, :n], mask[:, :n])
         return ctx[:, None], (kc, vc)
     return attend
 
@@ -249,11 +256,11 @@ def _prefill(cfg, params, cache, input_ids, attention_mask, all_logits=True, ret
     return (logits if all_logits else logits[:, 0]), new_cache
 
 
-def _decode(cfg, params, cache, tokens, positions, write_index, attend_len=None):
+def _decode(cfg, params, cache, tokens, positions, write_index, attend_len=None, read_len=None):
     dtype = cache["k"][0].dtype
     rows = jnp.arange(tokens.shape[0])
     mask = cache["mask"].at[rows, write_index].set(True)
-    attends = [_decode_attend(kc, vc, mask, write_index, attend_len)
+    attends = [_decode_attend(kc, vc, mask, write_index, attend_len, read_len)
                for kc, vc in zip(cache["k"], cache["v"])]
     logits, caches = OPT(cfg, dtype, is_fused(params)).apply({"params": params}, tokens[:, None],
                                            positions[:, None], attends)

@@ -20,7 +20,7 @@ import numpy as np
 
 from opt_serving import sampling
 from opt_serving.config import OPTConfig, get_config, size_from_name
-from opt_serving.model import kv_cache, opt, weights
+from opt_serving.model import cpu_kernels, kv_cache, opt, weights
 
 PREFIXES = ("facebook/", "jax/", "alpa/")
 
@@ -233,7 +233,7 @@ class OPTModel:
             new_bucket = kv_cache.bucket_length(max_new_tokens, 1 << 30)
             seqs, steps, scores = _sample_loop(cfg, self.fused_params, jnp.asarray(ids), jnp.asarray(mask),
                                                st, jnp.int32(max_new_tokens), new_bucket, pad,
-                                               output_scores)
+                                               output_scores, cpu_kernels.is_packed(self.fused_params))
             n_steps = int(steps)
             seqs = np.asarray(seqs)[:, extra:sb + n_steps]
             seq_scores = None
@@ -275,16 +275,18 @@ def decode_windows(prompt_len: int, total: int) -> list[int]:
     return windows
 
 
-@partial(jax.jit, static_argnums=(0, 6, 7, 8))
-def _sample_loop(cfg, params, ids, mask, st, max_new, new_bucket, pad, output_scores):
+@partial(jax.jit, static_argnums=(0, 6, 7, 8, 9))
+def _sample_loop(cfg, params, ids, mask, st, max_new, new_bucket, pad, output_scores, read_written=False):
     """HF `_sample`: greedy or sampled rows, finished rows filled with pad; stops when all are done.
 
     `max_new` is traced; buffers are sized by the static `new_bucket` >= max_new. The cache
     starts at the smallest window holding the prompt and grows a window at a time
-    (decode_windows): one decode loop per window."""
+    (decode_windows): one decode loop per window. With `read_written` (packed params on a CPU,
+    where cpu_kernels.decode_attention reads only the entries written so far) the cache is
+    full-size from the start and there is one loop."""
     b, s = ids.shape
     total = s + new_bucket
-    windows = decode_windows(s, total)
+    windows = [total] if read_written else decode_windows(s, total)
     n_real = jnp.sum(mask, axis=1).astype(jnp.int32)
     logits, cache = _start(cfg, params, ids, mask, windows[0] - s)
     state = sampling.init_state(ids, mask, cfg.vocab_size, total)
@@ -305,7 +307,8 @@ def _sample_loop(cfg, params, ids, mask, st, max_new, new_bucket, pad, output_sc
         i, tok, cache, state, unfinished, scores_buf = c
         # one write index for all rows (a scalar): an in-place slice update, where a per-row
         # scatter makes XLA copy the loop-carried cache every step
-        logits, cache = opt._decode(cfg, params, cache, tok, n_real + i - 1, s + i - 1)
+        logits, cache = opt._decode(cfg, params, cache, tok, n_real + i - 1, s + i - 1,
+                                    read_len=s + i if read_written else None)
         tok, state, unfinished, scores_buf = pick(logits, state, unfinished, scores_buf, i)
         return i + 1, tok, cache, state, unfinished, scores_buf
 
