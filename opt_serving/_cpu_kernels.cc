@@ -176,11 +176,12 @@ extern "C" int64_t opt_onednn_packed_bytes(int64_t k, int64_t n) {
   }
 }
 
-extern "C" int opt_onednn_pack(const float* w, int64_t k, int64_t n, int transposed, void* out) {
+// Copy between the plain row-major [K, N] (or [N, K], transposed) layout and the packed one.
+static int reorder_plain(int64_t k, int64_t n, int transposed, const void* from, void* to, bool pack) {
   try {
     dnnl::memory::desc plain({k, n}, dt::f32, transposed ? tag::ba : tag::ab);
-    dnnl::memory src(plain, cpu_engine(), const_cast<float*>(w));
-    dnnl::memory dst(packed_desc(k, n), cpu_engine(), out);
+    dnnl::memory src(pack ? plain : packed_desc(k, n), cpu_engine(), const_cast<void*>(from));
+    dnnl::memory dst(pack ? packed_desc(k, n) : plain, cpu_engine(), to);
     dnnl::stream stream(cpu_engine());
     dnnl::reorder(src, dst).execute(stream, src, dst);
     stream.wait();
@@ -190,18 +191,12 @@ extern "C" int opt_onednn_pack(const float* w, int64_t k, int64_t n, int transpo
   }
 }
 
+extern "C" int opt_onednn_pack(const float* w, int64_t k, int64_t n, int transposed, void* out) {
+  return reorder_plain(k, n, transposed, w, out, true);
+}
+
 extern "C" int opt_onednn_unpack(const void* packed, int64_t k, int64_t n, int transposed, float* w) {
-  try {
-    dnnl::memory::desc plain({k, n}, dt::f32, transposed ? tag::ba : tag::ab);
-    dnnl::memory src(packed_desc(k, n), cpu_engine(), const_cast<void*>(packed));
-    dnnl::memory dst(plain, cpu_engine(), w);
-    dnnl::stream stream(cpu_engine());
-    dnnl::reorder(src, dst).execute(stream, src, dst);
-    stream.wait();
-    return 0;
-  } catch (...) {
-    return 1;
-  }
+  return reorder_plain(k, n, transposed, packed, w, false);
 }
 
 static ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ffi::Buffer<ffi::F32> bias,
