@@ -3,7 +3,7 @@
 # plain-XLA fallbacks, same results), only more slowly:
 #  - opt_serving/_speedups.pyx (Cython): host-side helpers;
 #  - opt_serving/_cpu_kernels.cc (C++): XLA FFI custom calls for the CPU, oneDNN matrix
-#    products on pre-packed weights and an argmax (opt_serving/model/cpu_kernels.py).
+#    products on pre-packed weights, an argmax and a decode attention (opt_serving/model/cpu_kernels.py).
 #    Needs a C++17 compiler and oneDNN's headers and library (the onednn-cpu-gomp and
 #    onednn-devel-cpu-gomp wheels in requirements.txt put them under the venv's include/, lib/).
 set -euo pipefail

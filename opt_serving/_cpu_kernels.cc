@@ -1,5 +1,5 @@
 // CPU kernels as XLA FFI custom calls: oneDNN matrix products with pre-packed weights,
-// and a fast argmax. Built by build.sh; opt_serving/model/cpu_kernels.py loads it.
+// a fast argmax and a decode attention. Built by build.sh; opt_serving/model/cpu_kernels.py loads it.
 //
 // Why: XLA CPU's GEMMs take the weights as a plain [K, N] runtime argument and
 // re-pack them on every call. A decode step multiplies a few rows by every weight
@@ -21,7 +21,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <map>
 #include <mutex>

@@ -443,7 +443,7 @@ class OPTSlots:
         self.state = jax.tree_util.tree_map(jnp.copy, sampling.init_state(empty, empty, V, L))
         self.settings = self._settings_row(SlotSettings(), num_slots)
         self.active = jnp.zeros(num_slots, jnp.bool_)
-        # host copy of each slot's token count (0 = free): picks the step's attention window
+        # host copy of each slot's token count (0 = free): picks the step's cache window and read length
         self._lengths = np.zeros(num_slots, np.int64)
         self._want_top = np.zeros(num_slots, np.bool_)  # host copy: does any active slot want alternatives
 
@@ -568,14 +568,14 @@ class OPTSlots:
         self._lengths[slot] = prefix.length + 1  # the prompt and the first token
         self._want_top[slot] = prefix.settings.top_logprobs
 
-    def attend_len(self) -> int:
-        """The step's attention window: the bucket holding every active slot's tokens."""
+    def window_needed(self) -> int:
+        """The cache window the next step needs: the bucket holding every active slot's tokens."""
         from opt_serving.model.kv_cache import bucket_length
         return bucket_length(min(max(int(self._lengths.max()), 1), self.max_seq_len), self.max_seq_len)
 
     def step(self) -> StepResult:
         # two dispatches, one host sync (np.asarray below)
-        self._fit_cache(self.attend_len(), shrink=True)
+        self._fit_cache(self.window_needed(), shrink=True)
         logits, self.cache = self._step(self.params, self.cache, self.state, self.active,
                                         np.int32(self._lengths.max()))
         want_top = np.bool_(self._want_top[self._lengths > 0].any())

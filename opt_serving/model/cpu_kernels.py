@@ -4,7 +4,7 @@ products against pre-packed weights (oneDNN), an argmax, and a decode step's att
 XLA CPU re-packs a dense layer's [K, N] weight on every call; a decode step reads every
 weight once for a handful of rows, so that packing is most of its cost. `pack_params`
 packs each float32 weight once, into the blocked layout oneDNN's matmul reads, and
-`matmul` runs the product on it (see opt_serving/_onednn.cc, built by build.sh).
+`matmul` runs the product on it.
 
 On this project's 2-core CPU the OPT-125m set of products (12 layers + logits) takes
 ~31-35 ms at 16 rows and ~80-85 ms at 64, against ~44 and ~110 ms with XLA's own GEMMs
@@ -139,14 +139,18 @@ def decode_attention(q, k_cache, v_cache, mask, read_len, reference):
     return jax.lax.platform_dependent(q, k_cache, v_cache, mask, cpu=kernel, default=reference)
 
 
+def devices(params: dict) -> set:
+    """The devices a param tree's arrays lie on."""
+    return set().union(*(x.sharding.device_set for x in jax.tree_util.tree_leaves(params)
+                         if hasattr(x, "sharding")))
+
+
 def can_pack(params: dict) -> bool:
     """float32 params all on one CPU device, and the extension usable."""
-    leaves = [x for x in jax.tree_util.tree_leaves(params) if hasattr(x, "sharding")]
-    if not leaves or not available():
-        return False
-    devices = set().union(*(x.sharding.device_set for x in leaves))
-    return (len(devices) == 1 and next(iter(devices)).platform == "cpu"
-            and all(x.dtype in (jnp.float32, jnp.uint8) for x in leaves))
+    on = devices(params)
+    return (available() and len(on) == 1 and next(iter(on)).platform == "cpu"
+            and all(x.dtype in (jnp.float32, jnp.uint8) for x in jax.tree_util.tree_leaves(params)
+                    if hasattr(x, "sharding")))
 
 
 def is_packed(params: dict) -> bool:
@@ -159,16 +163,8 @@ def pack_params(params: dict) -> dict:
     Params that cannot be packed (see can_pack), or already are, come back as they are."""
     if is_packed(params) or not can_pack(params):
         return params
-    device = next(iter(params["embed_tokens"]["embedding"].sharding.device_set))
-    out = dict(params)
-    for name, layer in params.items():
-        if name.startswith("layers_"):
-            out[name] = jax.tree_util.tree_map(lambda x: x, layer)  # a new nesting to edit
-            for path in _dense_paths(layer):
-                parent = _at(out[name], path[:-1])
-                dense = dict(parent[path[-1]])
-                dense["packed"] = pack(dense.pop("kernel"), device=device)
-                parent[path[-1]] = dense
+    device = next(iter(devices(params)))
+    out = _map_dense(params, "kernel", "packed", lambda layer, path, w: pack(w, device=device))
     out["lm_head"] = {"packed": pack(params["embed_tokens"]["embedding"], transposed=True, device=device)}
     return out
 
@@ -177,21 +173,34 @@ def unpack_params(params: dict) -> dict:
     """pack_params undone (exactly: packing only moves the numbers)."""
     if not is_packed(params):
         return params
-    out = {k: v for k, v in params.items() if k != "lm_head"}
-    for name, layer in params.items():
-        if name.startswith("layers_"):
-            out[name] = jax.tree_util.tree_map(lambda x: x, layer)
-            for path in _dense_paths(layer, key="packed"):
-                parent = _at(out[name], path[:-1])
-                dense = dict(parent[path[-1]])
-                n = dense["bias"].shape[0]
-                k = _in_features(layer, path, n)
-                dense["kernel"] = jnp.asarray(unpack(dense.pop("packed"), k, n))
-                parent[path[-1]] = dense
+
+    def plain(layer, path, packed):
+        n = _at(layer, path)["bias"].shape[0]
+        return jnp.asarray(unpack(packed, _in_features(layer, path), n))
+    out = _map_dense(params, "packed", "kernel", plain)
+    del out["lm_head"]
     return out
 
 
-def _dense_paths(tree: dict, key: str = "kernel", prefix=()):
+def _map_dense(params: dict, key: str, new_key: str, fn) -> dict:
+    """A new tree with every decoder layer's dense `key` param replaced by `new_key` = fn(layer, path, value);
+    everything else shared with `params`."""
+    out = dict(params)
+    for name, layer in params.items():
+        if not name.startswith("layers_"):
+            continue
+        out[name] = new_layer = dict(layer)
+        for path in _dense_paths(layer, key):
+            parent = new_layer
+            for step in path[:-1]:  # copy the dicts along the path, so `params` stays as it was
+                parent[step] = parent = dict(parent[step])
+            dense = dict(parent[path[-1]])
+            dense[new_key] = fn(layer, path, dense.pop(key))
+            parent[path[-1]] = dense
+    return out
+
+
+def _dense_paths(tree: dict, key: str, prefix=()):
     for name, sub in tree.items():
         if isinstance(sub, dict):
             if key in sub:
@@ -202,13 +211,10 @@ def _dense_paths(tree: dict, key: str = "kernel", prefix=()):
 
 def _at(tree: dict, path):
     for name in path:
-        tree[name] = dict(tree[name])
         tree = tree[name]
     return tree
 
 
-def _in_features(layer: dict, path, n: int) -> int:
+def _in_features(layer: dict, path) -> int:
     """K of a packed layer weight: fc2 reads the FFN width (fc1's N); every other one the hidden size."""
-    if path[-1] == "fc2":
-        return layer["fc1"]["bias"].shape[0]
-    return layer["fc2"]["bias"].shape[0]
+    return layer["fc1" if path[-1] == "fc2" else "fc2"]["bias"].shape[0]

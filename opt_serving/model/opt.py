@@ -200,14 +200,12 @@ def _prefill_attend(k_cache, v_cache, attention_mask):
     return attend
 
 
-def _decode_attend(k_cache, v_cache, mask, write_index, attend_len=None, read_len=None):
+def _decode_attend(k_cache, v_cache, mask, write_index, read_len=None):
     """One new token per row, written at that row's own index, attending to its valid entries.
 
-    With `attend_len` (static) only entries 0..attend_len-1 are read: a decode step's
-    cost is reading the cache, so a 2048-entry cache holding short rows should not
-    be read whole. Every valid entry and write_index must then lie below attend_len.
-    With `read_len` (traced) the same holds for entries 0..read_len-1; on a CPU a kernel
-    reads only those (cpu_kernels.decode_attention), elsewhere the whole cache is read."""
+    With `read_len` (traced) every valid entry and write_index lie below it: a decode step's
+    cost is reading the cache, so on a CPU a kernel reads only entries 0..read_len-1
+    (cpu_kernels.decode_attention); elsewhere the whole cache is read."""
     def reference(q, ks, vs, m):  # [B, H, D], [B, H, n, D], [B, H, n, D], [B, n]
         scores = jnp.einsum("bhd,bhtd->bht", q, ks)
         probs = _masked_softmax(scores, m[:, None, :]).astype(q.dtype)
@@ -222,11 +220,10 @@ def _decode_attend(k_cache, v_cache, mask, write_index, attend_len=None, read_le
             rows = jnp.arange(q.shape[0])
             kc = k_cache.at[rows, :, write_index].set(k[:, 0].astype(k_cache.dtype))  # scatter [B,H,D]
             vc = v_cache.at[rows, :, write_index].set(v[:, 0].astype(v_cache.dtype))
-        if read_len is not None:
+        if read_len is None:
+            ctx = reference(q[:, 0], kc, vc, mask)
+        else:
             ctx = cpu_kernels.decode_attention(q[:, 0], kc, vc, mask, read_len, reference)
-            return ctx[:, None], (kc, vc)
-        n = kc.shape[2] if attend_len is None else min(attend_len, kc.shape[2])
-        ctx = reference(q[:, 0], kc[:, :, :n], vc[:, :, :n], mask[:, :n])
         return ctx[:, None], (kc, vc)
     return attend
 
@@ -256,11 +253,11 @@ def _prefill(cfg, params, cache, input_ids, attention_mask, all_logits=True, ret
     return (logits if all_logits else logits[:, 0]), new_cache
 
 
-def _decode(cfg, params, cache, tokens, positions, write_index, attend_len=None, read_len=None):
+def _decode(cfg, params, cache, tokens, positions, write_index, read_len=None):
     dtype = cache["k"][0].dtype
     rows = jnp.arange(tokens.shape[0])
     mask = cache["mask"].at[rows, write_index].set(True)
-    attends = [_decode_attend(kc, vc, mask, write_index, attend_len, read_len)
+    attends = [_decode_attend(kc, vc, mask, write_index, read_len)
                for kc, vc in zip(cache["k"], cache["v"])]
     logits, caches = OPT(cfg, dtype, is_fused(params)).apply({"params": params}, tokens[:, None],
                                            positions[:, None], attends)
@@ -277,17 +274,16 @@ Left-padded prompts; positions come from the mask as in HF (cumsum(mask)-1, +2
 offset). Writes cache entries 0..S-1 and resets each row's validity to the
 prompt's real tokens. The cache is donated; pass S bucketed (bucket_length)."""
 
-decode = jax.jit(_decode, static_argnums=(0,), static_argnames=("attend_len",),
-                 donate_argnums=(2,))
-decode.__doc__ = """decode(cfg, params, cache, tokens[B], positions[B], write_index[B], attend_len=None)
+decode = jax.jit(_decode, static_argnums=(0,), donate_argnums=(2,))
+decode.__doc__ = """decode(cfg, params, cache, tokens[B], positions[B], write_index[B], read_len=None)
     -> (logits float32 [B,V], cache)
 
 One token per row: `positions` are 0-based token positions (the +2 offset is
 added inside), `write_index` the cache entry each row writes (or a scalar int32: all rows
 write that entry, an in-place slice update); each row attends
-to its valid entries plus the new one. The cache is donated. `attend_len`
-(static, e.g. bucket_length of the longest row) reads only the cache's first
-entries; every valid entry and write_index must lie below it."""
+to its valid entries plus the new one. The cache is donated. `read_len`
+(traced, e.g. the longest row's length): every valid entry and write_index lie
+below it, and on a CPU only those entries are read."""
 
 
 def forward(cfg: OPTConfig, params, input_ids, attention_mask=None):
@@ -319,9 +315,7 @@ def fuse_qkv(params: dict) -> dict:
 
 def fuse_qkv_on_one_device(params: dict) -> dict:
     """fuse_qkv when every parameter sits on one device; a sharded (tensor-parallel) tree as it is."""
-    leaves = [x for x in jax.tree_util.tree_leaves(params) if hasattr(x, "sharding")]
-    one_device = len(set().union(*(x.sharding.device_set for x in leaves))) == 1 if leaves else True
-    return fuse_qkv(params) if one_device else params
+    return fuse_qkv(params) if len(cpu_kernels.devices(params)) <= 1 else params
 
 
 def runtime_params(params: dict) -> dict:
