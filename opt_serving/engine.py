@@ -6,7 +6,8 @@ Two layers, one file:
     every slot), `free(slot)`. Sampling settings are per-slot arrays, so requests with different settings share
     a step.
   * `Engine`, the scheduler: a bounded queue and a background thread that admits queued requests into free
-    slots, steps, and hands each request its tokens through a callback (called on the engine thread; the
+    slots (prefilled together when the slot model has `prefill_batch`), steps, and hands each request its
+    tokens through a callback (called on the engine thread; the
     generator forwards them to asyncio with `loop.call_soon_threadsafe`). EOS, max_tokens, the context limit,
     a callback asking to stop (stop strings) and `cancel()` (client disconnects) free the slot before the next
     step.
@@ -29,6 +30,10 @@ log = logging.getLogger(__name__)
 # top alternatives computed for every token; OpenAI's `logprobs` goes up to 5
 MAX_TOP_LOGPROBS = 5
 PREFILL_MIN_BUCKET = 8  # short prompts (chat turns, benchmarks) are not padded to 16: prefill is compute
+# Prompts of a short bucket are prefilled PREFILL_BATCH_TOKENS // bucket at a time (OPT-125m, 2-core CPU: an
+# 8-token prompt alone took 24.5 ms, mostly reading the weights; four in one pass 38.8 ms, 9.7 ms each; a
+# pass of 32 tokens is close to compute-bound). A prompt alone takes the whole pass, hence the small number.
+PREFILL_BATCH_TOKENS = 32
 # bad words live in fixed-shape per-slot arrays so the decode step compiles once
 MAX_BAD_WORDS, MAX_BAD_WORD_LEN = 8, 8
 
@@ -107,6 +112,7 @@ class SlotModel(Protocol):
 
     def warmup(self) -> None: ...
     def prefill(self, tokens: Sequence[int], settings: SlotSettings) -> Prefix: ...
+    # optional: `prefill_batch(prompts, settings) -> list[Prefix]`, several requests at once (see Engine._prefill)
     def insert(self, prefix: Prefix, slot: int) -> None: ...
     def step(self) -> StepResult: ...
     def free(self, slot: int) -> None: ...
@@ -275,9 +281,11 @@ class Engine:
                     req = self._queue.popleft()
                     if not req.cancelled:
                         admit.append(req)
-            for req in admit:
+            for req, prefix in zip(admit, self._prefill(admit)):
                 try:
-                    self._admit(req, self._slots.index(None))
+                    if isinstance(prefix, BaseException):
+                        raise prefix
+                    self._admit(req, self._slots.index(None), prefix)
                 except Exception as e:  # this request fails, the others carry on
                     log.exception("request %d: prefill failed", req.id)
                     self._fail(req, e)
@@ -289,8 +297,24 @@ class Engine:
                     for req in [r for r in self._slots if r is not None]:
                         self._fail(req, e)
 
-    def _admit(self, req: EngineRequest, slot: int) -> None:
-        prefix = self.model.prefill(req.prompt, req.settings)
+    def _prefill(self, reqs: list[EngineRequest]) -> list:
+        """A Prefix (or the exception that stopped it) per request: together where the slot model has
+        `prefill_batch`, and one by one if that fails, so only the request that caused it fails."""
+        batched = getattr(self.model, "prefill_batch", None)
+        if batched is not None and len(reqs) > 1:
+            try:
+                return batched([r.prompt for r in reqs], [r.settings for r in reqs])
+            except Exception:
+                log.exception("prefilling %d requests together failed; prefilling them one by one", len(reqs))
+        out = []
+        for req in reqs:
+            try:
+                out.append(self.model.prefill(req.prompt, req.settings))
+            except Exception as e:
+                out.append(e)
+        return out
+
+    def _admit(self, req: EngineRequest, slot: int, prefix: Prefix) -> None:
         with self._cv:
             self._prefills += 1
             self._prompt_tokens += len(req.prompt)
@@ -382,6 +406,20 @@ class Engine:
 
 
 
+def _prompt_state(ids, mask, lengths, rows: int, history_len: int, vocab: int):
+    """Sampling state for k right-padded prompts (ids, mask [k, n]; lengths [k]) in the first k of `rows`
+    rows: history = the prompt (pads as 0), seen = its real tokens."""
+    import jax.numpy as jnp
+    from opt_serving import sampling
+    k, n = ids.shape
+    history = jnp.zeros((rows, history_len), jnp.int32).at[:k, :n].set(ids * mask)
+    at = jnp.broadcast_to(jnp.arange(k)[:, None], (k, n))
+    seen = jnp.zeros((rows, vocab), jnp.bool_).at[at, jnp.where(mask > 0, ids, vocab)].set(True, mode="drop")
+    length = jnp.zeros((rows,), jnp.int32).at[:k].set(lengths)
+    return sampling.State(history=history, length=length, prompt_length=length, seen=seen,
+                          counts=jnp.zeros((rows, vocab), jnp.int32))
+
+
 def _raw_scores(logits):
     """The model's own log-probabilities (before any processor) and the top alternatives, per row."""
     import jax
@@ -412,9 +450,10 @@ class OPTSlots:
     """`SlotModel` over the Flax OPT in `model/opt.py`: one batch-`num_slots` KV cache of `max_seq_len` entries.
 
     Prompts are right-padded to a bucket (powers of two from 8), so a slot's tokens sit at cache entries
-    0..n-1 and each decode writes at the token's own position. The cache holds only the window the
-    longest active slot needs (powers of two from 16): it grows and shrinks by a bucket at a time, where
-    slicing a window out of a full-length cache made XLA copy it every step (~20% of a step at 32 slots). Per-slot sampling state and settings are
+    0..n-1 and each decode writes at the token's own position; prompts of the short buckets are prefilled
+    several to a pass (`batch_rows`). The cache holds only the window the longest active slot needs (powers
+    of two from 16): it grows and shrinks by a bucket at a time, where slicing a window out of a full-length
+    cache made XLA copy it every step (~20% of a step at 32 slots). Per-slot sampling state and settings are
     `sampling.State` / `sampling.Settings` rows; all prefill buckets, their inserts, the decode step and free
     compile in `warmup()`."""
 
@@ -441,7 +480,7 @@ class OPTSlots:
         empty = jnp.zeros((num_slots, 1), jnp.int32)
         # own buffers per leaf (init_state shares one for length and prompt_length): the step donates them
         self.state = jax.tree_util.tree_map(jnp.copy, sampling.init_state(empty, empty, V, L))
-        self.settings = self._settings_row(SlotSettings(), num_slots)
+        self.settings = self._settings_rows([], num_slots)
         self.active = jnp.zeros(num_slots, jnp.bool_)
         # host copy of each slot's token count (0 = free): picks the step's cache window and read length
         self._lengths = np.zeros(num_slots, np.int64)
@@ -449,25 +488,25 @@ class OPTSlots:
 
         # The model steps compile once per prefill bucket / attention window; sampling (a large graph
         # of per-row processors) compiles once for batch 1 and once for the slots, not inside each.
-        def prefill(params, ids, mask, length, want_prompt):
-            cache = kv_cache.init_cache(cfg, 1, ids.shape[1], dtype)
-            h, cache = opt._prefill(cfg, params, cache, ids, mask, return_hidden=True)  # [1, bucket, D]
-            # right-padded prompt: its own sampling state, history = the prompt, `length` tokens long
-            history = jnp.zeros((1, L), jnp.int32).at[:, :ids.shape[1]].set(ids * mask)
-            seen = jnp.zeros((1, V), jnp.bool_).at[0, jnp.where(mask[0] > 0, ids[0], V)].set(True, mode="drop")
-            n = jnp.reshape(length, (1,))
-            state = sampling.State(history=history, length=n, prompt_length=n, seen=seen,
-                                   counts=jnp.zeros((1, V), jnp.int32))
-            last = opt.lm_logits(params, jax.lax.dynamic_index_in_dim(h[0], length - 1, keepdims=True))  # [1, V]
+        def prefill(params, ids, mask, lengths, want_prompt, state_rows):
+            """k right-padded prompts [k, bucket] in one pass -> k batch-1 caches, their sampling state and
+            last logits padded to `state_rows` rows (1, or num_slots to share the step's compiled `choose`),
+            and the prompt scores [k, bucket, ...] of rows that `want_prompt` (zeros otherwise)."""
+            k, n = ids.shape
+            cache = kv_cache.init_cache(cfg, k, n, dtype)
+            h, cache = opt._prefill(cfg, params, cache, ids, mask, return_hidden=True)  # [k, bucket, D]
+            last = opt.lm_logits(params, h[jnp.arange(k), lengths - 1])  # [k, V]
+            logits = jnp.zeros((state_rows, V), last.dtype).at[:k].set(last)
 
             def prompt_scores():  # position i predicts token i+1; the full logits only when asked
-                plp, ptop, ptop_lp = _raw_scores(opt.lm_logits(params, h[0]))
-                return jnp.take_along_axis(plp, jnp.roll(ids[0], -1)[:, None], axis=-1)[:, 0], ptop, ptop_lp
+                plp, ptop, ptop_lp = _raw_scores(opt.lm_logits(params, h))  # [k, bucket, V], [k, bucket, K] x 2
+                return jnp.take_along_axis(plp, jnp.roll(ids, -1, axis=1)[..., None], axis=-1)[..., 0], ptop, ptop_lp
 
-            n = ids.shape[1]
-            none = lambda: (jnp.zeros((n,), jnp.float32), jnp.zeros((n, MAX_TOP_LOGPROBS), jnp.int32),
-                            jnp.zeros((n, MAX_TOP_LOGPROBS), jnp.float32))
-            return cache, state, last, jax.lax.cond(want_prompt, prompt_scores, none)
+            none = lambda: (jnp.zeros((k, n), jnp.float32), jnp.zeros((k, n, MAX_TOP_LOGPROBS), jnp.int32),
+                            jnp.zeros((k, n, MAX_TOP_LOGPROBS), jnp.float32))
+            rows = [jax.tree_util.tree_map(lambda a: a[j:j + 1], cache) for j in range(k)]
+            return (rows, _prompt_state(ids, mask, lengths, state_rows, L, V), logits,
+                    jax.lax.cond(jnp.any(want_prompt), prompt_scores, none))
 
         def choose(logits, state, settings, active, want_top):
             """Sample one token per row, score it, and append it to the rows that are `active`."""
@@ -498,7 +537,16 @@ class OPTSlots:
         def free(cache, active, slot):
             return kv_cache.free_slot(cache, slot), active.at[slot].set(False)
 
-        self._prefill = jax.jit(prefill)
+        self._prefill = jax.jit(prefill, static_argnums=(5,))
+        # a num_slots-row state -> batch-1 rows, as insert takes them
+        self._split_rows = jax.jit(lambda state: [jax.tree_util.tree_map(lambda a: a[j:j + 1], state)
+                                                  for j in range(num_slots)])
+        # short prompt buckets -> rows a pass (at most the slots: never more requests are admitted at once).
+        # Every prompt of such a bucket runs in a pass of that many rows, even alone: a prompt's numbers
+        # then never depend on the requests it was batched with (XLA's elementwise ops can round an ulp
+        # differently at another shape, enough to flip a near-tied greedy token).
+        self.batch_rows = {b: PREFILL_BATCH_TOKENS // b for b in self.buckets
+                           if 2 * b <= PREFILL_BATCH_TOKENS and PREFILL_BATCH_TOKENS // b <= num_slots}
         self._choose = jax.jit(choose, donate_argnums=(1,))
         self._insert = jax.jit(insert, donate_argnums=(0, 1, 2))
         # its own compiled copies (jit shares the compile cache of a function among its wrappers)
@@ -509,44 +557,84 @@ class OPTSlots:
         self._free = jax.jit(free, donate_argnums=(0, 1))
 
     @staticmethod
-    def _settings_row(s: SlotSettings, batch: int = 1):
+    def _settings_rows(rows: Sequence[SlotSettings], batch: int):
+        """`sampling.Settings` of `batch` rows: these requests' settings, then defaults."""
         from opt_serving import sampling
+        rows = list(rows) + [SlotSettings()] * (batch - len(rows))
         bad = np.full((batch, MAX_BAD_WORDS, MAX_BAD_WORD_LEN), -1, np.int32)
-        if len(s.bad_words_ids) > MAX_BAD_WORDS or any(len(w) > MAX_BAD_WORD_LEN for w in s.bad_words_ids):
-            raise ValueError(f"at most {MAX_BAD_WORDS} bad words of up to {MAX_BAD_WORD_LEN} tokens each")
-        for i, w in enumerate(s.bad_words_ids):
-            bad[:, i, :len(w)] = w
-        row = sampling.make_settings(
-            batch, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-            repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
-            frequency_penalty=s.frequency_penalty, no_repeat_ngram_size=s.no_repeat_ngram_size,
-            min_new_tokens=s.min_tokens, eos_token_id=s.stop_token_ids[0] if s.stop_token_ids else -1,
-            seed=s.seed % 2 ** 63)
-        return row.replace(bad_words=bad)
+        for r, s in enumerate(rows):
+            if len(s.bad_words_ids) > MAX_BAD_WORDS or any(len(w) > MAX_BAD_WORD_LEN for w in s.bad_words_ids):
+                raise ValueError(f"at most {MAX_BAD_WORDS} bad words of up to {MAX_BAD_WORD_LEN} tokens each")
+            for i, w in enumerate(s.bad_words_ids):
+                bad[r, i, :len(w)] = w
+        col = lambda f: [f(s) for s in rows]
+        settings = sampling.make_settings(
+            batch, temperature=col(lambda s: s.temperature), top_k=col(lambda s: s.top_k),
+            top_p=col(lambda s: s.top_p), repetition_penalty=col(lambda s: s.repetition_penalty),
+            presence_penalty=col(lambda s: s.presence_penalty),
+            frequency_penalty=col(lambda s: s.frequency_penalty),
+            no_repeat_ngram_size=col(lambda s: s.no_repeat_ngram_size), min_new_tokens=col(lambda s: s.min_tokens),
+            eos_token_id=col(lambda s: s.stop_token_ids[0] if s.stop_token_ids else -1),
+            seed=col(lambda s: s.seed % 2 ** 63))
+        return settings.replace(bad_words=bad)
+
+    def _right_padded(self, prompts: Sequence[Sequence[int]], rows: int, bucket: int):
+        """ids, mask [rows, bucket] and lengths [rows]: the prompts right-padded (a prompt owns cache
+        entries 0..n-1), then rows of one pad token."""
+        ids = np.full((rows, bucket), self.cfg.pad_token_id, np.int32)
+        mask = np.zeros((rows, bucket), np.int32)
+        lengths = np.ones(rows, np.int32)
+        mask[:, 0] = 1
+        for j, tokens in enumerate(prompts):
+            ids[j, :len(tokens)] = tokens
+            mask[j, :len(tokens)] = 1
+            lengths[j] = len(tokens)
+        return ids, mask, lengths
 
     def prefill(self, tokens: Sequence[int], settings: SlotSettings) -> Prefix:
+        return self.prefill_batch([tokens], [settings])[0]
+
+    def prefill_batch(self, prompts: Sequence[Sequence[int]], settings: Sequence[SlotSettings]) -> list[Prefix]:
+        """`prefill` for several requests: prompts of a short bucket (`batch_rows`) share passes of a fixed
+        number of rows, longer ones go one at a time."""
         from opt_serving.model.kv_cache import bucket_length
-        n = len(tokens)
-        b = bucket_length(n, self.max_seq_len, PREFILL_MIN_BUCKET)
-        ids = np.full((1, b), self.cfg.pad_token_id, np.int32)
-        ids[0, :n] = tokens   # right padding: the prompt owns cache entries 0..n-1
-        mask = np.zeros((1, b), np.int32)
-        mask[0, :n] = 1
-        row_settings = self._settings_row(settings)
-        pcache, row_state, last, scores = self._prefill(self.params, ids, mask, np.int32(n),
-                                                        np.bool_(settings.prompt_logprobs))
-        row_state, first = self._choose(last, row_state, row_settings, np.ones(1, np.bool_),
-                                        np.bool_(settings.top_logprobs))
+        out: list[Optional[Prefix]] = [None] * len(prompts)
+        groups: dict[int, list[int]] = collections.defaultdict(list)
+        for i, tokens in enumerate(prompts):
+            groups[bucket_length(len(tokens), self.max_seq_len, PREFILL_MIN_BUCKET)].append(i)
+        for bucket, todo in groups.items():
+            rows = self.batch_rows.get(bucket, 1)
+            for at in range(0, len(todo), rows):
+                chunk = todo[at:at + rows]
+                for i, prefix in zip(chunk, self._prefill_pass(bucket, [prompts[i] for i in chunk],
+                                                               [settings[i] for i in chunk])):
+                    out[i] = prefix
+        return out
+
+    def _prefill_pass(self, bucket: int, prompts, settings) -> list[Prefix]:
+        k, rows = len(prompts), self.batch_rows.get(bucket, 1)
+        state_rows = self.num_slots if rows > 1 else 1  # the step's `choose` compile, or batch 1's
+        ids, mask, lengths = self._right_padded(prompts, rows, bucket)
+        want_prompt = np.array([s.prompt_logprobs for s in settings] + [False] * (rows - k))
+        caches, state, logits, scores = self._prefill(self.params, ids, mask, lengths, want_prompt, state_rows)
+        want_top = np.array([s.top_logprobs for s in settings] + [False] * (state_rows - k))
+        state, first = self._choose(logits, state, self._settings_rows(settings, state_rows),
+                                    np.arange(state_rows) < k, np.bool_(want_top.any()))
         tok, lp, top_ids, top_lp = (np.asarray(a) for a in first)
-        first = StepResult(tok, lp, top_ids, top_lp).token(0)
-        prompt = None
-        if settings.prompt_logprobs:
-            plp, ptop, ptop_lp = (np.asarray(a) for a in scores)
-            prompt = [TokenInfo(int(tokens[0]), None)] + [
-                TokenInfo(int(tokens[i + 1]), float(plp[i]), list(zip(ptop[i].tolist(), ptop_lp[i].tolist())))
-                for i in range(n - 1)]
-        return Prefix(length=n, first=first, prompt=prompt, state=(pcache, row_state, row_settings),
-                      settings=settings)
+        first = StepResult(tok, lp, np.where(want_top[:, None], top_ids, -1), top_lp)
+        states = self._split_rows(state) if state_rows > 1 else [state]
+        plp, ptop, ptop_lp = (np.asarray(a) for a in scores) if want_prompt.any() else (None,) * 3
+        out = []
+        for j, (tokens, s) in enumerate(zip(prompts, settings)):
+            prompt = None
+            if s.prompt_logprobs:
+                prompt = [TokenInfo(int(tokens[0]), None)] + [
+                    TokenInfo(int(tokens[i + 1]), float(plp[j, i]),
+                              list(zip(ptop[j, i].tolist(), ptop_lp[j, i].tolist())))
+                    for i in range(len(tokens) - 1)]
+            out.append(Prefix(length=len(tokens), first=first.token(j), prompt=prompt,
+                              state=(caches[j], states[j], self._settings_rows([s], 1)), settings=s))
+        return out
 
     def _fit_cache(self, need: int, shrink: bool) -> None:
         """Resize the cache to the smallest window holding `need` entries, one window at a time (so

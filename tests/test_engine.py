@@ -220,8 +220,106 @@ def test_cancel_frees_the_slot_at_once(engine, hf):
     assert engine.stats().running == 0
 
 
+@pytest.fixture(scope="module")
+def model8(hf):
+    """Eight slots: prompts of buckets 8 and 16 are prefilled 4 and 2 at a time."""
+    m = OPTSlots(CFG, weights.params_from_hf_state_dict(CFG, hf.state_dict()), num_slots=8, max_seq_len=MAX_SEQ)
+    m.warmup()
+    return m
+
+
+class CountPasses:
+    """Wraps a slot model's prefill passes, recording each pass's number of prompts."""
+
+    def __init__(self, model, monkeypatch):
+        self.sizes, real = [], model._prefill_pass
+        monkeypatch.setattr(model, "_prefill_pass", lambda b, p, s: (self.sizes.append((b, len(p))), real(b, p, s))[1])
+
+
+def jax_leaves(tree):
+    import jax
+    return jax.tree_util.tree_leaves(tree)
+
+
+def test_batched_prefill_gives_exactly_the_prefixes_of_one_by_one(model8, monkeypatch):
+    """A prompt's prefix is bit for bit the same whatever it is batched with (and wherever in the pass):
+    a greedy request's tokens never depend on the load."""
+    assert model8.batch_rows == {8: 4, 16: 2}
+    rng = np.random.default_rng(1)
+    lengths = [3, 8, 5, 1, 7, 6, 2, 4, 5, 9, 12, 11, 20, 25]
+    prompts = [[2] + rng.integers(4, CFG.vocab_size, n - 1).tolist() for n in lengths]
+    settings = [SlotSettings(max_tokens=4, top_logprobs=i % 2 == 0, temperature=0.8 if i % 3 == 0 else 0.0,
+                             seed=i, min_tokens=2, stop_token_ids=(2,), repetition_penalty=1.3 if i == 4 else 1.0,
+                             bad_words_ids=((7,),) if i == 5 else (), prompt_logprobs=i in (6, 10))
+                for i in range(len(prompts))]
+    passes = CountPasses(model8, monkeypatch)
+    together = model8.prefill_batch(prompts, settings)
+    # bucket 8: nine prompts in passes of 4, 4 and 1; bucket 16: 2 and 1; bucket 32: one at a time
+    assert sorted(passes.sizes) == [(8, 1), (8, 4), (8, 4), (16, 1), (16, 2), (32, 1), (32, 1)]
+    for p, s, a in zip(prompts, settings, together):
+        b = model8.prefill(p, s)
+        assert (a.length, a.first, a.prompt) == (b.length, b.first, b.prompt)  # logprobs exactly equal too
+        assert len(a.first.top) == (5 if s.top_logprobs else 0)
+        assert (a.prompt is not None) == s.prompt_logprobs
+        for x, y in zip(jax_leaves(a.state), jax_leaves(b.state)):
+            assert x.shape == y.shape and x.dtype == y.dtype
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def run_queued(model, jobs):
+    """`run_all` on a new engine whose scheduler starts only once every job is queued: it admits them at once."""
+    e = Engine(model, start=False)
+    cols = []
+    for prompt, settings in jobs:
+        cols.append(Collect(e))
+        cols[-1].req = e.submit(prompt, settings, cols[-1])
+    e.start()
+    try:
+        for c in cols:
+            assert c.done.wait(120), "request did not finish"
+    finally:
+        e.close()
+    return cols
+
+
+def test_a_burst_of_requests_is_prefilled_together_and_matches_hf(model8, hf, monkeypatch):
+    passes = CountPasses(model8, monkeypatch)
+    prompts = [[2] + list(range(10 + 7 * i, 10 + 7 * i + n)) for i, n in enumerate([3, 6, 1, 7, 4, 5, 2, 6])]
+    cols = run_queued(model8, [(p, SlotSettings(max_tokens=6, prompt_logprobs=p is prompts[0])) for p in prompts])
+    assert passes.sizes == [(8, 4), (8, 4)]
+    for p, c in zip(prompts, cols):
+        assert (c.ids, c.finish) == (hf_greedy(hf, p, 6), "length")
+    lp = log_softmax(hf_logits(hf, prompts[0]))
+    assert [t.logprob for t in cols[0].prompt[1:]] == pytest.approx(
+        [lp[i, prompts[0][i + 1]] for i in range(len(prompts[0]) - 1)], abs=1e-4)
+
+
+def test_a_failed_batched_prefill_is_retried_one_by_one():
+    """Only the request that breaks prefill fails; the others it was batched with are served."""
+    from opt_serving.testing.fake_engine import FakeSlots
+
+    class Fussy(FakeSlots):
+        batches = []
+
+        def prefill_batch(self, prompts, settings):
+            self.batches.append(len(prompts))
+            raise RuntimeError("batched prefill broke")
+
+        def prefill(self, tokens, settings):
+            if tokens[-1] == 13:
+                raise ValueError("cannot prefill a prompt ending in 13")
+            return super().prefill(tokens, settings)
+
+    cols = run_queued(Fussy(num_slots=4), [(p, SlotSettings(max_tokens=3)) for p in ([2, 5], [2, 13], [2, 40])])
+    assert Fussy.batches == [3]
+    assert (cols[0].ids, cols[0].finish) == ([6, 7, 8], "length")
+    assert cols[1].finish == "error" and "ending in 13" in str(cols[1].error)
+    assert (cols[2].ids, cols[2].finish) == ([41, 42, 43], "length")
+
+
 def test_warmup_compiled_every_shape(engine, model):
-    compiled = (model._prefill, model._insert, model._insert_cache, model._resize, model._step, model._free)
+    compiled = (model._prefill, model._split_rows, model._choose, model._insert,
+                model._insert_cache, model._resize, model._step, model._free)
     sizes = [f._cache_size() for f in compiled]
     jobs = [([2] + [7] * (n - 1), SlotSettings(max_tokens=MAX_SEQ - n, temperature=0.5, top_p=0.9, seed=n))
             for n in (1, 15, 16, 17, 31)]
