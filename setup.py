@@ -32,7 +32,7 @@ setup(
     ],
     extras_require={"test": ["pytest>=8", "requests>=2.31", "httpx>=0.27", "openai>=1.40",
                              "schemathesis>=4.0,<5", "selenium>=4.20,<5"],
-                    "bench": ["httpx>=0.27", "py-spy>=0.3.14"]},
+                    "bench": ["aiohttp>=3.9", "httpx>=0.27", "py-spy>=0.3.14"]},
     ext_modules=ext_modules,
     entry_points={"console_scripts": ["opt-serving=opt_serving.cli:main"]},
 )
