@@ -248,8 +248,36 @@ static ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ffi::Bu
 
 // The index of each row's maximum: the first one, and a NaN (the first) wins, as jnp.argmax.
 // XLA CPU's own argmax (a variadic reduce) and its TopK with k=1 both run at ~1.5 ns an
-// element; this reads a [64, 50272] row block at memory speed. Two passes per row: the
-// max and any NaN (vectorised), then the first index holding it (the row is in cache).
+// element. One vectorised pass per row takes each chunk's maximum (and notes the first chunk
+// holding a NaN); only the winning chunk is scanned again for the first index holding it.
+constexpr int64_t kArgmaxChunk = 1024;
+
+__attribute__((target_clones("avx512f", "avx2", "default")))
+static int64_t row_argmax(const float* row, int64_t v) {
+  float best = -std::numeric_limits<float>::infinity();
+  int64_t best_chunk = 0, nan_chunk = -1;
+  for (int64_t c = 0; c * kArgmaxChunk < v && nan_chunk < 0; ++c) {
+    const float* x = row + c * kArgmaxChunk;
+    const int64_t n = std::min(kArgmaxChunk, v - c * kArgmaxChunk);
+    float m = -std::numeric_limits<float>::infinity();
+    bool nan = false;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+    for (int64_t i = 0; i < n; ++i) {
+      m = x[i] > m ? x[i] : m;
+      nan |= x[i] != x[i];
+    }
+    if (nan) nan_chunk = c;
+    else if (m > best) best = m, best_chunk = c;  // strictly greater: the first chunk keeps a tie
+  }
+  const int64_t c = nan_chunk >= 0 ? nan_chunk : best_chunk;
+  const float* x = row + c * kArgmaxChunk;
+  const int64_t n = std::min(kArgmaxChunk, v - c * kArgmaxChunk);
+  for (int64_t i = 0; i < n; ++i) {
+    if (nan_chunk >= 0 ? x[i] != x[i] : x[i] == best) return c * kArgmaxChunk + i;
+  }
+  return 0;  // every entry -inf: best stays -inf and the first entry equals it, so not reached
+}
+
 static ffi::Error Argmax(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> out) {
   use_threads();
   auto d = x.dimensions();
@@ -260,24 +288,7 @@ static ffi::Error Argmax(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> ou
   const float* data = x.typed_data();
   int32_t* idx = out->typed_data();
 #pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* row = data + r * v;
-    float best = -std::numeric_limits<float>::infinity();
-    bool nan = false;
-#pragma omp simd reduction(max : best) reduction(| : nan)
-    for (int64_t i = 0; i < v; ++i) {
-      best = row[i] > best ? row[i] : best;
-      nan |= row[i] != row[i];
-    }
-    int64_t at = 0;
-    for (int64_t i = 0; i < v; ++i) {
-      if (nan ? row[i] != row[i] : row[i] == best) {
-        at = i;
-        break;
-      }
-    }
-    idx[r] = static_cast<int32_t>(at);
-  }
+  for (int64_t r = 0; r < rows; ++r) idx[r] = static_cast<int32_t>(row_argmax(data + r * v, v));
   return ffi::Error::Success();
 }
 

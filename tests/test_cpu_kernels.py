@@ -67,11 +67,12 @@ def test_argmax_is_numpys_first_maximum_and_first_nan():
     x[2, 40000] = np.nan                         # a NaN wins, as in np.argmax
     x[2, 50000] = np.nan
     x[3] = -np.inf                               # all -inf: index 0
-    x[4, -1] = np.inf
+    x[4, -1] = np.inf                            # in the last, partial chunk of 1024
+    x[5, 1500] = x[5, 3000] = x[5].max() + 1     # a tie across chunks: the first chunk's wins
     got = np.asarray(jax.jit(cpu_kernels.argmax)(x))
     assert got.dtype == np.int32
     assert np.array_equal(got, np.argmax(x, -1)), (got, np.argmax(x, -1))
-    assert list(got[1:5]) == [7, 40000, 0, 50271]
+    assert list(got[1:6]) == [7, 40000, 0, 50271, 1500]
     batched = x[:4].reshape(2, 2, -1)  # leading dims kept
     assert np.array_equal(np.asarray(cpu_kernels.argmax(jnp.asarray(batched))), np.argmax(batched, -1))
 
