@@ -309,9 +309,18 @@ static void attend_rows(const float* q, const float* k, const float* v, const bo
     const float* vr = v + bh * t_count * d;
     const bool* m = mask + b * t_count;
     float* o = out + bh * d;
+    // The next row-head's runs are fetched while this one computes: a run is only n x D floats,
+    // short for the hardware prefetcher (OPT-125m shape, 64 rows, 40 entries, from memory: 10-14
+    // GB/s without, 11-16 GB/s with, in six interleaved pairs).
+    const bool has_next = bh + 1 < b_count * h_count;
+    const float* kn = kr + t_count * d;
+    const float* vn = vr + t_count * d;
     float scores[4096];
     float best = -std::numeric_limits<float>::infinity();
     for (int64_t t = 0; t < n; ++t) {
+      if (has_next) {
+        for (int64_t j = 0; j < d; j += 16) __builtin_prefetch(kn + t * d + j);
+      }
       if (!m[t]) continue;
       float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
@@ -323,6 +332,9 @@ static void attend_rows(const float* q, const float* k, const float* v, const bo
     if (best == -std::numeric_limits<float>::infinity()) continue;
     float total = 0.f;
     for (int64_t t = 0; t < n; ++t) {
+      if (has_next) {
+        for (int64_t j = 0; j < d; j += 16) __builtin_prefetch(vn + t * d + j);
+      }
       if (!m[t]) continue;
       const float p = std::exp(scores[t] - best);
       total += p;
