@@ -420,6 +420,12 @@ def _prompt_state(ids, mask, lengths, rows: int, history_len: int, vocab: int):
                           counts=jnp.zeros((rows, vocab), jnp.int32))
 
 
+def _split_rows(tree, k: int) -> list:
+    """The first k batch rows of every array in `tree`, as k batch-1 trees (what insert takes)."""
+    import jax
+    return [jax.tree_util.tree_map(lambda a: a[j:j + 1], tree) for j in range(k)]
+
+
 def _raw_scores(logits):
     """The model's own log-probabilities (before any processor) and the top alternatives, per row."""
     import jax
@@ -504,8 +510,7 @@ class OPTSlots:
 
             none = lambda: (jnp.zeros((k, n), jnp.float32), jnp.zeros((k, n, MAX_TOP_LOGPROBS), jnp.int32),
                             jnp.zeros((k, n, MAX_TOP_LOGPROBS), jnp.float32))
-            rows = [jax.tree_util.tree_map(lambda a: a[j:j + 1], cache) for j in range(k)]
-            return (rows, _prompt_state(ids, mask, lengths, state_rows, L, V), logits,
+            return (_split_rows(cache, k), _prompt_state(ids, mask, lengths, state_rows, L, V), logits,
                     jax.lax.cond(jnp.any(want_prompt), prompt_scores, none))
 
         def choose(logits, state, settings, active, want_top):
@@ -538,9 +543,7 @@ class OPTSlots:
             return kv_cache.free_slot(cache, slot), active.at[slot].set(False)
 
         self._prefill = jax.jit(prefill, static_argnums=(5,))
-        # a num_slots-row state -> batch-1 rows, as insert takes them
-        self._split_rows = jax.jit(lambda state: [jax.tree_util.tree_map(lambda a: a[j:j + 1], state)
-                                                  for j in range(num_slots)])
+        self._split_rows = jax.jit(lambda state: _split_rows(state, num_slots))  # num_slots -> batch-1 rows
         # short prompt buckets -> rows a pass (at most the slots: never more requests are admitted at once).
         # Every prompt of such a bucket runs in a pass of that many rows, even alone: a prompt's numbers
         # then never depend on the requests it was batched with (XLA's elementwise ops can round an ulp
@@ -618,8 +621,9 @@ class OPTSlots:
         want_prompt = np.array([s.prompt_logprobs for s in settings] + [False] * (rows - k))
         caches, state, logits, scores = self._prefill(self.params, ids, mask, lengths, want_prompt, state_rows)
         want_top = np.array([s.top_logprobs for s in settings] + [False] * (state_rows - k))
-        state, first = self._choose(logits, state, self._settings_rows(settings, state_rows),
-                                    np.arange(state_rows) < k, np.bool_(want_top.any()))
+        pass_settings = self._settings_rows(settings, state_rows)
+        state, first = self._choose(logits, state, pass_settings, np.arange(state_rows) < k,
+                                    np.bool_(want_top.any()))
         tok, lp, top_ids, top_lp = (np.asarray(a) for a in first)
         first = StepResult(tok, lp, np.where(want_top[:, None], top_ids, -1), top_lp)
         states = self._split_rows(state) if state_rows > 1 else [state]
@@ -632,8 +636,9 @@ class OPTSlots:
                     TokenInfo(int(tokens[i + 1]), float(plp[j, i]),
                               list(zip(ptop[j, i].tolist(), ptop_lp[j, i].tolist())))
                     for i in range(len(tokens) - 1)]
+            row_settings = pass_settings if state_rows == 1 else self._settings_rows([s], 1)
             out.append(Prefix(length=len(tokens), first=first.token(j), prompt=prompt,
-                              state=(caches[j], states[j], self._settings_rows([s], 1)), settings=s))
+                              state=(caches[j], states[j], row_settings), settings=s))
         return out
 
     def _fit_cache(self, need: int, shrink: bool) -> None:

@@ -168,9 +168,9 @@ def lm_logits(params_or_embedding, h):
     """The tied LM head: h [..., word_embed_proj_dim] -> float32 logits [..., V]. Takes the params
     (using the packed copy of the embedding when there is one) or the embedding [V, D] itself."""
     p = params_or_embedding
-    if isinstance(p, dict) and "lm_head" in p:
+    if isinstance(p, dict) and cpu_kernels.is_packed(p):
         return cpu_kernels.matmul(h.astype(jnp.float32), p["lm_head"]["packed"],
-                             p["embed_tokens"]["embedding"].shape[0])
+                                  p["embed_tokens"]["embedding"].shape[0])
     embedding = p["embed_tokens"]["embedding"] if isinstance(p, dict) else p
     return jnp.einsum("...d,vd->...v", h, embedding, preferred_element_type=jnp.float32)
 
