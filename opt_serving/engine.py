@@ -420,9 +420,12 @@ def _prompt_state(ids, mask, lengths, rows: int, history_len: int, vocab: int):
                           counts=jnp.zeros((rows, vocab), jnp.int32))
 
 
-def _split_rows(tree, k: int) -> list:
-    """The first k batch rows of every array in `tree`, as k batch-1 trees (what insert takes)."""
+def _split_rows(tree, k: Optional[int] = None) -> list:
+    """The first k (default: all) batch rows of every array in `tree`, as k batch-1 trees (what insert
+    takes)."""
     import jax
+    if k is None:
+        k = jax.tree_util.tree_leaves(tree)[0].shape[0]
     return [jax.tree_util.tree_map(lambda a: a[j:j + 1], tree) for j in range(k)]
 
 
@@ -459,7 +462,9 @@ class OPTSlots:
     0..n-1 and each decode writes at the token's own position; prompts of the short buckets are prefilled
     several to a pass (`batch_rows`). The cache holds only the window the longest active slot needs (powers
     of two from 16): it grows and shrinks by a bucket at a time, where slicing a window out of a full-length
-    cache made XLA copy it every step (~20% of a step at 32 slots). Per-slot sampling state and settings are
+    cache made XLA copy it every step (~20% of a step at 32 slots). With the CPU attention kernel, which
+    reads only the entries written so far, it only grows (a shrink is a copy of the whole cache that buys
+    nothing; resizing cost ~2% of a served run). Per-slot sampling state and settings are
     `sampling.State` / `sampling.Settings` rows; all prefill buckets, their inserts, the decode step and free
     compile in `warmup()`."""
 
@@ -496,7 +501,7 @@ class OPTSlots:
         # of per-row processors) compiles once for batch 1 and once for the slots, not inside each.
         def prefill(params, ids, mask, lengths, want_prompt, state_rows):
             """k right-padded prompts [k, bucket] in one pass -> k batch-1 caches, their sampling state and
-            last logits padded to `state_rows` rows (1, or num_slots to share the step's compiled `choose`),
+            last logits padded to `state_rows` rows (one `choose` compile serves every batched pass),
             and the prompt scores [k, bucket, ...] of rows that `want_prompt` (zeros otherwise)."""
             k, n = ids.shape
             cache = kv_cache.init_cache(cfg, k, n, dtype)
@@ -529,7 +534,7 @@ class OPTSlots:
 
         # packed params on a CPU: the decode attention kernel reads only the entries written so far
         # (up to the longest slot), not the whole window
-        read_written = cpu_kernels.is_packed(self.params)
+        self.read_written = read_written = cpu_kernels.is_packed(self.params)
 
         def step(params, cache, state, active, read_len):
             rows = jnp.arange(num_slots)
@@ -543,13 +548,16 @@ class OPTSlots:
             return kv_cache.free_slot(cache, slot), active.at[slot].set(False)
 
         self._prefill = jax.jit(prefill, static_argnums=(5,))
-        self._split_rows = jax.jit(lambda state: _split_rows(state, num_slots))  # num_slots -> batch-1 rows
+        self._split_rows = jax.jit(_split_rows)  # a pass's sampling state and settings -> batch-1 rows
         # short prompt buckets -> rows a pass (at most the slots: never more requests are admitted at once).
         # Every prompt of such a bucket runs in a pass of that many rows, even alone: a prompt's numbers
         # then never depend on the requests it was batched with (XLA's elementwise ops can round an ulp
         # differently at another shape, enough to flip a near-tied greedy token).
         self.batch_rows = {b: PREFILL_BATCH_TOKENS // b for b in self.buckets
                            if 2 * b <= PREFILL_BATCH_TOKENS and PREFILL_BATCH_TOKENS // b <= num_slots}
+        # a batched pass chooses its first tokens over this many rows (padded): sampling costs a pass over
+        # [rows, V] per processor, so not the slots' 32 rows for 4 prompts, and one compile for all passes
+        self.pass_rows = max(self.batch_rows.values(), default=1)
         self._choose = jax.jit(choose, donate_argnums=(1,))
         self._insert = jax.jit(insert, donate_argnums=(0, 1, 2))
         # its own compiled copies (jit shares the compile cache of a function among its wrappers)
@@ -616,7 +624,7 @@ class OPTSlots:
 
     def _prefill_pass(self, bucket: int, prompts, settings) -> list[Prefix]:
         k, rows = len(prompts), self.batch_rows.get(bucket, 1)
-        state_rows = self.num_slots if rows > 1 else 1  # the step's `choose` compile, or batch 1's
+        state_rows = self.pass_rows if rows > 1 else 1
         ids, mask, lengths = self._right_padded(prompts, rows, bucket)
         want_prompt = np.array([s.prompt_logprobs for s in settings] + [False] * (rows - k))
         caches, state, logits, scores = self._prefill(self.params, ids, mask, lengths, want_prompt, state_rows)
@@ -626,7 +634,7 @@ class OPTSlots:
                                     np.bool_(want_top.any()))
         tok, lp, top_ids, top_lp = (np.asarray(a) for a in first)
         first = StepResult(tok, lp, np.where(want_top[:, None], top_ids, -1), top_lp)
-        states = self._split_rows(state) if state_rows > 1 else [state]
+        rows_state = self._split_rows((state, pass_settings)) if state_rows > 1 else [(state, pass_settings)]
         plp, ptop, ptop_lp = (np.asarray(a) for a in scores) if want_prompt.any() else (None,) * 3
         out = []
         for j, (tokens, s) in enumerate(zip(prompts, settings)):
@@ -636,9 +644,8 @@ class OPTSlots:
                     TokenInfo(int(tokens[i + 1]), float(plp[j, i]),
                               list(zip(ptop[j, i].tolist(), ptop_lp[j, i].tolist())))
                     for i in range(len(tokens) - 1)]
-            row_settings = pass_settings if state_rows == 1 else self._settings_rows([s], 1)
             out.append(Prefix(length=len(tokens), first=first.token(j), prompt=prompt,
-                              state=(caches[j], states[j], row_settings), settings=s))
+                              state=(caches[j], *rows_state[j]), settings=s))
         return out
 
     def _fit_cache(self, need: int, shrink: bool) -> None:
@@ -667,8 +674,10 @@ class OPTSlots:
         return bucket_length(min(max(int(self._lengths.max()), 1), self.max_seq_len), self.max_seq_len)
 
     def step(self) -> StepResult:
-        # two dispatches, one host sync (np.asarray below)
-        self._fit_cache(self.window_needed(), shrink=True)
+        # two dispatches, one host sync (np.asarray below). Reading only the written entries, a step
+        # costs the same in any window, and a shrink copies the whole cache: the cache only grows then
+        # (to at most what a full load needs anyway)
+        self._fit_cache(self.window_needed(), shrink=not self.read_written)
         logits, self.cache = self._step(self.params, self.cache, self.state, self.active,
                                         np.int32(self._lengths.max()))
         want_top = np.bool_(self._want_top[self._lengths > 0].any())

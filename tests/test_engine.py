@@ -220,6 +220,21 @@ def test_cancel_frees_the_slot_at_once(engine, hf):
     assert engine.stats().running == 0
 
 
+def test_the_cache_window_only_grows_where_steps_read_just_the_written_entries(model, hf):
+    """With the CPU attention kernel a step reads only the entries written so far: a bigger window costs
+    nothing there and a shrink would copy the whole cache. Otherwise the window follows the longest slot."""
+    from opt_serving.model.kv_cache import cache_max_len
+    long, short = [2] + list(range(10, 30)), [2, 40]  # 21 + 4 tokens: window 32; 2 + 4: window 16
+    e = Engine(model)
+    try:
+        (c,) = run_all(e, [(long, SlotSettings(max_tokens=4))])
+        (d,) = run_all(e, [(short, SlotSettings(max_tokens=4))])
+    finally:
+        e.close()
+    assert (c.ids, d.ids) == (hf_greedy(hf, long, 4), hf_greedy(hf, short, 4))
+    assert cache_max_len(model.cache) == (32 if model.read_written else 16)
+
+
 @pytest.fixture(scope="module")
 def model8(hf):
     """Eight slots: prompts of buckets 8 and 16 are prefilled 4 and 2 at a time."""
