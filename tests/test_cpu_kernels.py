@@ -112,14 +112,18 @@ def test_turned_off_by_the_environment(monkeypatch):
 
 
 @needs_kernels
-def test_decode_attention_reads_only_the_written_entries():
+@pytest.mark.parametrize("d, n", [(16, 11), (64, 11), (64, 16), (64, 33), (128, 17), (128, 40)])
+def test_decode_attention_reads_only_the_written_entries(d, n):
+    """head_dim 64 and 128 take the AVX-512 code where the CPU has it (16 keys at a time: n across
+    a block edge), other sizes the portable code."""
     rng = np.random.default_rng(0)
-    b, h, t, d, n = 3, 4, 32, 16, 11
+    b, h, t = 3, 4, 48
     q = rng.standard_normal((b, h, d)).astype(np.float32)
     k, v = (rng.standard_normal((b, h, t, d)).astype(np.float32) for _ in range(2))
     mask = np.zeros((b, t), bool)
     mask[:, :n] = True
     mask[1, :4] = False  # a left-padded row
+    mask[2, 3] = False  # a hole
     k[:, :, n:], v[:, :, n:] = 1e30, np.nan  # past read_len: must never be read
     ref_scores = np.einsum("bhd,bhtd->bht", q, k[:, :, :n]).astype(np.float64)
     ref_scores[~np.broadcast_to(mask[:, None, :n], ref_scores.shape)] = -np.inf
