@@ -498,7 +498,7 @@ class OPTSlots:
         self._want_top = np.zeros(num_slots, np.bool_)  # host copy: does any active slot want alternatives
 
         # The model steps compile once per prefill bucket / attention window; sampling (a large graph
-        # of per-row processors) compiles once for batch 1 and once for the slots, not inside each.
+        # of per-row processors) compiles for batch 1, for a batched prefill pass and for the slots, not inside each.
         def prefill(params, ids, mask, lengths, want_prompt, state_rows):
             """k right-padded prompts [k, bucket] in one pass -> k batch-1 caches, their sampling state and
             last logits padded to `state_rows` rows (one `choose` compile serves every batched pass),
