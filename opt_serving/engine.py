@@ -374,9 +374,11 @@ class Engine:
         return stop
 
     def _finish(self, req: EngineRequest, out: EngineOutput) -> None:
-        if not req.cancelled:
-            self._emit(req, out)
+        # the slot is free before the client hears it is done (a /metrics scrape right after shows it)
+        cancelled = req.cancelled
         self._release(req)
+        if not cancelled:
+            self._emit(req, out)
 
     def _release(self, req: EngineRequest) -> None:
         req.done = True

@@ -332,6 +332,30 @@ def test_a_failed_batched_prefill_is_retried_one_by_one():
     assert (cols[2].ids, cols[2].finish) == ([41, 42, 43], "length")
 
 
+def test_a_finished_request_has_left_its_slot_when_its_last_token_arrives():
+    """A client that scrapes /metrics (or the stats) on its final token sees the slot free, not still running."""
+    from opt_serving.testing.fake_engine import FakeSlots
+    seen = []
+
+    class Watch(Collect):
+        def __call__(self, out):
+            if out.finish_reason is not None:
+                seen.append(self.engine.stats().running)
+            super().__call__(out)
+
+    e = Engine(FakeSlots(num_slots=2), start=False)
+    cols = [Watch(e) for _ in range(2)]
+    for c, n in zip(cols, (3, 5)):
+        c.req = e.submit([2, 5], SlotSettings(max_tokens=n), c)
+    e.start()
+    try:
+        assert all(c.done.wait(60) for c in cols)
+    finally:
+        e.close()
+    assert [c.finish for c in cols] == ["length", "length"]
+    assert seen == [1, 0]  # the first to finish leaves the other one running
+
+
 def test_warmup_compiled_every_shape(engine, model):
     compiled = (model._prefill, model._split_rows, model._choose, model._insert,
                 model._insert_cache, model._resize, model._step, model._free)
