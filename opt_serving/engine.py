@@ -489,7 +489,8 @@ class OPTSlots:
                                if n <= L})
         self.windows = sorted({kv_cache.bucket_length(n, L) for n in [1] + [2 ** i for i in range(4, 16)] + [L]
                                if n <= L})
-        self.cache = kv_cache.init_cache(cfg, num_slots, self.windows[0], dtype)
+        self._empty_cache = lambda: kv_cache.init_cache(cfg, num_slots, self.windows[0], dtype)  # smallest window
+        self.cache = self._empty_cache()
         empty = jnp.zeros((num_slots, 1), jnp.int32)
         # own buffers per leaf (init_state shares one for length and prompt_length): the step donates them
         self.state = jax.tree_util.tree_map(jnp.copy, sampling.init_state(empty, empty, V, L))
@@ -695,7 +696,8 @@ class OPTSlots:
 
     def warmup(self) -> None:
         """Compile every prefill bucket, its insert into every cache window that holds it, the decode
-        step and free at every window, and the resizes between neighbouring windows."""
+        step and free at every window, and the resizes between neighbouring windows (growing only, where
+        steps never shrink the cache)."""
         # b - 1 prompt tokens fill prefill bucket b
         prefixes = [self.prefill([self.cfg.bos_token_id] * (b - 1), SlotSettings()) for b in self.buckets]
         for w in self.windows:  # growing: each window's inserts, then its step (length w -> window w)
@@ -705,8 +707,11 @@ class OPTSlots:
                     self.insert(prefix, 0)
             self.step()
             self.free(0)
-        for w in reversed(self.windows[:-1]):  # shrinking
-            self._fit_cache(w, shrink=True)
+        if self.read_written:  # no slot is in use: start again from an empty smallest window
+            self.cache = self._empty_cache()
+        else:
+            for w in reversed(self.windows[:-1]):  # shrinking, as steps will
+                self._fit_cache(w, shrink=True)
 
 
 def load_engine(model_name: str, path=None, dtype: str = "float32", num_slots: int = 16,
