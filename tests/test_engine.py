@@ -281,12 +281,12 @@ def test_batched_prefill_gives_exactly_the_prefixes_of_one_by_one(model8, monkey
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def run_queued(model, jobs):
+def run_queued(model, jobs, collect=Collect):
     """`run_all` on a new engine whose scheduler starts only once every job is queued: it admits them at once."""
     e = Engine(model, start=False)
     cols = []
     for prompt, settings in jobs:
-        cols.append(Collect(e))
+        cols.append(collect(e))
         cols[-1].req = e.submit(prompt, settings, cols[-1])
     e.start()
     try:
@@ -343,15 +343,7 @@ def test_a_finished_request_has_left_its_slot_when_its_last_token_arrives():
                 seen.append(self.engine.stats().running)
             super().__call__(out)
 
-    e = Engine(FakeSlots(num_slots=2), start=False)
-    cols = [Watch(e) for _ in range(2)]
-    for c, n in zip(cols, (3, 5)):
-        c.req = e.submit([2, 5], SlotSettings(max_tokens=n), c)
-    e.start()
-    try:
-        assert all(c.done.wait(60) for c in cols)
-    finally:
-        e.close()
+    cols = run_queued(FakeSlots(num_slots=2), [([2, 5], SlotSettings(max_tokens=n)) for n in (3, 5)], Watch)
     assert [c.finish for c in cols] == ["length", "length"]
     assert seen == [1, 0]  # the first to finish leaves the other one running
 
