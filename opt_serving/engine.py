@@ -62,6 +62,9 @@ class SlotSettings:
     bad_words_ids: tuple[tuple[int, ...], ...] = ()  # HF's: a word's last token is banned after its prefix
     no_repeat_ngram_size: int = 0
     prompt_logprobs: bool = False   # score the prompt too (echo with logprobs)
+    # the chosen tokens' log-probabilities (TokenInfo.logprob; None when off). A step where no slot wants
+    # them and every slot is plainly greedy may then skip the logits (OPTSlots: the screened greedy head)
+    logprob: bool = True
     top_logprobs: bool = True       # find each token's top alternatives (a top-k over the vocabulary)
 
 
@@ -69,7 +72,7 @@ class SlotSettings:
 class TokenInfo:
     """One token with the model's log-probability (log-softmax of raw logits) and the top alternatives."""
     id: int
-    logprob: Optional[float]                  # None for a prompt's first token
+    logprob: Optional[float]                  # None for a prompt's first token, and when not asked (SlotSettings.logprob)
     top: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # best first
 
 
@@ -348,6 +351,8 @@ class Engine:
         with self._cv:
             self._generated += 1
         s = req.settings
+        if not s.logprob:  # not asked: the same answer whether or not this step made the logits
+            tok = dataclasses.replace(tok, logprob=None, top=[])
         reason = None
         if tok.id in s.stop_token_ids and req.generated > s.min_tokens:
             reason = "stop"
@@ -499,18 +504,18 @@ class OPTSlots:
         # host copy of each slot's token count (0 = free): picks the step's cache window and read length
         self._lengths = np.zeros(num_slots, np.int64)
         self._want_top = np.zeros(num_slots, np.bool_)  # host copy: does any active slot want alternatives
+        self._want_lp = np.zeros(num_slots, np.bool_)   # ... or its tokens' log-probabilities
 
         # The model steps compile once per prefill bucket / attention window; sampling (a large graph
         # of per-row processors) compiles for batch 1, for a batched prefill pass and for the slots, not inside each.
         def prefill(params, ids, mask, lengths, want_prompt, state_rows):
             """k right-padded prompts [k, bucket] in one pass -> k batch-1 caches, their sampling state and
-            last logits padded to `state_rows` rows (one `choose` compile serves every batched pass),
+            last hidden states padded to `state_rows` rows (one `choose` compile serves every batched pass),
             and the prompt scores [k, bucket, ...] of rows that `want_prompt` (zeros otherwise)."""
             k, n = ids.shape
             cache = kv_cache.init_cache(cfg, k, n, dtype)
             h, cache = opt._prefill(cfg, params, cache, ids, mask, return_hidden=True)  # [k, bucket, D]
-            last = opt.lm_logits(params, h[jnp.arange(k), lengths - 1])  # [k, V]
-            logits = jnp.zeros((state_rows, V), last.dtype).at[:k].set(last)
+            last = jnp.zeros((state_rows, h.shape[-1]), h.dtype).at[:k].set(h[jnp.arange(k), lengths - 1])
 
             def prompt_scores():  # position i predicts token i+1; the full logits only when asked
                 plp, ptop, ptop_lp = _raw_scores(opt.lm_logits(params, h))  # [k, bucket, V], [k, bucket, K] x 2
@@ -518,16 +523,30 @@ class OPTSlots:
 
             none = lambda: (jnp.zeros((k, n), jnp.float32), jnp.zeros((k, n, MAX_TOP_LOGPROBS), jnp.int32),
                             jnp.zeros((k, n, MAX_TOP_LOGPROBS), jnp.float32))
-            return (_split_rows(cache, k), _prompt_state(ids, mask, lengths, state_rows, L, V), logits,
+            return (_split_rows(cache, k), _prompt_state(ids, mask, lengths, state_rows, L, V), last,
                     jax.lax.cond(jnp.any(want_prompt), prompt_scores, none))
 
-        def choose(logits, state, settings, active, want_top):
-            """Sample one token per row, score it, and append it to the rows that are `active`."""
-            tok, _ = sampling.sample(logits, state, settings)
-            lp, top_ids, top_lp = _token_scores(logits, tok, want_top)
+        screened = cpu_kernels.has_head(self.params)
+
+        def choose(params, h, state, settings, active, want_scores, want_top):
+            """One token per row from the final hidden states h [B, D], scored when `want_scores`, appended
+            to the rows that are `active`. When no row wants scores and every active row takes the plain
+            argmax, params with the screened greedy head never make the logits (opt.lm_argmax); the
+            scores are then NaN."""
+            def full():
+                logits = opt.lm_logits(params, h)  # [B, V]
+                tok, _ = sampling.sample(logits, state, settings)
+                return (tok, *_token_scores(logits, tok, want_top))
+
+            def plain():
+                b = h.shape[0]
+                return (opt.lm_argmax(params, h), jnp.full((b,), jnp.nan, jnp.float32),
+                        jnp.full((b, MAX_TOP_LOGPROBS), -1, jnp.int32), jnp.zeros((b, MAX_TOP_LOGPROBS), jnp.float32))
+            out = jax.lax.cond(~want_scores & sampling.plain_argmax(state, settings, active), plain, full) \
+                if screened else full()
             # free slots keep their state, so their positions never run past the cache
-            state = sampling.update_state(state, tok, active)
-            return state, (tok, lp, top_ids, top_lp)
+            state = sampling.update_state(state, out[0], active)
+            return state, out
 
         # the cache part compiles per (window, prefill bucket) pair, so it is kept apart from the rest
         def insert(state, settings, active, row_state, row_settings, slot):
@@ -543,9 +562,9 @@ class OPTSlots:
             rows = jnp.arange(num_slots)
             pos = jnp.where(active, state.length - 1, 0)  # the newest token goes in at its own position
             tokens = state.history[rows, pos]
-            logits, cache = opt._decode(cfg, params, cache, tokens, pos, pos,
-                                        read_len=read_len if read_written else None)
-            return logits, cache
+            h, cache = opt._decode(cfg, params, cache, tokens, pos, pos,
+                                   read_len=read_len if read_written else None, return_hidden=True)
+            return h, cache
 
         def free(cache, active, slot):
             return kv_cache.free_slot(cache, slot), active.at[slot].set(False)
@@ -561,7 +580,7 @@ class OPTSlots:
         # a batched pass chooses its first tokens over this many rows (padded): sampling costs a pass over
         # [rows, V] per processor, so not the slots' 32 rows for 4 prompts, and one compile for all passes
         self.pass_rows = max(self.batch_rows.values(), default=1)
-        self._choose = jax.jit(choose, donate_argnums=(1,))
+        self._choose = jax.jit(choose, donate_argnums=(2,))
         self._insert = jax.jit(insert, donate_argnums=(0, 1, 2))
         # its own compiled copies (jit shares the compile cache of a function among its wrappers)
         self._insert_cache = jax.jit(lambda cache, pcache, slot: kv_cache._insert(cache, pcache, slot),
@@ -630,11 +649,12 @@ class OPTSlots:
         state_rows = self.pass_rows if rows > 1 else 1
         ids, mask, lengths = self._right_padded(prompts, rows, bucket)
         want_prompt = np.array([s.prompt_logprobs for s in settings] + [False] * (rows - k))
-        caches, state, logits, scores = self._prefill(self.params, ids, mask, lengths, want_prompt, state_rows)
+        caches, state, last, scores = self._prefill(self.params, ids, mask, lengths, want_prompt, state_rows)
         want_top = np.array([s.top_logprobs for s in settings] + [False] * (state_rows - k))
+        want_scores = any(s.top_logprobs or s.logprob for s in settings)
         pass_settings = self._settings_rows(settings, state_rows)
-        state, first = self._choose(logits, state, pass_settings, np.arange(state_rows) < k,
-                                    np.bool_(want_top.any()))
+        state, first = self._choose(self.params, last, state, pass_settings, np.arange(state_rows) < k,
+                                    np.bool_(want_scores), np.bool_(want_top.any()))
         tok, lp, top_ids, top_lp = (np.asarray(a) for a in first)
         first = StepResult(tok, lp, np.where(want_top[:, None], top_ids, -1), top_lp)
         rows_state = self._split_rows((state, pass_settings)) if state_rows > 1 else [(state, pass_settings)]
@@ -670,6 +690,7 @@ class OPTSlots:
             self.state, self.settings, self.active, row_state, row_settings, np.int32(slot))
         self._lengths[slot] = prefix.length + 1  # the prompt and the first token
         self._want_top[slot] = prefix.settings.top_logprobs
+        self._want_lp[slot] = prefix.settings.logprob
 
     def window_needed(self) -> int:
         """The cache window the next step needs: the bucket holding every active slot's tokens."""
@@ -681,10 +702,12 @@ class OPTSlots:
         # costs the same in any window, and a shrink copies the whole cache: the cache only grows then
         # (to at most what a full load needs anyway)
         self._fit_cache(self.window_needed(), shrink=not self.read_written)
-        logits, self.cache = self._step(self.params, self.cache, self.state, self.active,
-                                        np.int32(self._lengths.max()))
-        want_top = np.bool_(self._want_top[self._lengths > 0].any())
-        self.state, out = self._choose(logits, self.state, self.settings, self.active, want_top)
+        h, self.cache = self._step(self.params, self.cache, self.state, self.active,
+                                   np.int32(self._lengths.max()))
+        busy = self._lengths > 0
+        want_top = np.bool_(self._want_top[busy].any())
+        want_scores = np.bool_(want_top or self._want_lp[busy].any())
+        self.state, out = self._choose(self.params, h, self.state, self.settings, self.active, want_scores, want_top)
         self._lengths[self._lengths > 0] += 1
         tok, lp, top_ids, top_lp = (np.asarray(a) for a in out)
         # the top-k ran for every row if one wanted it: the others get none

@@ -60,6 +60,9 @@ class SamplingParams:
     seed: Optional[int] = None      # None: a fresh random seed per request
     stop: list[str] = dataclasses.field(default_factory=list)
     logprobs: Optional[int] = None  # 0-5 top alternatives per token; None = no top_logprobs
+    # token_logprobs and cumulative_logprob (None when off, unless logprobs asks for them). Off, a step
+    # where every request is plainly greedy can skip the logits (the CPU's screened greedy head)
+    score_tokens: bool = True
     echo: bool = False
     bad_words_ids: list[list[int]] = dataclasses.field(default_factory=list)  # HF's bad_words_ids
     no_repeat_ngram_size: int = 0
@@ -113,7 +116,7 @@ class Delta:
     finish_reason: Optional[str] = None     # "stop" | "length"
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: Optional[float] = 0.0  # None when the tokens are not scored (score_tokens)
 
 
 @dataclasses.dataclass
@@ -176,7 +179,7 @@ class _RequestText:
         self.n_sent = 0
         self.echo_pending = params.echo and not settings.prompt_logprobs  # echo without scores: no prompt output
         self.generated = 0
-        self.cum_logprob = 0.0
+        self.cum_logprob = 0.0 if settings.logprob else None
         self.finished = False
 
     # ---- prompt echo ----
@@ -222,7 +225,8 @@ class _RequestText:
         final = out.finish_reason is not None
         for tok in out.tokens:
             self.generated += 1
-            self.cum_logprob += tok.logprob or 0.0
+            if self.cum_logprob is not None:
+                self.cum_logprob += tok.logprob or 0.0
             if out.finish_reason == "stop" and tok.id in self.settings.stop_token_ids:
                 continue  # EOS ends the text, it is not part of it
             start = len(self.text)
@@ -423,7 +427,7 @@ class Generator:
         best_of = _check_n(n, best_of)
         streams: list[DeltaStream] = []
         try:  # a later stream() that raises (QueueFull) must cancel the ones already queued
-            for p in self.choice_params(params, best_of):
+            for p in self.choice_params(params, best_of, n):
                 streams.append(self.stream(prompt, p))
             done = await asyncio.gather(*(self._join(s) for s in streams))
         finally:
@@ -528,7 +532,7 @@ class Generator:
             for i, (prompt, p) in enumerate(zip(prompts, plist)):
                 # all of a prompt's collectors exist before any can finish
                 collectors[i] = [_Collector(on_done(i)) for _ in range(best_of)]
-                for cp, col in zip(self.choice_params(p, best_of), collectors[i]):
+                for cp, col in zip(self.choice_params(p, best_of, n), collectors[i]):
                     while True:
                         try:
                             self._start(prompt, cp, col, prepared[i])
@@ -565,8 +569,11 @@ class Generator:
         return out  # type: ignore[return-value]
 
     # ---- shared ----
-    def choice_params(self, params: SamplingParams, count: int) -> list[SamplingParams]:
-        """`count` copies with distinct seeds: choice 0 keeps `seed`, the others derive from it."""
+    def choice_params(self, params: SamplingParams, count: int, n: Optional[int] = None) -> list[SamplingParams]:
+        """`count` copies with distinct seeds: choice 0 keeps `seed`, the others derive from it. When the best
+        `n` < count are kept, they are ranked by cumulative_logprob: the tokens are scored."""
+        if n is not None and n < count:
+            params = params.replace(score_tokens=True)
         if params.seed is None:
             return [params.replace(seed=self._rng.getrandbits(31)) for _ in range(count)]
         # OpenAI seeds are any int64; SeedSequence takes only non-negative entropy
@@ -625,6 +632,7 @@ class Generator:
             bad_words_ids=tuple(tuple(w) for w in params.bad_words_ids),
             no_repeat_ngram_size=params.no_repeat_ngram_size,
             prompt_logprobs=params.echo and params.logprobs is not None,
+            logprob=params.score_tokens or params.logprobs is not None,
             top_logprobs=bool(params.logprobs))
 
     def _start(self, prompt: Prompt, params: SamplingParams, sink: Callable[[Any], None],

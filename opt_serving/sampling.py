@@ -253,6 +253,20 @@ def warp(logits, s: Settings, min_tokens_to_keep: int = 1):
     return jax.lax.cond(jnp.any(need_sort), topk_topp, lambda x: x, logits)
 
 
+def plain_argmax(state: State, s: Settings, active=None):
+    """True (a traced scalar) when every row (every `active` one) takes the plain argmax of its raw
+    logits: greedy, and no processor changes a logit at this step. The logits then need not be
+    made at all (opt.lm_argmax)."""
+    eos_banned = (state.length < s.min_length) | (state.length - state.prompt_length < s.min_new_tokens)
+    plain = ((s.temperature <= 0) & (s.repetition_penalty == 1.0) & (s.presence_penalty == 0)
+             & (s.frequency_penalty == 0) & (s.no_repeat_ngram_size <= 0) & ~(eos_banned & (s.eos_token_id >= 0)))
+    if s.bad_words.shape[1]:
+        plain = plain & ~jnp.any(s.bad_words >= 0, axis=(1, 2))
+    if active is not None:
+        plain = plain | ~active
+    return jnp.all(plain)
+
+
 def row_keys(s: Settings, step):
     """One PRNG key per row from its seed and its step (reproducible per request)."""
     return jax.vmap(lambda seed, t: jax.random.fold_in(jax.random.PRNGKey(seed), t))(

@@ -84,6 +84,7 @@ def test_pack_params_round_trip_and_where_it_applies():
     assert cpu_kernels.is_packed(packed) and opt.runtime_params(packed) is packed  # idempotent
     layer = packed["layers_0"]
     assert sorted(layer["fc1"]) == ["bias", "packed"] and sorted(layer["self_attn"]["qkv_proj"]) == ["bias", "packed"]
+    assert cpu_kernels.has_head(packed) == cpu_kernels.head_available()
     back = cpu_kernels.unpack_params(packed)
     assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(params)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(back),
@@ -95,6 +96,68 @@ def test_pack_params_round_trip_and_where_it_applies():
     ids = jnp.asarray(np.random.default_rng(0).integers(3, 96, (2, 7)), jnp.int32)
     np.testing.assert_allclose(np.asarray(opt.forward(CFG, packed, ids)),
                                np.asarray(opt.forward(CFG, params, ids)), rtol=1e-5, atol=1e-5)
+
+
+needs_head = pytest.mark.skipif(not cpu_kernels.head_available(),
+                                reason="no native bfloat16 products on this CPU (or the kernels are not built)")
+
+
+def _bf16(a):
+    """Round float32 to bfloat16 (nearest even) and back, as the screen's products see their inputs."""
+    bits = np.asarray(a, np.float32).view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+    return bits.astype(np.uint32).view(np.float32)
+
+
+@needs_head
+def test_screened_greedy_tokens_are_the_exact_argmax():
+    rng = np.random.default_rng(0)
+    v, k, m = 3000, 64, 48
+    e = (rng.standard_normal((v, k)) * 0.05).astype(np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    # near-ties bfloat16 cannot tell apart: for rows 0-31 a pair of tokens whose logits differ by
+    # ~1e-4 (bfloat16's own error is ~1e-2 here), both far above every other token
+    for r in range(32):
+        a, b = 2 * r, 2 * r + 1
+        e[a] = x[r] / np.linalg.norm(x[r]) * 0.5
+        nudge = rng.standard_normal(k).astype(np.float32)
+        nudge -= nudge @ x[r] / (x[r] @ x[r]) * x[r]  # orthogonal to x: only the scale below moves the logit
+        e[b] = e[a] * np.float32(1 + (1 if r % 2 else -1) * 2e-4) + 1e-3 * nudge
+    head = cpu_kernels.pack_head(e)
+    params = {"lm_head": head, "embed_tokens": {"embedding": jnp.asarray(e)}}
+    got = np.asarray(jax.jit(cpu_kernels.greedy_tokens)(params, x))
+    exact = x.astype(np.float64) @ e.T.astype(np.float64)
+    np.testing.assert_array_equal(got, exact.argmax(-1))
+    assert (got[:32:2] == np.arange(0, 64, 4)).all() and (got[1:32:2] == np.arange(3, 64, 4)).all()
+    # the bfloat16 products alone get some of the near-ties wrong: the exact rescoring decided them
+    screen = _bf16(x).astype(np.float64) @ _bf16(e).T.astype(np.float64)
+    assert (screen.argmax(-1)[:32] != got[:32]).any()
+    # leading dimensions are kept, and the row norms bound every row of e from above
+    assert cpu_kernels.greedy_tokens(params, jnp.asarray(x)[None]).shape == (1, m)
+    assert (np.asarray(head["row_norms"]) >= np.linalg.norm(e.astype(np.float64), axis=1)).all()
+
+
+@needs_head
+def test_screened_greedy_tokens_on_inputs_the_bound_does_not_cover():
+    rng = np.random.default_rng(1)
+    e = rng.standard_normal((500, 16)).astype(np.float32)
+    params = {"lm_head": cpu_kernels.pack_head(e), "embed_tokens": {"embedding": jnp.asarray(e)}}
+    x = rng.standard_normal((3, 16)).astype(np.float32)
+    x[0] = 0.0         # every logit ties at 0: the first token, as jnp.argmax
+    x[1, 3] = np.nan   # every logit NaN: the first NaN wins, as jnp.argmax
+    got = np.asarray(cpu_kernels.greedy_tokens(params, jnp.asarray(x)))
+    assert got.tolist() == [0, 0, int(np.argmax(x[2].astype(np.float64) @ e.T.astype(np.float64)))]
+    # a weight with no finite norm has no error bound: no screened head for it
+    e[7, 2] = np.inf
+    assert cpu_kernels.pack_head(e) is None
+
+
+@needs_head
+def test_the_screen_is_turned_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("OPT_SERVING_BF16_SCREEN", "0")
+    assert not cpu_kernels.head_available()
+    packed = opt.runtime_params(opt.init_params(CFG, seed=1))
+    assert cpu_kernels.is_packed(packed) and not cpu_kernels.has_head(packed)
 
 
 def test_turned_off_by_the_environment(monkeypatch):

@@ -8,7 +8,7 @@ import transformers
 
 from opt_serving.config import OPTConfig
 from opt_serving.engine import Engine, EngineClosed, OPTSlots, QueueFull, SlotSettings
-from opt_serving.model import weights
+from opt_serving.model import cpu_kernels, weights
 
 CFG = OPTConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
                 max_position_embeddings=64)
@@ -121,6 +121,49 @@ def test_logprobs_match_hf(engine, hf):
     assert c.prompt[0].logprob is None and [t.id for t in c.prompt] == prompt
     assert [t.logprob for t in c.prompt[1:]] == pytest.approx(
         [lp[i, prompt[i + 1]] for i in range(len(prompt) - 1)], abs=1e-4)
+
+
+def test_unscored_requests_get_the_same_tokens_and_no_logprobs(engine, hf):
+    """logprob=False: the greedy tokens are HF's and carry no scores (whether or not the step made the
+    logits); a request beside them that wants scores gets its own."""
+    prompt = PROMPTS[1]
+    unscored = SlotSettings(max_tokens=6, top_logprobs=False, logprob=False)
+    alone_a, alone_b = run_all(engine, [(prompt, unscored), (PROMPTS[4], unscored)])
+    mixed, scored = run_all(engine, [(prompt, unscored), (PROMPTS[4], SlotSettings(max_tokens=6))])
+    assert alone_a.ids == mixed.ids == hf_greedy(hf, prompt, 6)
+    assert alone_b.ids == scored.ids == hf_greedy(hf, PROMPTS[4], 6)
+    assert all(t.logprob is None and t.top == [] for c in (alone_a, alone_b, mixed) for t in c.tokens)
+    lp = log_softmax(hf_logits(hf, PROMPTS[4] + scored.ids[:-1]))
+    assert [t.logprob for t in scored.tokens] == pytest.approx(
+        [lp[len(PROMPTS[4]) - 1 + i, t.id] for i, t in enumerate(scored.tokens)], abs=1e-4)
+
+
+@pytest.mark.skipif(not cpu_kernels.head_available(), reason="no screened greedy head on this CPU")
+def test_a_step_skips_the_logits_only_when_every_active_row_is_plainly_greedy(model):
+    import jax.numpy as jnp
+    from opt_serving import sampling
+    from opt_serving.model import opt
+    assert cpu_kernels.has_head(model.params)
+    h = jnp.asarray(np.random.default_rng(0).standard_normal((3, CFG.word_embed_proj_dim)), jnp.float32)  # what project_out gives
+    expect = np.asarray(opt.lm_logits(model.params, h)).argmax(-1)
+    ids = jnp.asarray([[2, 5, 6]] * 3, jnp.int32)
+
+    def choose(settings, active, want_scores=False):
+        state = sampling.init_state(ids, jnp.ones_like(ids), CFG.vocab_size, MAX_SEQ)
+        _, (tok, lp, _, _) = model._choose(model.params, h, state, model._settings_rows(settings, 3),
+                                           np.array(active), np.bool_(want_scores), np.bool_(False))
+        return np.asarray(tok), np.asarray(lp)
+
+    greedy, sampled = SlotSettings(), SlotSettings(temperature=1.0)
+    eos_held = SlotSettings(min_tokens=4, stop_token_ids=(int(expect[2]),))
+    tok, lp = choose([greedy, greedy, sampled], [True, True, False])  # the sampled row is free
+    assert np.isnan(lp).all() and (tok[:2] == expect[:2]).all()      # no logits made: no scores
+    for settings, active, want in [([greedy, greedy, sampled], [True] * 3, False),   # a row samples
+                                   ([greedy, greedy, eos_held], [True] * 3, False),  # a processor acts
+                                   ([greedy] * 3, [True] * 3, True)]:                # scores wanted
+        tok, lp = choose(settings, active, want)
+        assert np.isfinite(lp).all() and (tok[:2] == expect[:2]).all()
+    assert tok[2] == expect[2]
 
 
 def test_top_alternatives_only_for_requests_that_want_them(engine, hf):

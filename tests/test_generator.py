@@ -123,6 +123,20 @@ def test_eos_min_tokens_and_ignore_eos(gen):
     assert (c.token_ids, c.finish_reason) == ([0, 1, 2, 3], "length")
 
 
+def test_unscored_tokens_carry_no_logprobs_unless_something_needs_them(gen):
+    c = run(gen.complete("a", greedy(max_tokens=3, score_tokens=False)))
+    assert (c.text, c.token_logprobs, c.cumulative_logprob) == ("bcd", [None] * 3, None)
+    c = run(gen.complete("a", greedy(max_tokens=3, score_tokens=False, logprobs=1)))  # asked for: scored
+    assert c.token_logprobs == pytest.approx([-LN2] * 3) and c.cumulative_logprob == pytest.approx(-3 * LN2)
+    # best_of ranks by the scores, so its samples are scored whatever score_tokens says
+    params = SamplingParams(max_tokens=4, temperature=1.0, seed=5, score_tokens=False)
+    [all3] = gen.complete_many(["a"], params, n=3)
+    assert all(c.cumulative_logprob is None for c in all3)
+    [best] = gen.complete_many(["a"], params, n=1, best_of=3)
+    assert best[0].cumulative_logprob == pytest.approx(
+        max(sum(-LN2 * (1 + (s + k) % 3) for k in range(4)) for s in (p.seed for p in gen.choice_params(params, 3))))
+
+
 def test_seeded_sampling_and_best_of(gen):
     # seed 0: steps j = 1, 2, 3, 1 from "a" (101): 102 104 107 108
     c = run(gen.complete("a", SamplingParams(max_tokens=4, temperature=1.0, seed=0)))

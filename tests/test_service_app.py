@@ -166,6 +166,23 @@ def test_metaseq_min_tokens_holds_off_eos(client):
     assert r.json()["choices"][0]["finish_reason"] == "length"
 
 
+def test_tokens_are_scored_only_where_the_answer_uses_the_scores(client, gen):
+    """Unscored requests let an all-greedy engine step skip the logits (OPTSlots' screened head)."""
+    seen = gen.engine.model.inserted_settings
+    cases = [({"prompt": "a", "max_tokens": 2, "temperature": 0}, "/v1/completions", [False]),
+             ({"prompt": "a", "max_tokens": 2, "temperature": 0, "logprobs": 0}, "/v1/completions", [True]),
+             ({"prompt": "a", "max_tokens": 2, "n": 1, "best_of": 2}, "/v1/completions", [True, True]),  # ranked
+             ({"prompt": "a", "max_tokens": 2, "n": 2}, "/v1/completions", [False, False]),
+             ({"prompt": "a", "max_tokens": 2, "temperature": 0}, "/completions", [True]),  # metaseq: always
+             ({"prompt": ["a"], "max_length": 2, "min_length": 0, "do_sample": False}, "/generate", [False])]
+    for body, path, scored in cases:
+        before = len(seen)
+        r = post(client, body, path)
+        assert r.status_code == 200, r.text
+        assert [s.logprob for s in seen[before:]] == scored, (path, body)
+    assert "logprobs" not in r.json() and r.json()["gen_text"] == ["abc"]
+
+
 # ---------------------------------------------------------------- GPT-J REST API
 def test_gptj_generate_returns_prompt_plus_text(client):
     r = post(client, {"prompt": ["a", "k"], "max_length": 3, "min_length": 0, "do_sample": False}, "/generate")

@@ -162,6 +162,8 @@ def test_long_generation_matches_hf(models, kernels, monkeypatch):
         ours = wrapper.OPTModel(CFG, plain)
     try:
         assert cpu_kernels.is_packed(ours.fused_params) == (kernels and cpu_kernels.available())
+        # greedy steps then take the screened argmax, never making the logits
+        assert cpu_kernels.has_head(ours.fused_params) == (kernels and cpu_kernels.head_available())
         if kernels and not cpu_kernels.available():
             pytest.skip("opt_serving/_cpu_kernels.so not built")
         with torch.no_grad():

@@ -175,6 +175,14 @@ def lm_logits(params_or_embedding, h):
     return jnp.einsum("...d,vd->...v", h, embedding, preferred_element_type=jnp.float32)
 
 
+def lm_argmax(params, h):
+    """argmax of lm_logits(params, h) over the vocabulary -> int32 [...]. Where the params carry the
+    screened greedy head (cpu_kernels.greedy_tokens) the float32 logits are never made."""
+    if isinstance(params, dict) and cpu_kernels.has_head(params):
+        return cpu_kernels.greedy_tokens(params, h)
+    return cpu_kernels.argmax(lm_logits(params, h))
+
+
 def _masked_softmax(scores, mask):
     """Softmax in float32 over the last axis where `mask` (fully masked rows stay finite)."""
     scores = jnp.where(mask, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
@@ -253,14 +261,14 @@ def _prefill(cfg, params, cache, input_ids, attention_mask, all_logits=True, ret
     return (logits if all_logits else logits[:, 0]), new_cache
 
 
-def _decode(cfg, params, cache, tokens, positions, write_index, read_len=None):
+def _decode(cfg, params, cache, tokens, positions, write_index, read_len=None, return_hidden=False):
     dtype = cache["k"][0].dtype
     rows = jnp.arange(tokens.shape[0])
     mask = cache["mask"].at[rows, write_index].set(True)
     attends = [_decode_attend(kc, vc, mask, write_index, read_len)
                for kc, vc in zip(cache["k"], cache["v"])]
     logits, caches = OPT(cfg, dtype, is_fused(params)).apply({"params": params}, tokens[:, None],
-                                           positions[:, None], attends)
+                                           positions[:, None], attends, return_hidden=return_hidden)
     new_cache = {"k": tuple(c[0] for c in caches), "v": tuple(c[1] for c in caches), "mask": mask}
     return logits[:, 0], new_cache
 
@@ -283,7 +291,8 @@ added inside), `write_index` the cache entry each row writes (or a scalar int32:
 write that entry, an in-place slice update); each row attends
 to its valid entries plus the new one. The cache is donated. `read_len`
 (traced, e.g. the longest row's length): every valid entry and write_index lie
-below it, and on a CPU only those entries are read."""
+below it, and on a CPU only those entries are read. With `return_hidden` the final
+hidden states [B, D] come back instead of logits (see lm_logits, lm_argmax)."""
 
 
 def forward(cfg: OPTConfig, params, input_ids, attention_mask=None):

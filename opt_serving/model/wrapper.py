@@ -257,11 +257,12 @@ class OPTModel:
         return GenerateOutput(sequences=seqs, scores=score_steps, sequences_scores=seq_scores)
 
 
-def _start(cfg, params, ids, mask, max_new):
-    """Prefill a cache of `max_new` more entries than the prompt; next-token logits [B, V]."""
+def _start(cfg, params, ids, mask, max_new, return_hidden=False):
+    """Prefill a cache of `max_new` more entries than the prompt; next-token logits [B, V] (or the
+    final hidden states [B, D])."""
     b, s = ids.shape
     cache = kv_cache.init_cache(cfg, b, s + max_new, opt.param_dtype(params))
-    return opt._prefill(cfg, params, cache, ids, mask, all_logits=False)
+    return opt._prefill(cfg, params, cache, ids, mask, all_logits=False, return_hidden=return_hidden)
 
 
 def decode_windows(prompt_len: int, total: int) -> list[int]:
@@ -283,33 +284,44 @@ def _sample_loop(cfg, params, ids, mask, st, max_new, new_bucket, pad, output_sc
     starts at the smallest window holding the prompt and grows a window at a time
     (decode_windows): one decode loop per window. With `read_written` (packed params on a CPU,
     where cpu_kernels.decode_attention reads only the entries written so far) the cache is
-    full-size from the start and there is one loop."""
+    full-size from the start and there is one loop.
+
+    Steps where every row takes the plain argmax (sampling.plain_argmax) go through opt.lm_argmax,
+    which on a CPU with the screened greedy head never makes the logits."""
     b, s = ids.shape
     total = s + new_bucket
     windows = [total] if read_written else decode_windows(s, total)
     n_real = jnp.sum(mask, axis=1).astype(jnp.int32)
-    logits, cache = _start(cfg, params, ids, mask, windows[0] - s)
+    h, cache = _start(cfg, params, ids, mask, windows[0] - s, return_hidden=True)
     state = sampling.init_state(ids, mask, cfg.vocab_size, total)
     scores_buf = jnp.zeros((new_bucket if output_scores else 0, b, cfg.vocab_size), jnp.float32)
+    screened = cpu_kernels.has_head(params) and not output_scores
 
-    def pick(logits, state, unfinished, scores_buf, i):
-        scores = sampling.warp(sampling.process_logits(logits, state, st), st)
-        tok = jnp.where(unfinished, sampling.choose(scores, state, st), pad)
-        if output_scores:
-            scores_buf = scores_buf.at[i].set(scores)
+    def pick(h, state, unfinished, scores_buf, i):  # h: final hidden states [B, D]
+        def processed():
+            return sampling.warp(sampling.process_logits(opt.lm_logits(params, h), state, st), st)
+        if screened:
+            tok = jax.lax.cond(sampling.plain_argmax(state, st), lambda: opt.lm_argmax(params, h),
+                               lambda: sampling.choose(processed(), state, st))
+        else:
+            scores = processed()
+            tok = sampling.choose(scores, state, st)
+            if output_scores:
+                scores_buf = scores_buf.at[i].set(scores)
+        tok = jnp.where(unfinished, tok, pad)
         state = sampling.update_state(state, tok)
         unfinished = unfinished & (tok != st.eos_token_id)
         return tok, state, unfinished, scores_buf
 
-    tok, state, unfinished, scores_buf = pick(logits, state, jnp.ones((b,), jnp.bool_), scores_buf, 0)
+    tok, state, unfinished, scores_buf = pick(h, state, jnp.ones((b,), jnp.bool_), scores_buf, 0)
 
     def body(c):
         i, tok, cache, state, unfinished, scores_buf = c
         # one write index for all rows (a scalar): an in-place slice update, where a per-row
         # scatter makes XLA copy the loop-carried cache every step
-        logits, cache = opt._decode(cfg, params, cache, tok, n_real + i - 1, s + i - 1,
-                                    read_len=s + i if read_written else None)
-        tok, state, unfinished, scores_buf = pick(logits, state, unfinished, scores_buf, i)
+        h, cache = opt._decode(cfg, params, cache, tok, n_real + i - 1, s + i - 1,
+                               read_len=s + i if read_written else None, return_hidden=True)
+        tok, state, unfinished, scores_buf = pick(h, state, unfinished, scores_buf, i)
         return i + 1, tok, cache, state, unfinished, scores_buf
 
     carry = (jnp.int32(1), tok, cache, state, unfinished, scores_buf)

@@ -112,15 +112,16 @@ class Service:
         self.request_timeout = request_timeout
         self.metrics = ServiceMetrics(generator.stats)
 
-    def jobs(self, prompts: list, count: int, **params) -> list[tuple[Any, Any]]:
+    def jobs(self, prompts: list, count: int, n: Optional[int] = None, **params) -> list[tuple[Any, Any]]:
         """(prompt, params) per prompt and sample; samples of one prompt get distinct seeds the way the
-        generator's offline `complete_n` derives them, so HTTP and offline results agree."""
+        generator's offline `complete_n` derives them, so HTTP and offline results agree (the best `n` of
+        `count` are ranked by their scores)."""
         base = self.SamplingParams(**params)
         try:
             base.validate()  # before anything is queued
         except ValueError as e:
             raise ApiError(400, str(e)) from None
-        return [(p, cp) for p in prompts for cp in self.g.choice_params(base, count)]
+        return [(p, cp) for p in prompts for cp in self.g.choice_params(base, count, n)]
 
     def start(self, jobs: list[tuple[Any, Any]]) -> list:
         """Start every job now (so a full queue or a too-long prompt is an HTTP error, not a broken stream);
@@ -362,10 +363,11 @@ def create_app(generator, *, model_name: str | None = None, api_keys: Sequence[s
         if top_p == 0.0:  # nothing left to sample from but the most likely token
             temperature, top_p = 0.0, 1.0
         prompts = P.normalize_prompt(req.prompt)
-        jobs = svc.jobs(prompts, best_of, max_tokens=16 if req.max_tokens is None else req.max_tokens,
+        # the tokens' scores only where the answer shows them (logprobs) or best_of ranks by them
+        jobs = svc.jobs(prompts, best_of, n, max_tokens=16 if req.max_tokens is None else req.max_tokens,
                         temperature=temperature, top_p=top_p, presence_penalty=req.presence_penalty or 0.0,
                         frequency_penalty=req.frequency_penalty or 0.0, seed=req.seed, stop=req.stops,
-                        logprobs=req.logprobs, echo=bool(req.echo))
+                        logprobs=req.logprobs, echo=bool(req.echo), score_tokens=False)
         if req.stream:
             return _stream_openai(svc, req, start(jobs))
 
@@ -396,7 +398,7 @@ def create_app(generator, *, model_name: str | None = None, api_keys: Sequence[s
         if top_p == 0.0:
             temperature, top_p = 0.0, 1.0
         prompts = P.normalize_prompt(req.prompt)
-        jobs = svc.jobs(prompts, best_of, max_tokens=req.max_tokens, min_tokens=req.min_tokens,
+        jobs = svc.jobs(prompts, best_of, req.n, max_tokens=req.max_tokens, min_tokens=req.min_tokens,
                         temperature=temperature, top_p=top_p, seed=req.seed, stop=P._stop_list(req.stop),
                         logprobs=req.logprobs, echo=req.echo)
 
@@ -425,7 +427,7 @@ def create_app(generator, *, model_name: str | None = None, api_keys: Sequence[s
                         top_p=req.top_p if sample else 1.0, repetition_penalty=req.repetition_penalty,
                         seed=None if req.seed == -1 else req.seed,
                         stop=[req.end_sequence] if req.end_sequence else [],
-                        bad_words_ids=_bad_words_ids(generator, req.bad_words))
+                        bad_words_ids=_bad_words_ids(generator, req.bad_words), score_tokens=False)
 
         def answer(outs) -> P.GenerateResponse:
             texts = []

@@ -49,6 +49,7 @@ class FakeSlots:
         self.warmed_up = False
         self.steps = 0
         self.inserted: list[int] = []   # slots in insertion order (tests look at slot reuse)
+        self.inserted_settings: list[SlotSettings] = []  # and the requests' settings (what the layers above asked)
 
     def warmup(self) -> None:
         self.warmed_up = True
@@ -78,6 +79,7 @@ class FakeSlots:
         self.count[slot] = 1
         self.settings[slot] = prefix.settings
         self.inserted.append(slot)
+        self.inserted_settings.append(prefix.settings)
 
     def step(self) -> StepResult:
         n = self.num_slots
