@@ -537,7 +537,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptOnednnMatmul, Matmul,
 //   opt_head_supported()                        1 when oneDNN runs bfloat16 products natively here
 //   opt_head_packed_bytes(K, N)                 size of the packed bfloat16 [K, N] head
 //   opt_head_pack(e, K, N, out, norms)          e row-major [N, K] float32 (the embedding) -> packed, row norms
-//   OptGreedyHead (FFI handler)                 tok[M] = argmax_j x[M, K] . e[j]
+//   OptGreedyHead (FFI handler)                 tok[M] = argmax_{j != exclude[M]} x[M, K] . e[j]
+// (`exclude`: a token held back, e.g. EOS before min_new_tokens; -1 for none)
 namespace {
 
 const dnnl::memory::desc& head_packed_desc(int64_t k, int64_t n) {
@@ -586,15 +587,19 @@ double dot_exact(const float* x, const float* w, int64_t k) {
   return s;
 }
 
-// The row's float32 argmax (the first maximum; a NaN wins, as jnp.argmax) from its screened
-// logits `a`; `all` scores every token exactly (an input the bound does not cover).
+// The row's float32 argmax (the first maximum; a NaN wins, as jnp.argmax) over every token but
+// `exclude`, from its screened logits `a` (ours: the excluded one is set to -inf); `all` scores
+// every token exactly (an input the bound does not cover).
 __attribute__((target_clones("avx512f", "avx2", "default")))
-int64_t head_row(const float* x, const float* a, const float* e, const float* norms, int64_t k, int64_t n,
-                 float r, bool all, std::vector<int64_t>& cand) {
+int64_t head_row(const float* x, float* a, const float* e, const float* norms, int64_t k, int64_t n,
+                 float r, bool all, int64_t exclude, std::vector<int64_t>& cand) {
   cand.clear();
   if (all) {
-    for (int64_t j = 0; j < n; ++j) cand.push_back(j);
+    for (int64_t j = 0; j < n; ++j) {
+      if (j != exclude) cand.push_back(j);
+    }
   } else {
+    if (exclude >= 0 && exclude < n) a[exclude] = -std::numeric_limits<float>::infinity();
     // pass 1: the highest lower bound, and each block's highest upper bound; pass 2 looks for
     // candidates only in the blocks that reach it (a few of ~200)
     constexpr int64_t kBlock = 256;
@@ -676,12 +681,13 @@ extern "C" int opt_head_pack(const float* e, int64_t k, int64_t n, void* out, fl
 }
 
 static ffi::Error GreedyHead(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ffi::Buffer<ffi::F32> embedding,
-                             ffi::Buffer<ffi::F32> norms, ffi::ResultBuffer<ffi::S32> out) {
+                             ffi::Buffer<ffi::F32> norms, ffi::Buffer<ffi::S32> exclude, ffi::ResultBuffer<ffi::S32> out) {
   use_threads();
   auto xd = x.dimensions(), ed = embedding.dimensions();
   if (xd.size() != 2 || ed.size() != 2 || xd[1] != ed[1] || norms.element_count() != static_cast<size_t>(ed[0]) ||
-      out->element_count() != static_cast<size_t>(xd[0])) {
-    return ffi::Error::InvalidArgument("opt_greedy_head: x must be [M, K], embedding [N, K], norms [N], out [M]");
+      out->element_count() != static_cast<size_t>(xd[0]) || exclude.element_count() != static_cast<size_t>(xd[0])) {
+    return ffi::Error::InvalidArgument(
+        "opt_greedy_head: x must be [M, K], embedding [N, K], norms [N], exclude and out [M]");
   }
   const int64_t m = xd[0], k = xd[1], n = ed[0];
   if (n > (1 << 20)) return ffi::Error::InvalidArgument("opt_greedy_head: a vocabulary over 2^20 tokens");
@@ -729,7 +735,8 @@ static ffi::Error GreedyHead(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ffi
 #pragma omp for schedule(static)
       for (int64_t r = 0; r < m; ++r) {
         tok[r] = static_cast<int32_t>(head_row(xs + r * k, approx.data() + r * n, embedding.typed_data(),
-                                               norms.typed_data(), k, n, radius[r], all[r], cand));
+                                               norms.typed_data(), k, n, radius[r], all[r],
+                                               exclude.typed_data()[r], cand));
       }
     }
 
@@ -745,4 +752,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptGreedyHead, GreedyHead,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());

@@ -72,7 +72,7 @@ class SlotSettings:
 class TokenInfo:
     """One token with the model's log-probability (log-softmax of raw logits) and the top alternatives."""
     id: int
-    logprob: Optional[float]                  # None for a prompt's first token, and when not asked (SlotSettings.logprob)
+    logprob: Optional[float]   # None for a prompt's first token, and when not asked (SlotSettings.logprob)
     top: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # best first
 
 
@@ -540,8 +540,9 @@ class OPTSlots:
 
             def plain():
                 b = h.shape[0]
-                return (opt.lm_argmax(params, h), jnp.full((b,), jnp.nan, jnp.float32),
-                        jnp.full((b, MAX_TOP_LOGPROBS), -1, jnp.int32), jnp.zeros((b, MAX_TOP_LOGPROBS), jnp.float32))
+                tok = opt.lm_argmax(params, h, sampling.held_back(state, settings))
+                return (tok, jnp.full((b,), jnp.nan, jnp.float32), jnp.full((b, MAX_TOP_LOGPROBS), -1, jnp.int32),
+                        jnp.zeros((b, MAX_TOP_LOGPROBS), jnp.float32))
             out = jax.lax.cond(~want_scores & sampling.plain_argmax(state, settings, active), plain, full) \
                 if screened else full()
             # free slots keep their state, so their positions never run past the cache

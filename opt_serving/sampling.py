@@ -217,10 +217,16 @@ def process_logits(logits, state: State, s: Settings):
         logits = jax.lax.cond(jnp.any(s.bad_words >= 0),
                               lambda: jnp.where(_bad_words_mask(state, s, v), NEG_INF, logits),
                               lambda: logits)
-    eos_banned = (state.length < s.min_length) | (state.length - state.prompt_length < s.min_new_tokens)
     # one entry per row, not a pass over [B, V]; index v (no EOS, or not banned) is dropped
-    col = jnp.where(eos_banned & (s.eos_token_id >= 0), s.eos_token_id, v)
+    col = held_back(state, s)
+    col = jnp.where(col >= 0, col, v)
     return logits.at[jnp.arange(logits.shape[0]), col].set(NEG_INF, mode="drop")
+
+
+def held_back(state: State, s: Settings):
+    """Each row's EOS while min_length / min_new_tokens holds it back, else -1 -> int32 [B]."""
+    eos_banned = (state.length < s.min_length) | (state.length - state.prompt_length < s.min_new_tokens)
+    return jnp.where(eos_banned & (s.eos_token_id >= 0), s.eos_token_id, -1).astype(jnp.int32)
 
 
 @partial(jax.jit, static_argnums=(2,))
@@ -255,11 +261,10 @@ def warp(logits, s: Settings, min_tokens_to_keep: int = 1):
 
 def plain_argmax(state: State, s: Settings, active=None):
     """True (a traced scalar) when every row (every `active` one) takes the plain argmax of its raw
-    logits: greedy, and no processor changes a logit at this step. The logits then need not be
-    made at all (opt.lm_argmax)."""
-    eos_banned = (state.length < s.min_length) | (state.length - state.prompt_length < s.min_new_tokens)
+    logits, leaving out at most its held_back token: greedy, and no other processor changes a logit at
+    this step. The logits then need not be made at all (opt.lm_argmax(params, h, held_back(state, s)))."""
     plain = ((s.temperature <= 0) & (s.repetition_penalty == 1.0) & (s.presence_penalty == 0)
-             & (s.frequency_penalty == 0) & (s.no_repeat_ngram_size <= 0) & ~(eos_banned & (s.eos_token_id >= 0)))
+             & (s.frequency_penalty == 0) & (s.no_repeat_ngram_size <= 0))
     if s.bad_words.shape[1]:
         plain = plain & ~jnp.any(s.bad_words >= 0, axis=(1, 2))
     if active is not None:

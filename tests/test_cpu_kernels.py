@@ -132,6 +132,13 @@ def test_screened_greedy_tokens_are_the_exact_argmax():
     # the bfloat16 products alone get some of the near-ties wrong: the exact rescoring decided them
     screen = _bf16(x).astype(np.float64) @ _bf16(e).T.astype(np.float64)
     assert (screen.argmax(-1)[:32] != got[:32]).any()
+    # a token left out (EOS held back): the exact argmax of the others; in a near-tie, the other of the pair
+    exclude = np.where(np.arange(m) % 3 == 0, exact.argmax(-1), -1).astype(np.int32)
+    got = np.asarray(cpu_kernels.greedy_tokens(params, jnp.asarray(x), jnp.asarray(exclude)))
+    masked = exact.copy()
+    masked[np.arange(m)[exclude >= 0], exclude[exclude >= 0]] = -np.inf
+    np.testing.assert_array_equal(got, masked.argmax(-1))
+    assert (got[0:32:6] == np.arange(0, 64, 12) + 1).all()
     # leading dimensions are kept, and the row norms bound every row of e from above
     assert cpu_kernels.greedy_tokens(params, jnp.asarray(x)[None]).shape == (1, m)
     assert (np.asarray(head["row_norms"]) >= np.linalg.norm(e.astype(np.float64), axis=1)).all()
@@ -150,6 +157,18 @@ def test_screened_greedy_tokens_on_inputs_the_bound_does_not_cover():
     # a weight with no finite norm has no error bound: no screened head for it
     e[7, 2] = np.inf
     assert cpu_kernels.pack_head(e) is None
+
+
+@needs_kernels
+def test_lm_argmax_with_and_without_the_screened_head():
+    params = opt.init_params(CFG, seed=3)
+    packed = opt.runtime_params(params)
+    h = jnp.asarray(np.random.default_rng(2).standard_normal((4, CFG.word_embed_proj_dim)), jnp.float32)
+    logits = np.asarray(opt.lm_logits(params, h), np.float64)
+    exclude = jnp.asarray([logits[0].argmax(), -1, 5, logits[3].argmax()], jnp.int32)
+    logits[[0, 2, 3], [int(exclude[0]), 5, int(exclude[3])]] = -np.inf
+    for p in (params, packed):  # the plain logits path, and the screen where this CPU has one
+        assert np.asarray(jax.jit(opt.lm_argmax)(p, h, exclude)).tolist() == logits.argmax(-1).tolist()
 
 
 @needs_head

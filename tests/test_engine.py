@@ -144,7 +144,8 @@ def test_a_step_skips_the_logits_only_when_every_active_row_is_plainly_greedy(mo
     from opt_serving import sampling
     from opt_serving.model import opt
     assert cpu_kernels.has_head(model.params)
-    h = jnp.asarray(np.random.default_rng(0).standard_normal((3, CFG.word_embed_proj_dim)), jnp.float32)  # what project_out gives
+    # what project_out gives
+    h = jnp.asarray(np.random.default_rng(0).standard_normal((3, CFG.word_embed_proj_dim)), jnp.float32)
     expect = np.asarray(opt.lm_logits(model.params, h)).argmax(-1)
     ids = jnp.asarray([[2, 5, 6]] * 3, jnp.int32)
 
@@ -155,14 +156,21 @@ def test_a_step_skips_the_logits_only_when_every_active_row_is_plainly_greedy(mo
         return np.asarray(tok), np.asarray(lp)
 
     greedy, sampled = SlotSettings(), SlotSettings(temperature=1.0)
-    eos_held = SlotSettings(min_tokens=4, stop_token_ids=(int(expect[2]),))
+    penalised = SlotSettings(repetition_penalty=1.5)
+    eos_held = SlotSettings(min_tokens=4, stop_token_ids=(int(expect[2]),))  # its argmax is its EOS
     tok, lp = choose([greedy, greedy, sampled], [True, True, False])  # the sampled row is free
     assert np.isnan(lp).all() and (tok[:2] == expect[:2]).all()      # no logits made: no scores
-    for settings, active, want in [([greedy, greedy, sampled], [True] * 3, False),   # a row samples
-                                   ([greedy, greedy, eos_held], [True] * 3, False),  # a processor acts
-                                   ([greedy] * 3, [True] * 3, True)]:                # scores wanted
+    tok, lp = choose([greedy, greedy, eos_held], [True] * 3)         # the screen leaves the held-back EOS out
+    assert np.isnan(lp).all() and (tok[:2] == expect[:2]).all() and tok[2] != expect[2]
+    held = tok[2]
+    for settings, active, want in [([greedy, greedy, sampled], [True] * 3, False),    # a row samples
+                                   ([greedy, greedy, penalised], [True] * 3, False),  # a processor acts
+                                   ([greedy, greedy, eos_held], [True] * 3, True),    # scores wanted
+                                   ([greedy] * 3, [True] * 3, True)]:
         tok, lp = choose(settings, active, want)
         assert np.isfinite(lp).all() and (tok[:2] == expect[:2]).all()
+        if settings[2] is eos_held:
+            assert tok[2] == held  # the logits path holds the EOS back the same way
     assert tok[2] == expect[2]
 
 

@@ -116,12 +116,14 @@ def has_head(params: dict) -> bool:
     return "bf16" in params.get("lm_head", {})
 
 
-def greedy_tokens(params: dict, h) -> jax.Array:
-    """argmax_j h[..., K] . embedding[j] as int32 [...], for params with has_head (float32 h)."""
+def greedy_tokens(params: dict, h, exclude=None) -> jax.Array:
+    """argmax_j h[..., K] . embedding[j] as int32 [...], for params with has_head (float32 h). `exclude`
+    [...] (int32, -1 for none): a token each row may not take (EOS while min_new_tokens holds it back)."""
     head, embedding = params["lm_head"], params["embed_tokens"]["embedding"]
     x2 = h.astype(jnp.float32).reshape(-1, h.shape[-1])  # [rows, K]
+    ex = jnp.full(h.shape[:-1], -1, jnp.int32) if exclude is None else jnp.asarray(exclude, jnp.int32)
     out = jax.ffi.ffi_call(HEAD_TARGET, jax.ShapeDtypeStruct((x2.shape[0],), jnp.int32))(
-        x2, head["bf16"], embedding, head["row_norms"])
+        x2, head["bf16"], embedding, head["row_norms"], jnp.broadcast_to(ex, h.shape[:-1]).reshape(-1))
     return out.reshape(h.shape[:-1])
 
 

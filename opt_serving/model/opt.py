@@ -175,12 +175,18 @@ def lm_logits(params_or_embedding, h):
     return jnp.einsum("...d,vd->...v", h, embedding, preferred_element_type=jnp.float32)
 
 
-def lm_argmax(params, h):
-    """argmax of lm_logits(params, h) over the vocabulary -> int32 [...]. Where the params carry the
-    screened greedy head (cpu_kernels.greedy_tokens) the float32 logits are never made."""
+def lm_argmax(params, h, exclude=None):
+    """argmax of lm_logits(params, h) over the vocabulary -> int32 [...], each row's `exclude` token
+    (int32 [...], -1 for none) left out. Where the params carry the screened greedy head
+    (cpu_kernels.greedy_tokens) the float32 logits are never made."""
     if isinstance(params, dict) and cpu_kernels.has_head(params):
-        return cpu_kernels.greedy_tokens(params, h)
-    return cpu_kernels.argmax(lm_logits(params, h))
+        return cpu_kernels.greedy_tokens(params, h, exclude)
+    logits = lm_logits(params, h)
+    if exclude is not None:
+        flat = logits.reshape(-1, logits.shape[-1])  # [rows, V]; index V (none) is dropped
+        col = jnp.where(exclude < 0, flat.shape[-1], exclude).reshape(-1)
+        logits = flat.at[jnp.arange(flat.shape[0]), col].set(-jnp.inf, mode="drop").reshape(logits.shape)
+    return cpu_kernels.argmax(logits)
 
 
 def _masked_softmax(scores, mask):

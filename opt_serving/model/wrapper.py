@@ -301,7 +301,8 @@ def _sample_loop(cfg, params, ids, mask, st, max_new, new_bucket, pad, output_sc
         def processed():
             return sampling.warp(sampling.process_logits(opt.lm_logits(params, h), state, st), st)
         if screened:
-            tok = jax.lax.cond(sampling.plain_argmax(state, st), lambda: opt.lm_argmax(params, h),
+            tok = jax.lax.cond(sampling.plain_argmax(state, st),
+                               lambda: opt.lm_argmax(params, h, sampling.held_back(state, st)),
                                lambda: sampling.choose(processed(), state, st))
         else:
             scores = processed()
