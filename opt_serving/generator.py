@@ -23,6 +23,10 @@ Conventions (OpenAI's legacy completions API):
   * EOS is not part of `text`/`tokens`; tokens cut by a stop string are dropped, but `completion_tokens` (usage)
     counts every token the model generated, EOS and cut ones included; `cumulative_logprob` sums them all
     (best_of ranks by it).
+  * `SamplingParams.score_tokens=False` leaves `token_logprobs` entries and `cumulative_logprob` None (unless
+    `logprobs` or best_of > n needs them): an engine step where every request is plainly greedy and unscored
+    may then skip the logits (the CPU's screened greedy head). The HTTP routes turn it off where their answer
+    does not show the scores.
 Beam search does not fit the engine's one-token-per-slot step: `beam()` runs the model's own jitted HF-style
 `generate(num_beams=...)` on a single worker thread (one beam request at a time; the event loop stays free).
 The engine's output callback runs on the engine thread; the per-request text state below runs there too, so a
