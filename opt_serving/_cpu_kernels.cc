@@ -70,16 +70,19 @@ void use_threads() {
   if (n > 0 && omp_get_max_threads() != n) omp_set_num_threads(n);
 }
 
-const dnnl::memory::desc& packed_desc(int64_t k, int64_t n) {
-  static std::map<std::pair<int64_t, int64_t>, dnnl::memory::desc> descs;
+// The layout oneDNN's matmul picks for a [K, N] weight of type `in` (float32 products, or the
+// greedy head's bfloat16 ones; float32 results either way).
+const dnnl::memory::desc& packed_desc(int64_t k, int64_t n, dt in = dt::f32) {
+  static std::map<std::tuple<int64_t, int64_t, dt>, dnnl::memory::desc> descs;
   std::lock_guard<std::mutex> lock(mu);
-  auto it = descs.find({k, n});
+  auto key = std::make_tuple(k, n, in);
+  auto it = descs.find(key);
   if (it == descs.end()) {
-    dnnl::memory::desc src({kPackRows, k}, dt::f32, tag::ab);
-    dnnl::memory::desc w({k, n}, dt::f32, tag::any);
+    dnnl::memory::desc src({kPackRows, k}, in, tag::ab);
+    dnnl::memory::desc w({k, n}, in, tag::any);
     dnnl::memory::desc dst({kPackRows, n}, dt::f32, tag::ab);
     dnnl::matmul::primitive_desc pd(cpu_engine(), src, w, dst);
-    it = descs.emplace(std::make_pair(k, n), pd.weights_desc()).first;
+    it = descs.emplace(key, pd.weights_desc()).first;
   }
   return it->second;
 }
@@ -182,12 +185,15 @@ extern "C" int64_t opt_onednn_packed_bytes(int64_t k, int64_t n) {
   }
 }
 
-// Copy between the plain row-major [K, N] (or [N, K], transposed) layout and the packed one.
-static int reorder_plain(int64_t k, int64_t n, int transposed, const void* from, void* to, bool pack) {
+// Copy between the plain row-major float32 [K, N] (or [N, K], transposed) layout and the packed one
+// (of type `packed_type`: oneDNN rounds to nearest even going to bfloat16).
+static int reorder_plain(int64_t k, int64_t n, int transposed, const void* from, void* to, bool pack,
+                         dt packed_type = dt::f32) {
   try {
     dnnl::memory::desc plain({k, n}, dt::f32, transposed ? tag::ba : tag::ab);
-    dnnl::memory src(pack ? plain : packed_desc(k, n), cpu_engine(), const_cast<void*>(from));
-    dnnl::memory dst(pack ? packed_desc(k, n) : plain, cpu_engine(), to);
+    const dnnl::memory::desc& packed = packed_desc(k, n, packed_type);
+    dnnl::memory src(pack ? plain : packed, cpu_engine(), const_cast<void*>(from));
+    dnnl::memory dst(pack ? packed : plain, cpu_engine(), to);
     dnnl::stream stream(cpu_engine());
     dnnl::reorder(src, dst).execute(stream, src, dst);
     stream.wait();
@@ -541,19 +547,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptOnednnMatmul, Matmul,
 // (`exclude`: a token held back, e.g. EOS before min_new_tokens; -1 for none)
 namespace {
 
-const dnnl::memory::desc& head_packed_desc(int64_t k, int64_t n) {
-  static std::map<std::pair<int64_t, int64_t>, dnnl::memory::desc> descs;
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = descs.find({k, n});
-  if (it == descs.end()) {
-    dnnl::memory::desc src({kPackRows, k}, dt::bf16, tag::ab);
-    dnnl::memory::desc w({k, n}, dt::bf16, tag::any);
-    dnnl::memory::desc dst({kPackRows, n}, dt::f32, tag::ab);
-    dnnl::matmul::primitive_desc pd(cpu_engine(), src, w, dst);
-    it = descs.emplace(std::make_pair(k, n), pd.weights_desc()).first;
-  }
-  return it->second;
-}
+const dnnl::memory::desc& head_packed_desc(int64_t k, int64_t n) { return packed_desc(k, n, dt::bf16); }
 
 dnnl::matmul head_matmul_for(int64_t m, int64_t k, int64_t n) {
   const dnnl::memory::desc& w = head_packed_desc(k, n);
@@ -669,17 +663,7 @@ extern "C" int opt_head_pack(const float* e, int64_t k, int64_t n, void* out, fl
     if (!std::isfinite(s)) return 2;
     norms[j] = std::nextafter(static_cast<float>(std::sqrt(s) * (1 + 1e-7)), std::numeric_limits<float>::infinity());
   }
-  try {
-    dnnl::memory::desc plain({k, n}, dt::f32, tag::ba);
-    dnnl::memory src(plain, cpu_engine(), const_cast<float*>(e));
-    dnnl::memory dst(head_packed_desc(k, n), cpu_engine(), out);
-    dnnl::stream stream(cpu_engine());
-    dnnl::reorder(src, dst).execute(stream, src, dst);
-    stream.wait();
-    return 0;
-  } catch (...) {
-    return 1;
-  }
+  return reorder_plain(k, n, /*transposed=*/1, e, out, /*pack=*/true, dt::bf16);
 }
 
 static ffi::Error GreedyHead(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ffi::Buffer<ffi::F32> embedding,
