@@ -658,8 +658,7 @@ extern "C" int64_t opt_head_packed_bytes(int64_t k, int64_t n) {
 // row's Euclidean norm, rounded up. Returns 2 when e holds a non-finite number (no bound then).
 extern "C" int opt_head_pack(const float* e, int64_t k, int64_t n, void* out, float* norms) {
   for (int64_t j = 0; j < n; ++j) {
-    double s = 0.0;
-    for (int64_t i = 0; i < k; ++i) s += static_cast<double>(e[j * k + i]) * e[j * k + i];
+    const double s = dot_exact(e + j * k, e + j * k, k);
     if (!std::isfinite(s)) return 2;
     norms[j] = std::nextafter(static_cast<float>(std::sqrt(s) * (1 + 1e-7)), std::numeric_limits<float>::infinity());
   }
@@ -699,9 +698,7 @@ static ffi::Error GreedyHead(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ffi
     float max_norm = 0.f;
     for (int64_t j = 0; j < n; ++j) max_norm = std::max(max_norm, norms.typed_data()[j]);
     for (int64_t r = 0; r < m; ++r) {
-      double s = 0.0;
-      for (int64_t i = 0; i < k; ++i) s += static_cast<double>(xs[r * k + i]) * xs[r * k + i];
-      const double xn = std::sqrt(s);
+      const double xn = std::sqrt(dot_exact(xs + r * k, xs + r * k, k));
       // a non-finite input, or one whose logits could overflow float32, is scored exactly
       all[r] = !std::isfinite(xn) || xn * max_norm > 1e37;
       radius[r] = static_cast<float>(c * xn * (1 + 1e-6));  // rounded up past float32's rounding
@@ -725,7 +722,6 @@ static ffi::Error GreedyHead(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ffi
                                                exclude.typed_data()[r], cand));
       }
     }
-
   } catch (const dnnl::error& e) {
     return ffi::Error::Internal(std::string("opt_greedy_head: ") + e.what());
   }

@@ -352,7 +352,7 @@ class Engine:
             self._generated += 1
         s = req.settings
         if not s.logprob:  # not asked: the same answer whether or not this step made the logits
-            tok = dataclasses.replace(tok, logprob=None, top=[])
+            tok = dataclasses.replace(tok, logprob=None)  # (top alternatives follow top_logprobs)
         reason = None
         if tok.id in s.stop_token_ids and req.generated > s.min_tokens:
             reason = "stop"
@@ -457,9 +457,13 @@ def _token_scores(logits, tok, want_top):
         vals, ids = jax.lax.top_k(logits, MAX_TOP_LOGPROBS)
         return ids.astype(jnp.int32), vals - lse[:, None]
 
-    b = logits.shape[0]
-    none = lambda: (jnp.full((b, MAX_TOP_LOGPROBS), -1, jnp.int32), jnp.zeros((b, MAX_TOP_LOGPROBS), jnp.float32))
-    return lp, *jax.lax.cond(want_top, top, none)
+    return lp, *jax.lax.cond(want_top, top, lambda: _no_top(logits.shape[0]))
+
+
+def _no_top(b: int):
+    """No top alternatives for b rows: ids -1 [b, K], log-probabilities 0 [b, K]."""
+    import jax.numpy as jnp
+    return jnp.full((b, MAX_TOP_LOGPROBS), -1, jnp.int32), jnp.zeros((b, MAX_TOP_LOGPROBS), jnp.float32)
 
 
 class OPTSlots:
@@ -539,10 +543,8 @@ class OPTSlots:
                 return (tok, *_token_scores(logits, tok, want_top))
 
             def plain():
-                b = h.shape[0]
                 tok = opt.lm_argmax(params, h, sampling.held_back(state, settings))
-                return (tok, jnp.full((b,), jnp.nan, jnp.float32), jnp.full((b, MAX_TOP_LOGPROBS), -1, jnp.int32),
-                        jnp.zeros((b, MAX_TOP_LOGPROBS), jnp.float32))
+                return (tok, jnp.full(tok.shape, jnp.nan, jnp.float32), *_no_top(h.shape[0]))
             out = jax.lax.cond(~want_scores & sampling.plain_argmax(state, settings, active), plain, full) \
                 if screened else full()
             # free slots keep their state, so their positions never run past the cache

@@ -217,10 +217,15 @@ def process_logits(logits, state: State, s: Settings):
         logits = jax.lax.cond(jnp.any(s.bad_words >= 0),
                               lambda: jnp.where(_bad_words_mask(state, s, v), NEG_INF, logits),
                               lambda: logits)
-    # one entry per row, not a pass over [B, V]; index v (no EOS, or not banned) is dropped
-    col = held_back(state, s)
-    col = jnp.where(col >= 0, col, v)
-    return logits.at[jnp.arange(logits.shape[0]), col].set(NEG_INF, mode="drop")
+    return leave_out(logits, held_back(state, s))
+
+
+def leave_out(logits, token):
+    """logits [..., V] with each row's `token` [...] (int32, -1 for none) set to -inf: one entry per row,
+    not a pass over [B, V]."""
+    flat = logits.reshape(-1, logits.shape[-1])  # [rows, V]; index V (none) is dropped
+    col = jnp.where(token < 0, flat.shape[-1], token).reshape(-1)
+    return flat.at[jnp.arange(flat.shape[0]), col].set(NEG_INF, mode="drop").reshape(logits.shape)
 
 
 def held_back(state: State, s: Settings):

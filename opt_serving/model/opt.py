@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from opt_serving import sampling
 from opt_serving.config import OPTConfig
 from opt_serving.model import cpu_kernels
 from opt_serving.model.kv_cache import init_cache
@@ -182,11 +183,7 @@ def lm_argmax(params, h, exclude=None):
     if isinstance(params, dict) and cpu_kernels.has_head(params):
         return cpu_kernels.greedy_tokens(params, h, exclude)
     logits = lm_logits(params, h)
-    if exclude is not None:
-        flat = logits.reshape(-1, logits.shape[-1])  # [rows, V]; index V (none) is dropped
-        col = jnp.where(exclude < 0, flat.shape[-1], exclude).reshape(-1)
-        logits = flat.at[jnp.arange(flat.shape[0]), col].set(-jnp.inf, mode="drop").reshape(logits.shape)
-    return cpu_kernels.argmax(logits)
+    return cpu_kernels.argmax(logits if exclude is None else sampling.leave_out(logits, exclude))
 
 
 def _masked_softmax(scores, mask):
