@@ -3,9 +3,11 @@ generator a replica builds, and bad combinations exit 2 before Ray starts. No Ra
 tests/test_service_signals.py."""
 import asyncio
 import json
+import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -60,8 +62,9 @@ def test_dummy_large_vocab_without_tokenizer_exits_2_naming_the_flag():
     (["--model", "jax/opt-3q", "--dummy"], "unknown OPT model"),
     (["--tokenizer", "."], "--tokenizer"),
     (["--model", "jax/opt-tiny", "--dummy", "--tokenizer", "no/such/folder"], "no such folder"),
+    (["--ray-nice", "20"], "--ray-nice"),
 ], ids=["dummy-without-model", "dummy-and-path", "model-without-weights", "unknown-size",
-        "tokenizer-for-embedded", "missing-tokenizer-folder"])
+        "tokenizer-for-embedded", "missing-tokenizer-folder", "niceness-out-of-range"])
 def test_bad_model_arguments_exit_2(argv, message, capsys):
     assert main(["serve", *argv]) == 2
     err = capsys.readouterr().err
@@ -113,3 +116,33 @@ def test_dummy_serve_arguments_build_a_working_generator(metaseq_dir, monkeypatc
         assert (gen.engine.num_slots, gen.max_seq_len) == (2, 32)
     finally:
         gen.close()
+
+
+def _titled_child(title: str) -> subprocess.Popen:
+    """A child process whose command line reads `title` (as Ray's workers rename themselves)."""
+    return subprocess.Popen(["bash", "-c", f"exec -a '{title}' sleep 300"])
+
+
+def test_lower_ray_priority_spares_replicas_idle_workers_and_a_busy_proxy():
+    import psutil
+
+    from opt_serving.service.cli import lower_ray_priority, replica_priority_env
+    assert replica_priority_env(19) == {"RAY_worker_niceness": "0"} and replica_priority_env(-1) == {}
+    titles = ["ray::ServeReplica:opt:OPTServer", "ray::IDLE", "ray::ProxyActor", "ray::ServeController", "raylet"]
+    procs = [_titled_child(t) for t in titles]
+    try:
+        for p in procs:  # until each has become its title (exec done)
+            deadline = time.monotonic() + 30
+            while not " ".join(psutil.Process(p.pid).cmdline()).startswith(titles[procs.index(p)]):
+                assert time.monotonic() < deadline, "child did not exec"
+        base = os.nice(0)
+        assert lower_ray_priority(-1, include_proxy=True) == 0
+        assert [psutil.Process(p.pid).nice() for p in procs] == [base] * 5
+        assert lower_ray_priority(19, include_proxy=False) == 2
+        assert [psutil.Process(p.pid).nice() for p in procs] == [base, base, base, 19, 19]
+        assert lower_ray_priority(19, include_proxy=True) == 1  # the proxy now; the others are already there
+        assert [psutil.Process(p.pid).nice() for p in procs] == [base, base, 19, 19, 19]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

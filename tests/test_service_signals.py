@@ -63,6 +63,12 @@ def test_serve_answers_through_ray_and_a_signal_leaves_no_processes(sig, ingress
 
         children = psutil.Process(proc.pid).children(recursive=True)
         assert any("raylet" in " ".join(c.cmdline()) for c in children)  # it really started Ray
+        # the replica keeps our priority; Ray's own processes (and the proxy, when no request passes it) yield
+        nice = {" ".join(c.cmdline()).split(" ")[0].split("/")[-1]: c.nice() for c in children}
+        replica = [v for k, v in nice.items() if k.startswith("ray::ServeReplica")]
+        assert replica == [os.nice(0)], nice
+        assert nice["raylet"] == nice["gcs_server"] == 19, nice
+        assert nice["ray::ProxyActor"] == (19 if ingress == "auto" else os.nice(0)), nice
         proc.send_signal(sig)
         assert proc.wait(timeout=120) == 0
         gone, alive = psutil.wait_procs(children, timeout=30)
