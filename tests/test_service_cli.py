@@ -136,12 +136,13 @@ def test_lower_ray_priority_spares_replicas_idle_workers_and_a_busy_proxy():
             while not " ".join(psutil.Process(p.pid).cmdline()).startswith(titles[procs.index(p)]):
                 assert time.monotonic() < deadline, "child did not exec"
         base = os.nice(0)
-        assert lower_ray_priority(-1, include_proxy=True) == 0
-        assert [psutil.Process(p.pid).nice() for p in procs] == [base] * 5
-        assert lower_ray_priority(19, include_proxy=False) == 2
-        assert [psutil.Process(p.pid).nice() for p in procs] == [base, base, base, 19, 19]
-        assert lower_ray_priority(19, include_proxy=True) == 1  # the proxy now; the others are already there
-        assert [psutil.Process(p.pid).nice() for p in procs] == [base, base, 19, 19, 19]
+        ours = [psutil.Process(p.pid) for p in procs]  # not other tests' children
+        assert lower_ray_priority(-1, include_proxy=True, procs=ours) == 0
+        assert [p.nice() for p in ours] == [base] * 5
+        assert lower_ray_priority(19, include_proxy=False, procs=ours) == 2
+        assert [p.nice() for p in ours] == [base, base, base, 19, 19]
+        assert lower_ray_priority(19, include_proxy=True, procs=ours) == 1  # the proxy now; the others already are
+        assert [p.nice() for p in ours] == [base, base, 19, 19, 19]
     finally:
         for p in procs:
             p.kill()
