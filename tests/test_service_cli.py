@@ -131,9 +131,9 @@ def test_lower_ray_priority_spares_replicas_idle_workers_and_a_busy_proxy():
     titles = ["ray::ServeReplica:opt:OPTServer", "ray::IDLE", "ray::ProxyActor", "ray::ServeController", "raylet"]
     procs = [_titled_child(t) for t in titles]
     try:
-        for p in procs:  # until each has become its title (exec done)
+        for p, title in zip(procs, titles):  # until each has become its title (exec done)
             deadline = time.monotonic() + 30
-            while not " ".join(psutil.Process(p.pid).cmdline()).startswith(titles[procs.index(p)]):
+            while not " ".join(psutil.Process(p.pid).cmdline()).startswith(title):
                 assert time.monotonic() < deadline, "child did not exec"
         base = os.nice(0)
         ours = [psutil.Process(p.pid) for p in procs]  # not other tests' children

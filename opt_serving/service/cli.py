@@ -95,8 +95,8 @@ def lower_ray_priority(ray_nice: int, include_proxy: bool, procs=None) -> int:
     """Give the Ray processes this command started (`procs`, default: every descendant of this process),
     other than the model replicas and idle workers (a restarted replica may take one), niceness
     `ray_nice`. Returns how many were changed.
-    Measured on the 2-core CPU (32 streaming clients, OPT-125m): 435-464 output tokens/s, against
-    371-431 with Ray's defaults and 367-400 with only Ray's processes lowered (benchmark/README.md)."""
+    Measured on the 2-core CPU (32 streaming clients, OPT-125m): 417-501 output tokens/s, against
+    371-432 with Ray's defaults and 367-400 with only Ray's processes lowered (benchmark/README.md)."""
     if ray_nice < 0:
         return 0
     import psutil
