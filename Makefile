@@ -6,6 +6,8 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
+# GPU=cuda12: also install JAX's CUDA 12 build (requirements-gpu.txt) for NVIDIA GPUs
+GPU ?=
 
 .PHONY: setup build serve test clean
 
@@ -18,7 +20,18 @@ $(STAMP): requirements.txt requirements-dev.txt setup.py pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
 	@touch $@
 
-setup: $(STAMP)
+$(VENV)/.gpu-cuda12: requirements-gpu.txt | $(STAMP)
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements-gpu.txt
+	@touch $@
+
+GPU_STAMP := $(if $(filter cuda12,$(GPU)),$(VENV)/.gpu-cuda12,)
+ifneq ($(GPU),)
+ifneq ($(GPU),cuda12)
+$(error GPU=$(GPU): the supported value is GPU=cuda12)
+endif
+endif
+
+setup: $(STAMP) $(GPU_STAMP)
 
 # The web page test drives Debian's headless Chromium. Installed when missing and
 # we may (root, apt available); otherwise that one test skips with its reason.
@@ -30,7 +43,7 @@ $(VENV)/.chromium: | $(STAMP)
 	fi
 	@touch $@
 
-opt_serving/_speedups.so.stamp: $(STAMP) opt_serving/_speedups.pyx opt_serving/_cpu_kernels.cc build.sh
+opt_serving/_speedups.so.stamp: $(STAMP) $(GPU_STAMP) opt_serving/_speedups.pyx opt_serving/_cpu_kernels.cc build.sh
 	PYTHON=$(PY) ./build.sh
 	@touch $@
 

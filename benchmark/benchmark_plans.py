@@ -50,7 +50,7 @@ def main() -> int:
     from opt_serving.model import opt
     from opt_serving.parallel.backend import TensorParallelOPT
     from opt_serving.parallel.cluster import calibrate, cluster_from_jax
-    from opt_serving.parallel.pipeline import Pipeline, measure_handoff_latency
+    from opt_serving.parallel.pipeline import RayStages, measure_handoff_latency
     from opt_serving.parallel.planner import search
     from opt_serving.parallel.sharding import make_mesh, shard_params
 
@@ -99,13 +99,14 @@ def main() -> int:
                 out, state["cache"] = model.decode(state["cache"], tok, pos, idx)
                 out.block_until_ready()
         else:
-            pipe = Pipeline(cfg, plan.pp, params=params, layer_split=plan.layer_split, tp=plan.tp)
+            from opt_serving.parallel.backend import PipelinedOPT
+            pipe = PipelinedOPT(cfg, RayStages(cfg, plan, None, seed=0), plan)  # the same random weights
             pipes.append(pipe)
-            pipe.init_cache(0, 1, L)
-            pipe.prefill(0, ids, mask, False)
+            key = pipe._open(1, L)
+            pipe.stages.get(pipe._chain("prefill", key, ids, mask, False))
 
-            def step(pipe=pipe):
-                pipe.decode(0, tok, pos, idx)
+            def step(pipe=pipe, key=key):
+                pipe.stages.get(pipe._chain("decode", key, tok, pos, idx))
         step()                                   # compile and warm
         steps[plan.degrees] = step
     samples = {d: [] for d in steps}
@@ -120,7 +121,7 @@ def main() -> int:
     spread = {d: float(np.subtract(*np.percentile(t, [75, 25]))) / measured[d]
               for d, t in samples.items()}
     for pipe in pipes:
-        pipe.shutdown()
+        pipe.close()
     ray.shutdown()
 
     fastest = min(measured.values())

@@ -462,15 +462,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-seq-len", type=int, default=None,
                         help="prompt + generated tokens per request (default: the model's positions); "
                              "smaller means a smaller KV cache and fewer prompt buckets to compile")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto (default): float16 on GPUs, float32 on CPUs")
     parser.add_argument("--window", type=int, default=4096,
                         help="requests read and sorted together (bounds memory on huge files)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--tensor-parallel", type=int, default=None, metavar="TP",
+                        help="alpa/ models: the plan's tensor-parallel degree (default: the planner's)")
+    parser.add_argument("--pipeline-parallel", type=int, default=None, metavar="PP",
+                        help="alpa/ models: pipeline stages on the Ray cluster (default: the planner's)")
+    parser.add_argument("--device-memory", default=None, metavar="BYTES",
+                        help="alpa/ models: what each device may hold, e.g. 16GB")
 
 
 def load_generator(model: str | None, path: str | None, dtype: str = "float32", max_batch_size: int = 16,
                    max_seq_len: int | None = None, dummy: bool = False, seed: int = 0,
-                   tokenizer: str | None = None):
+                   tokenizer: str | None = None, **plan):
     """The named model from `path` (random weights of its size with `dummy`), or the embedded tiny one,
     as the service loads it."""
     from opt_serving.generator import Generator
@@ -478,7 +485,7 @@ def load_generator(model: str | None, path: str | None, dtype: str = "float32", 
         if model is None or path is not None:
             raise SystemExit("batch: --dummy needs --model (e.g. --model jax/opt-125m) and no --path")
         return Generator.from_pretrained(model, None, dtype=dtype, max_batch_size=max_batch_size,
-                                         max_seq_len=max_seq_len, dummy=True, seed=seed, tokenizer=tokenizer)
+                                         max_seq_len=max_seq_len, dummy=True, seed=seed, tokenizer=tokenizer, **plan)
     if path is None:
         if model is not None:
             raise SystemExit("batch: --model needs --path (the numpy weights folder)")
@@ -487,7 +494,7 @@ def load_generator(model: str | None, path: str | None, dtype: str = "float32", 
     elif model is None:
         raise SystemExit("batch: --path needs --model (e.g. --model jax/opt-125m)")
     return Generator.from_pretrained(model, path, dtype=dtype, max_batch_size=max_batch_size,
-                                     max_seq_len=max_seq_len, tokenizer=tokenizer)
+                                     max_seq_len=max_seq_len, tokenizer=tokenizer, **plan)
 
 
 def _interrupt(*_):
@@ -506,8 +513,11 @@ def run(args: argparse.Namespace) -> int:
     # SIGTERM ends like Ctrl-C: every finished line is already flushed, requests in flight are redone
     signal.signal(signal.SIGTERM, _interrupt)
     try:
+        plan = {} if not (args.model or "").startswith("alpa/") else dict(
+            tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel,
+            device_memory=args.device_memory)
         gen = load_generator(args.model, args.path, args.dtype, args.max_batch_size, args.max_seq_len,
-                             dummy=args.dummy, seed=args.seed, tokenizer=args.tokenizer)
+                             dummy=args.dummy, seed=args.seed, tokenizer=args.tokenizer, **plan)
     except (OSError, ValueError, NotImplementedError) as e:  # missing folder, unknown name, alpa/ not ready
         print(f"batch: cannot load {args.model}: {e}", file=sys.stderr)
         return 2

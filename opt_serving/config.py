@@ -132,10 +132,13 @@ OPT_CONFIGS: dict[str, OPTConfig] = {
     "66b": _opt(9216, 64, 72),
     "175b": _opt(12288, 96, 96),
 }
+# OPT-IML (instruction-tuned OPT, facebook/opt-iml-*): the same architectures as the OPT sizes they were tuned from
+OPT_CONFIGS.update({f"iml-{kind}{size}": OPT_CONFIGS[size]
+                    for kind in ("", "max-") for size in ("1.3b", "30b")})
 
 
 def size_from_name(model_name: str) -> str:
-    """'alpa/opt-2.7b' -> '2.7b'; 'opt-tiny' -> 'tiny'."""
+    """'alpa/opt-2.7b' -> '2.7b'; 'opt-tiny' -> 'tiny'; 'facebook/opt-iml-max-30b' -> 'iml-max-30b'."""
     base = model_name.rsplit("/", 1)[-1].lower()
     if base.startswith("opt-"):
         base = base[len("opt-"):]
@@ -147,3 +150,11 @@ def size_from_name(model_name: str) -> str:
 
 def get_config(name: str) -> OPTConfig:
     return OPT_CONFIGS[size_from_name(name)]
+
+
+def config_for(name: str, folder: str | Path | None = None) -> OPTConfig:
+    """A model's config: the folder's config.json when it has one (any name then works, it is only a label:
+    "jax/my-finetune"), else the preset the name gives (ValueError naming the known ones)."""
+    if folder is not None and (Path(folder) / "config.json").is_file():
+        return OPTConfig.from_hf_json(Path(folder) / "config.json")
+    return get_config(name)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import random
 import threading
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
@@ -46,6 +47,7 @@ import numpy as np
 from opt_serving.engine import (MAX_BAD_WORD_LEN, MAX_BAD_WORDS, MAX_TOP_LOGPROBS, Engine, EngineClosed, EngineOutput,
                                 EngineRequest, QueueFull, SlotSettings, TokenInfo)
 from opt_serving.packing import find_stop
+from opt_serving.token_text import TokenTexts
 
 Prompt = Union[str, Sequence[int]]
 MAX_STOP_STRINGS = 4
@@ -71,6 +73,12 @@ class SamplingParams:
     bad_words_ids: list[list[int]] = dataclasses.field(default_factory=list)  # HF's bad_words_ids
     no_repeat_ngram_size: int = 0
     ignore_eos: bool = False
+    # vLLM's extensions, with vLLM's meaning: more token ids that end the completion "stop" (as EOS does,
+    # held back by min_tokens; EOS itself stays one unless ignore_eos); a stop string or stop token's text kept
+    # at the end of the text; special tokens (</s>) written into the text instead of dropped
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -96,6 +104,8 @@ class SamplingParams:
              f"bad_words_ids takes at most {MAX_BAD_WORDS} words of 1 to {MAX_BAD_WORD_LEN} tokens"),
             (isinstance(self.no_repeat_ngram_size, int) and 0 <= self.no_repeat_ngram_size <= 8,
              "no_repeat_ngram_size must be between 0 and 8"),
+            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+             "stop_token_ids must be token ids (integers >= 0)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -143,13 +153,14 @@ class Completion(Delta):
 class _Detokenizer:
     """Token ids -> text a few at a time, holding a multi-byte character until its last byte arrives."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
         self.ids: list[int] = []
         self.prefix = self.read = 0  # ids[prefix:read] is decoded context, ids[read:] is pending
 
     def _decode(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
 
     def add(self, token_id: int, final: bool = False) -> str:
         self.ids.append(token_id)
@@ -175,7 +186,7 @@ class _RequestText:
         self.gen, self.params, self.settings, self.sink = gen, params, settings, sink
         self.prompt_ids, self.base = prompt_ids, len(prompt_text)
         self.hidden = hidden  # leading prompt tokens the tokenizer added (BOS): read by the model, not echoed
-        self.detok = _Detokenizer(gen.tokenizer)
+        self.detok = _Detokenizer(gen.tokenizer, params.skip_special_tokens)
         self.text = ""       # completion text so far (cut at a stop string)
         self.safe = 0        # text[:safe] can no longer turn into a stop string
         self.sent = 0        # text[:sent] has been sent
@@ -188,7 +199,7 @@ class _RequestText:
 
     # ---- prompt echo ----
     def echo_delta(self, scores: Optional[list[TokenInfo]]) -> Delta:
-        detok = _Detokenizer(self.gen.tokenizer)
+        detok = _Detokenizer(self.gen.tokenizer, self.params.skip_special_tokens)
         d = Delta(prompt_tokens=len(self.prompt_ids))
         for i in range(self.hidden):  # context for the detokenizer, not echoed
             detok.add(self.prompt_ids[i])
@@ -202,14 +213,14 @@ class _RequestText:
 
     def _append(self, d: Delta, tok: TokenInfo) -> None:
         d.token_ids.append(tok.id)
-        d.tokens.append(self.gen.token_str(tok.id))
+        d.tokens.append(self.gen.token_text(tok.id))
         d.token_logprobs.append(tok.logprob)
         n = self.params.logprobs
         if n is None or tok.logprob is None:
             d.top_logprobs.append(None)
         else:
-            top = {self.gen.token_str(i): lp for i, lp in tok.top[:n]}
-            top.setdefault(self.gen.token_str(tok.id), tok.logprob)
+            top = {self.gen.token_text(i): lp for i, lp in tok.top[:n]}
+            top.setdefault(self.gen.token_text(tok.id), tok.logprob)
             d.top_logprobs.append(top)
 
     # ---- generated tokens (engine thread) ----
@@ -231,8 +242,9 @@ class _RequestText:
             self.generated += 1
             if self.cum_logprob is not None:
                 self.cum_logprob += tok.logprob or 0.0
-            if out.finish_reason == "stop" and tok.id in self.settings.stop_token_ids:
-                continue  # EOS ends the text, it is not part of it
+            if (out.finish_reason == "stop" and tok.id in self.settings.stop_token_ids
+                    and not self.params.include_stop_str_in_output):
+                continue  # EOS (a stop token) ends the text, it is not part of it
             start = len(self.text)
             self.text += self.detok.add(tok.id)
             self.toks.append((tok, start, len(self.text)))
@@ -247,6 +259,7 @@ class _RequestText:
             cut, self.safe = find_stop(self.text, self.params.stop, self.safe)
             if cut >= 0:
                 reason = "stop"
+                cut = self._stop_end(cut)
                 self.text = self.text[:cut]
                 self.toks = [t for t in self.toks if t[1] < cut]
         else:
@@ -255,6 +268,13 @@ class _RequestText:
             self.safe = len(self.text)
         self._send(reason)
         return reason is not None and not final
+
+    def _stop_end(self, cut: int) -> int:
+        """Where the text ends for a stop string found at `cut`: there, or after the stop string itself with
+        include_stop_str_in_output (the first of `stop` that matches there, as vLLM checks them in order)."""
+        if not self.params.include_stop_str_in_output:
+            return cut
+        return cut + next(len(s) for s in self.params.stop if self.text.startswith(s, cut))
 
     def _send(self, reason: Optional[str]) -> None:
         d = Delta(text=self.text[self.sent:self.safe], finish_reason=reason,
@@ -352,6 +372,7 @@ class Generator:
         self.eos_token_id = tokenizer.eos_token_id
         self._rng = random.Random()
         self._token_strs: dict[int, str] = {}
+        self.token_text = TokenTexts(tokenizer)  # token id -> its own text, as logprobs show it
         self._model = model
         self._beam_pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._beam_lock = threading.Lock()
@@ -362,12 +383,13 @@ class Generator:
     def from_pretrained(cls, model_name: str, path=None, dtype: str = "float32", max_batch_size: Optional[int] = None,
                         max_seq_len: Optional[int] = None, max_queue: int = 256,
                         warmup: bool = True, dummy: bool = False, seed: int = 0,
-                        tokenizer=None) -> "Generator":
+                        tokenizer=None, **plan) -> "Generator":
         """Weights from a numpy folder (or its parent holding `<size>-np/`), the tokenizer from the same
         folder; `max_batch_size` decode slots (default 16). Compiles every shape before returning.
         `dummy`: random weights of the named size from `seed` instead (no `path`). `tokenizer`: a folder
         to take the tokenizer from instead (needed with `dummy` when the vocabulary is larger than the
-        embedded model's)."""
+        embedded model's). `plan`: an alpa/ model's tensor_parallel, pipeline_parallel, device_memory,
+        micro_batches (engine.load_engine)."""
         from opt_serving.engine import load_engine
         from opt_serving.model.wrapper import resolve_numpy_folder
         from opt_serving.tokenizer import load_tokenizer, tokenizer_for_dummy
@@ -378,7 +400,7 @@ class Generator:
             tok = load_tokenizer(folder if tokenizer is None else tokenizer)
         engine = load_engine(model_name, folder, dtype=dtype, num_slots=max_batch_size or 16,
                              max_seq_len=max_seq_len, max_queue=max_queue, warmup=warmup,
-                             dummy=dummy, seed=seed)
+                             dummy=dummy, seed=seed, **plan)
         return cls(engine, tok, max_seq_len=max_seq_len, model_name=model_name)
 
     @property
@@ -408,12 +430,19 @@ class Generator:
             s = self._token_strs[token_id] = self.tokenizer.convert_ids_to_tokens(int(token_id))
         return s
 
-    # ---- streaming (call inside an event loop) ----
-    def stream(self, prompt: Prompt, params: SamplingParams) -> DeltaStream:
-        """Start a request now and return its deltas. Raises at once: ValueError (bad params, empty prompt,
-        prompt + max_tokens over max_seq_len, token id outside the vocabulary), engine.QueueFull."""
+    def prepare(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+        """Check and tokenise a request (blocking; any thread, so a server can keep it off its event loop):
+        the ids `stream(..., ids=)` takes. Raises ValueError like `stream()`."""
         params.validate()
-        ids = self._prepare(prompt, params)
+        return self._prepare(prompt, params)
+
+    # ---- streaming (call inside an event loop) ----
+    def stream(self, prompt: Prompt, params: SamplingParams, ids: Optional[list[int]] = None) -> DeltaStream:
+        """Start a request now and return its deltas. Raises at once: ValueError (bad params, empty prompt,
+        prompt + max_tokens over max_seq_len, token id outside the vocabulary), engine.QueueFull.
+        `ids`: the prompt as `prepare()` tokenised it (not done again)."""
+        params.validate()
+        ids = self._prepare(prompt, params) if ids is None else ids
         out = DeltaStream(self)
         out._req = self._start(prompt, params, out._sink, ids)
         return out
@@ -478,12 +507,11 @@ class Generator:
     def beam_model(self):
         """The model beam search runs on; ValueError if this generator has none."""
         if self._model is None:
-            slots = self.engine.model
-            if not (hasattr(slots, "cfg") and hasattr(slots, "params")):
+            make = getattr(self.engine.model, "generation_model", None)
+            if make is None:
                 raise ValueError(f"beam search (num_beams > 1) is not available for {self.model_name}: its "
                                  "engine has no model to run generate() on")
-            from opt_serving.model.wrapper import OPTModel
-            self._model = OPTModel(slots.cfg, slots.params)
+            self._model = make()
         return self._model
 
     def _run_beam(self, model, ids: list[int], params: SamplingParams, num_beams: int,
@@ -499,7 +527,7 @@ class Generator:
         reason = "length"
         if eos is not None and eos in new:  # the best beam ended; generate() pads after its EOS
             new, reason = new[:new.index(eos)], "stop"
-        c = Completion(text=self.decode(new), token_ids=new, tokens=[self.token_str(t) for t in new],
+        c = Completion(text=self.decode(new), token_ids=new, tokens=[self.token_text(t) for t in new],
                        finish_reason=reason, prompt_tokens=len(ids),
                        completion_tokens=len(new) + (reason == "stop"))
         if params.stop:
@@ -591,6 +619,13 @@ class Generator:
         s = self.engine.stats()
         return {**dataclasses.asdict(s), "tokens_per_step": s.tokens_per_step}
 
+    def check_health(self) -> None:
+        """Raise RuntimeError saying why this generator cannot serve (closed; the engine's thread dead or
+        stuck; the slot model's own check): what /health and Ray Serve's replica health check call."""
+        if self._closed:
+            raise RuntimeError("generator closed")
+        self.engine.check_health()
+
     def close(self) -> None:
         with self._beam_lock:
             self._closed = True
@@ -599,10 +634,32 @@ class Generator:
             pool.shutdown(wait=False, cancel_futures=True)
         self.engine.close()
 
+    @functools.cached_property
+    def max_token_chars(self) -> Optional[int]:
+        """The most characters one token can stand for (its bytes, in byte-level BPE); None if unknown."""
+        texts, most = self.token_text, 1
+        for i in range(len(self.tokenizer)):
+            data = texts.token_bytes(i)
+            if data is None and not texts.is_special(i):
+                return None  # not byte-level: no bound known
+            most = max(most, len(data) if data is not None else len(texts(i)))
+        return most
+
+    def _refuse_surely_too_long(self, prompt: str, params: SamplingParams) -> None:
+        """A text that cannot fit whatever it tokenises to is refused before tokenising (which would cost
+        seconds for megabytes): each token covers at most max_token_chars characters."""
+        room = self.max_seq_len - params.max_tokens
+        most = self.max_token_chars
+        if most is not None and len(prompt) > most * room:
+            raise ValueError(f"this model's maximum context length is {self.max_seq_len} tokens, but the prompt "
+                             f"has {len(prompt)} characters, more than {room} tokens (with max_tokens "
+                             f"{params.max_tokens}) can hold; it was not tokenised")
+
     def _prepare(self, prompt: Prompt, params: SamplingParams) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
+            self._refuse_surely_too_long(prompt, params)
             ids = self.encode(prompt)
         else:
             ids = [int(t) for t in prompt]
@@ -611,6 +668,13 @@ class Generator:
             bad = [t for t in ids if not 0 <= t < self.engine.vocab_size]
             if bad:
                 raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.engine.vocab_size})")
+        bad = [t for t in params.stop_token_ids if t >= self.engine.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {self.engine.vocab_size})")
+        if params.min_tokens and len(self._stop_ids(params)) > 1:
+            # the slot model holds back one stop token (sampling.held_back); another could not be kept out
+            raise ValueError("stop_token_ids: with min_tokens, only one stop token is supported (EOS, or one "
+                             "stop_token_ids entry with ignore_eos)")
         total = len(ids) + params.max_tokens
         if total > self.max_seq_len:
             raise ValueError(f"this model's maximum context length is {self.max_seq_len} tokens, but the prompt "
@@ -625,8 +689,14 @@ class Generator:
         k = len(ids) - len(plain)
         return k if k > 0 and ids[k:] == plain else 0
 
+    def _stop_ids(self, params: SamplingParams) -> tuple[int, ...]:
+        """The token ids that finish a request "stop": EOS (unless ignore_eos) first, since the slot model
+        holds back stop_token_ids[0] until min_tokens, then stop_token_ids."""
+        eos = () if params.ignore_eos or self.eos_token_id is None else (self.eos_token_id,)
+        return tuple(dict.fromkeys([*eos, *params.stop_token_ids]))
+
     def _settings(self, params: SamplingParams) -> SlotSettings:
-        stop_ids = () if params.ignore_eos or self.eos_token_id is None else (self.eos_token_id,)
+        stop_ids = self._stop_ids(params)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
         return SlotSettings(
             max_tokens=params.max_tokens, min_tokens=params.min_tokens, temperature=float(params.temperature),

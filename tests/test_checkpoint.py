@@ -90,6 +90,16 @@ def test_singleton(tiny, tmp_path):
     assert_equal_to_source(tmp_path / "np", tiny)
 
 
+def test_singleton_glued_by_convert_to_singleton_keeps_part_0s_cfg(tiny, tmp_path):
+    """metaseq's convert_to_singleton glues the parts but copies cfg from part 0: model_parallel_size 2."""
+    ck.write_singleton(tmp_path / "restored.pt", tiny, cfg_parts=2)
+    said = []
+    result = convert(tmp_path / "restored.pt", tmp_path / "np", log=said.append, progress=False)
+    assert result.format == "metaseq-singleton"
+    assert any("model_parallel_size 2 but the tensors are full-size: a glued singleton" in m for m in said)
+    assert_equal_to_source(tmp_path / "np", tiny)
+
+
 def test_reshard_parts_split_fused_qkv_per_part(tiny, tmp_path):
     files = ck.write_reshard_parts(tmp_path / "ckpt", tiny, parts=2)
     assert "decoder.layers.0.self_attn.qkv_proj.weight" in torch.load(files[0], weights_only=False)["model"]

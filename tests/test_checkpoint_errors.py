@@ -125,6 +125,15 @@ def test_singleton_without_cfg_needs_config(tiny, tmp_path, capsys):
     assert load_numpy_folder(tmp_path / "np")[0] == ck._opt_config(tiny)
 
 
+def test_one_part_alone_is_not_taken_for_a_singleton(tiny, tmp_path, capsys):
+    files = ck.write_reshard_parts(tmp_path / "ckpt", tiny, parts=2)
+    files[1].unlink()
+    lone = files[0].rename(tmp_path / "ckpt" / "restored.pt")
+    err = fails(tmp_path, capsys, src=lone)
+    assert f"{lone}: cfg says model_parallel_size 2 and its attention holds 16 of 32 rows" in err
+    assert "pass all 2 parts" in err
+
+
 def test_unsafe_pickle_is_refused(tmp_path, capsys):
     class Evil:
         def __reduce__(self):

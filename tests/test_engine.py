@@ -151,8 +151,10 @@ def test_a_step_skips_the_logits_only_when_every_active_row_is_plainly_greedy(mo
 
     def choose(settings, active, want_scores=False):
         state = sampling.init_state(ids, jnp.ones_like(ids), CFG.vocab_size, MAX_SEQ)
-        _, (tok, lp, _, _) = model._choose(model.params, h, state, model._settings_rows(settings, 3),
-                                           np.array(active), np.bool_(want_scores), np.bool_(False))
+        from opt_serving.runner.sampler import settings_rows
+        sampler = model.stages.stages[0].sampler
+        _, (tok, lp, _, _) = sampler._choose(model.params, h, state, settings_rows(settings, 3),
+                                             np.array(active), np.bool_(want_scores), np.bool_(False))
         return np.asarray(tok), np.asarray(lp)
 
     greedy, sampled = SlotSettings(), SlotSettings(temperature=1.0)
@@ -283,7 +285,8 @@ def test_the_cache_window_only_grows_where_steps_read_just_the_written_entries(m
     finally:
         e.close()
     assert (c.ids, d.ids) == (hf_greedy(hf, long, 4), hf_greedy(hf, short, 4))
-    assert cache_max_len(model.cache) == (32 if model.read_written else 16)
+    stage = model.stages.stages[0]
+    assert cache_max_len(stage.caches[0]) == (32 if stage.read_written else 16)
 
 
 @pytest.fixture(scope="module")
@@ -298,8 +301,8 @@ class CountPasses:
     """Wraps a slot model's prefill passes, recording each pass's number of prompts."""
 
     def __init__(self, model, monkeypatch):
-        self.sizes, real = [], model._prefill_pass
-        monkeypatch.setattr(model, "_prefill_pass", lambda b, p, s: (self.sizes.append((b, len(p))), real(b, p, s))[1])
+        self.sizes, real = [], model._send_prefill
+        monkeypatch.setattr(model, "_send_prefill", lambda b, p, s: (self.sizes.append((b, len(p))), real(b, p, s))[1])
 
 
 def jax_leaves(tree):
@@ -327,9 +330,14 @@ def test_batched_prefill_gives_exactly_the_prefixes_of_one_by_one(model8, monkey
         assert (a.length, a.first, a.prompt) == (b.length, b.first, b.prompt)  # logprobs exactly equal too
         assert len(a.first.top) == (5 if s.top_logprobs else 0)
         assert (a.prompt is not None) == s.prompt_logprobs
-        for x, y in zip(jax_leaves(a.state), jax_leaves(b.state)):
+        stage = model8.stages.stages[0]  # the rows each prefix holds there: cache, sampling state, settings
+        rows = lambda p: jax_leaves((stage.pending[p.state], stage.sampler.pending[p.state]))  # noqa: E731
+        for x, y in zip(rows(a), rows(b)):
             assert x.shape == y.shape and x.dtype == y.dtype
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        model8.discard(a)
+        model8.discard(b)
+        assert a.state not in stage.pending and b.state not in stage.sampler.pending
 
 
 def run_queued(model, jobs, collect=Collect):
@@ -400,8 +408,10 @@ def test_a_finished_request_has_left_its_slot_when_its_last_token_arrives():
 
 
 def test_warmup_compiled_every_shape(engine, model):
-    compiled = (model._prefill, model._split_rows, model._choose, model._insert,
-                model._insert_cache, model._resize, model._step, model._free)
+    stage = model.stages.stages[0]
+    s = stage.sampler
+    compiled = (stage._prefill, s._first, s._split_rows, s._choose, s._insert, s._free,
+                stage._insert_cache, stage._resize, stage._step, stage._free)
     sizes = [f._cache_size() for f in compiled]
     jobs = [([2] + [7] * (n - 1), SlotSettings(max_tokens=MAX_SEQ - n, temperature=0.5, top_p=0.9, seed=n))
             for n in (1, 15, 16, 17, 31)]

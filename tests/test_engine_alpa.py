@@ -1,15 +1,13 @@
 """The continuous-batching engine serves an alpa/ tensor-parallel model: the same tokens as jax/.
 
 The engine's jitted steps take the plan's sharded params as they are (GSPMD places the
-KV cache by heads), so serving and batch jobs run alpa/ plans with pp=1. jax must see
-several CPU devices before it is imported, so the check runs in a child process.
+KV cache by heads). jax must see several CPU devices before it is imported, so the check runs
+in a child process. Pipelined plans (Ray stage actors) are served in tests/test_service_pipeline.py.
 """
 import os
 import subprocess
 import sys
 import textwrap
-
-import pytest
 
 CHILD = textwrap.dedent("""
     import json, sys
@@ -21,7 +19,7 @@ CHILD = textwrap.dedent("""
 
     path = sys.argv[1]
     engine = load_engine("alpa/opt-tiny", path, num_slots=3, max_seq_len=64, tensor_parallel=2)
-    cache_spec = str(jax.tree_util.tree_leaves(engine.model.cache)[0].sharding.spec)
+    cache_spec = str(jax.tree_util.tree_leaves(engine.model.stages.stages[0].caches[0])[0].sharding.spec)
     tok = load_tokenizer(path)
     gen = Generator(engine, tok, max_seq_len=64, model_name="alpa/opt-tiny")
     prompts = ["Hello world", "Paris is the capital of", "a", "The quick brown fox jumps"]
@@ -52,9 +50,3 @@ def test_engine_serves_a_tensor_parallel_alpa_model(tmp_path):
     assert result["devices"] == 4
     assert result["served"] == result["offline"]
     assert "tp" in result["cache_spec"], result["cache_spec"]   # the cache really is sharded
-
-
-def test_pipelined_alpa_models_are_refused_with_a_reason():
-    from opt_serving.engine import load_engine
-    with pytest.raises(NotImplementedError, match="pipeline"):
-        load_engine("alpa/opt-tiny", None, dummy=True, pipeline_parallel=2, warmup=False)

@@ -6,9 +6,7 @@ Byte tokenizer: byte b is id 4 + b, so "a" is 101 and greedy after "a" spells "b
 """
 import asyncio
 import math
-import shutil
 import threading
-from pathlib import Path
 
 import pytest
 
@@ -18,7 +16,6 @@ from opt_serving.testing.fake_engine import (GatedSlots, byte_tokenizer, fake_ge
                                               fake_logprob)
 
 LN2 = math.log(2)
-ASSETS = Path(__file__).resolve().parents[1] / ".." / "shared" / "opt-assets"
 greedy = lambda **kw: SamplingParams(temperature=0.0, **kw)
 
 
@@ -323,20 +320,6 @@ def test_detokenizer_holds_partial_characters():
 # ---- the real OPT tokenizer ----
 
 @pytest.fixture(scope="module")
-def opt_tokenizer(tmp_path_factory):
-    if not ASSETS.is_dir():
-        pytest.skip(f"OPT tokenizer files not found at {ASSETS} (../shared/opt-assets is absent)")
-    from transformers import AutoTokenizer
-    d = tmp_path_factory.mktemp("opt-tokenizer")
-    shutil.copy(ASSETS / "gpt2-vocab.json", d / "vocab.json")
-    shutil.copy(ASSETS / "gpt2-merges.txt", d / "merges.txt")
-    (d / "tokenizer_config.json").write_text(
-        '{"tokenizer_class": "GPT2Tokenizer", "bos_token": "</s>", "eos_token": "</s>", '
-        '"unk_token": "</s>", "pad_token": "<pad>", "add_bos_token": true}')
-    return AutoTokenizer.from_pretrained(str(d))
-
-
-@pytest.fixture(scope="module")
 def opt_gen(opt_tokenizer):
     g = fake_generator(num_slots=2, max_seq_len=64, tokenizer=opt_tokenizer)
     yield g
@@ -363,7 +346,7 @@ def test_real_tokenizer_echo_and_stop(opt_gen, opt_tokenizer):
     expected = [opt_tokenizer.decode([i]) for i in (233, 234, 235)]
     c = run(opt_gen.complete("Hello world", greedy(max_tokens=3, echo=True, logprobs=1)))
     assert c.text == "Hello world" + "".join(expected)
-    assert c.tokens[:2] == ["Hello", "\u0120world"]  # as OpenAI: the prompt's tokens, no added </s>
+    assert c.tokens[:2] == ["Hello", " world"]  # as OpenAI: the prompt's tokens as text, no added </s>
     assert c.text_offset == [0, 5, 11, 11 + len(expected[0]), 11 + len(expected[0] + expected[1])]
     assert c.token_logprobs[0] is not None and c.token_logprobs[2:] == pytest.approx([-LN2] * 3)
     # stop at the second generated token's text: only the first survives
@@ -380,3 +363,33 @@ def test_negative_seeds_are_valid_and_reproducible(gen):
     first = gen.complete_many(["a"], params, n=2)[0]
     again = gen.complete_many(["a"], params, n=2)[0]
     assert [c.token_ids for c in first] == [c.token_ids for c in again]
+
+
+# ---- token text in logprobs (OpenAI's and vLLM's convention, not the vocabulary's spelling) ----
+
+def _token_bytes(token: str) -> bytes:
+    """A logprobs token back to its bytes: text, or OpenAI's escape "bytes:\\xf0\\x9f" for part of a character."""
+    if token.startswith("bytes:"):
+        return bytes(int(h, 16) for h in token[len("bytes:"):].split("\\x")[1:])
+    return token.encode()
+
+
+def test_logprob_tokens_are_their_text_and_join_to_the_completion(opt_gen, opt_tokenizer):
+    # greedy continues 39301, 39302, ... after "... naïve" (39300): whatever those are, each is its own text
+    c = run(opt_gen.complete("Hello world, café naïve", greedy(max_tokens=3, echo=True, logprobs=2)))
+    assert c.tokens[:5] == ["Hello", " world", ",", " café", " naïve"]
+    assert "".join(c.tokens) == c.text
+    assert [c.text_offset[i] + len(c.tokens[i]) for i in range(len(c.tokens) - 1)] == c.text_offset[1:]
+    # the keys of top_logprobs are text too: a client finds the chosen token under its own text
+    assert all(tok in top for tok, top in zip(c.tokens[1:], c.top_logprobs[1:]))
+    assert not any("\u0120" in k for top in c.top_logprobs[1:] for k in top)
+    expected = {opt_tokenizer.decode([i]) for i in (39301, 39302)}
+    assert set(c.top_logprobs[-3]) >= expected  # after " naïve": its two most likely successors
+
+
+def test_part_of_a_multibyte_character_is_a_byte_escape(opt_gen):
+    # " 😀" is two tokens, " \xf0\x9f\x98" and "\x80": neither is text alone
+    c = run(opt_gen.complete(" 😀 ok", greedy(max_tokens=1, echo=True, logprobs=0)))
+    assert c.tokens[:3] == ["bytes:\\x20\\xf0\\x9f\\x98", "bytes:\\x80", " ok"]
+    assert b"".join(_token_bytes(t) for t in c.tokens).decode() == c.text
+    assert c.text_offset[:3] == [0, 0, 2]  # both halves start where the character does; " ok" after it

@@ -3,6 +3,8 @@
 rebuild in the same process. Ray starts are slow on 2 cores: one test holds them.
 """
 
+import time
+
 import numpy as np
 import pytest
 
@@ -89,32 +91,64 @@ def ray_local():
     ray.shutdown()
 
 
+# what generate() takes beyond greedy: every one runs the same front and token choice on every plan
+FEATURE_CASES = [dict(max_new_tokens=6, output_scores=True, return_dict_in_generate=True),
+                 dict(max_new_tokens=6, bad_words_ids=[[5], [9, 17]], min_length=10, repetition_penalty=1.3),
+                 dict(max_new_tokens=6, do_sample=True, temperature=0.7, top_k=20, seed=11,
+                      num_return_sequences=2)]
+
+
+@pytest.fixture(scope="module")
+def feature_reference(folder):
+    from opt_serving.model.wrapper import get_model
+    ref = get_model("jax/opt-tiny", folder)
+    return [ref.generate(IDS, MASK, **kw) for kw in FEATURE_CASES]
+
+
+def _same_generation(got, want):
+    if hasattr(want, "sequences"):
+        np.testing.assert_array_equal(np.asarray(got.sequences), np.asarray(want.sequences))
+        assert len(got.scores) == len(want.scores)
+        for a, b in zip(got.scores, want.scores):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-4)
+    else:
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 @no_ray_in_child
 def test_pipelines_equal_jax_and_a_dead_stage_is_reported(ray_local, folder, reference,
-                                                          beam_reference):
+                                                          beam_reference, feature_reference):
+    """Each plan replaces the last one in `model` (no shutdown by hand): the dropped pipeline frees its
+    actors and placement group, or the 4-CPU Ray could not place the next one."""
     from opt_serving.model.wrapper import get_model
     from opt_serving.parallel.pipeline import StageDied
     logits, greedy, _ = reference
+    model = None
     # pp 2 x tp 2 comes last: it is also the rebuild, in the same process, after a stage died
     for pp, tp in [(2, 1), (4, 1), (2, 2)]:
         model = get_model("alpa/opt-tiny", folder, tensor_parallel=tp, pipeline_parallel=pp)
-        try:
-            assert (model.plan.pp, model.plan.tp) == (pp, tp)
-            assert ray_local.get(model.pipeline.actors[0].num_devices.remote()) == tp
-            np.testing.assert_allclose(model(IDS, MASK), logits, atol=1e-4, rtol=1e-4)
-            # 3 rows in pp micro-batches, in flight together
-            np.testing.assert_array_equal(model.generate(IDS, MASK, max_new_tokens=8), greedy)
-            if pp == 2:
-                # 3 prompts x beams in 2 micro-batches; every stage reorders its cache per step
-                for kw, want in zip(BEAM_CASES, beam_reference):
-                    np.testing.assert_array_equal(model.generate(IDS, MASK, **kw), want)
-            if pp == 4:
-                ray_local.kill(model.pipeline.actors[2])
-                with pytest.raises(StageDied, match=r"stage 2 \(layers 2-2\) died.*rebuild"):
-                    model.generate(IDS, MASK, max_new_tokens=4)
-                with pytest.raises(StageDied, match="stage 2"):
-                    model.generate(IDS, MASK, max_new_tokens=4, num_beams=2)
-                with pytest.raises(ValueError, match=r"num_return_sequences \(3\) > num_beams \(2\)"):
-                    model.generate(IDS, MASK, max_new_tokens=4, num_beams=2, num_return_sequences=3)
-        finally:
-            model.shutdown()
+        assert (model.plan.pp, model.plan.tp) == (pp, tp)
+        assert [w["devices"] for w in model.pipeline.where()] == [tp] * pp
+        np.testing.assert_allclose(model(IDS, MASK), logits, atol=1e-4, rtol=1e-4)
+        # 3 rows in pp micro-batches, in flight together
+        np.testing.assert_array_equal(model.generate(IDS, MASK, max_new_tokens=8), greedy)
+        if pp == 2:
+            # 3 prompts x beams in 2 micro-batches; every stage reorders its cache per step
+            for kw, want in zip(BEAM_CASES, beam_reference):
+                np.testing.assert_array_equal(model.generate(IDS, MASK, **kw), want)
+            for kw, want in zip(FEATURE_CASES, feature_reference):
+                _same_generation(model.generate(IDS, MASK, **kw), want)
+        if pp == 4:
+            ray_local.kill(model.pipeline.actors[2])
+            with pytest.raises(StageDied, match=r"stage 2 \(layers 2-2\) died.*loaded again"):
+                model.generate(IDS, MASK, max_new_tokens=4)
+            with pytest.raises(StageDied, match="stage 2"):
+                model.generate(IDS, MASK, max_new_tokens=4, num_beams=2)
+            with pytest.raises(ValueError, match=r"num_return_sequences \(3\) > num_beams \(2\)"):
+                model.generate(IDS, MASK, max_new_tokens=4, num_beams=2, num_return_sequences=3)
+    model.close()
+    # every stage's CPU comes back (Ray frees a removed placement group's resources asynchronously)
+    deadline = time.monotonic() + 30
+    while ray_local.available_resources().get("CPU") != 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray_local.available_resources().get("CPU") == 4

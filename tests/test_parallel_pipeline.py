@@ -48,24 +48,27 @@ def _check(got, ref):
 
 @pytest.mark.parametrize("split", [[2, 2], [1, 3], [1, 1, 1, 1]])
 def test_local_stages_equal_the_model(reference, split):
-    from opt_serving.parallel.pipeline import Stage, select_stage_params, split_layers
+    """The model's own modules over each stage's layers (opt.StageSpec), as the stage actors run them."""
+    from opt_serving.model import opt
+    from opt_serving.parallel.pipeline import stage_specs
+    from opt_serving.runner.stage import StageSlots
     params, ref = reference
-    ranges = split_layers(CFG.num_hidden_layers, len(split), split)
-    stages = [Stage(CFG, select_stage_params(params, CFG, r, i == 0, i == len(split) - 1), r,
-                    i == 0, i == len(split) - 1) for i, r in enumerate(ranges)]
+    specs = stage_specs(CFG, len(split), split)
+    assert [(s.start, s.stop, s.first, s.last) for s in specs][-1] == (4 - split[-1], 4, len(split) == 1, True)
+    stages = [StageSlots(CFG, opt.stage_params(params, s), s, rows=1) for s in specs]
     for s in stages:
-        s.init_cache(0, 2, 32)
+        s.seq_open(0, 2, 32)
 
     def prefill(ids, mask):
         x = ids
         for s in stages:
-            x = s.prefill(0, x, mask)
+            x = s.seq_prefill(0, x, mask, True)
         return x
 
     def decode(tok, pos, idx):
         x = tok
         for s in stages:
-            x = s.decode(0, x, pos, idx)
+            x = s.seq_decode(0, x, pos, idx)
         return x
     _check(_run(prefill, decode), ref)
 

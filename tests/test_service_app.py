@@ -428,6 +428,27 @@ def test_alpa_deployment_reserves_the_plans_gpus_on_one_node(monkeypatch):
     assert _placement(ServeArgs(model="jax/opt-125m", num_cpus=2)) == {"ray_actor_options": {"num_cpus": 2}}
 
 
+def test_a_pipelined_deployment_holds_a_bundle_per_stage(monkeypatch):
+    """OPT-175B on Alpa's 4 x 8 x 16 GB cluster: pp stages of tp GPUs each, the replica in stage 0's bundle,
+    and the plan's degrees handed to the replica."""
+    import ray
+
+    from opt_serving.parallel import cluster
+    from opt_serving.service.app import ServeArgs, _placement
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 128.0, "GPU": 32.0})
+    monkeypatch.setattr(cluster, "cluster_from_ray", lambda *a, **k: cluster.parse_cluster("4x8x16GB"))
+    args = ServeArgs(model="alpa/opt-175b", max_batch_size=8, max_seq_len=1024, num_cpus=2)
+    opts = _placement(args)
+    assert args.dtype == "float16"  # "auto" on a GPU cluster
+    assert args.pipeline_parallel > 1 and args.pipeline_parallel * args.tensor_parallel <= 32
+    bundles = opts["placement_group_bundles"]
+    assert len(bundles) == args.pipeline_parallel and opts["placement_group_strategy"] == "PACK"
+    assert bundles[0] == {"CPU": 3.0, "GPU": float(args.tensor_parallel)}
+    assert bundles[1:] == [{"CPU": 1.0, "GPU": float(args.tensor_parallel)}] * (len(bundles) - 1)
+    assert opts["ray_actor_options"] == {"num_cpus": 2}
+
+
 def test_gptj_generate_with_a_negative_seed_is_answered():
     """The schemathesis case that once gave a 500: seed -2 (only -1 means 'random' in GPT-API)."""
     gen = fake_generator(num_slots=2, max_seq_len=64)
@@ -441,3 +462,67 @@ def test_gptj_generate_with_a_negative_seed_is_answered():
         assert r.json()["gen_text"] == again.json()["gen_text"]
     finally:
         gen.close()
+
+
+# ---------------------------------------------------------------- vLLM's extensions on /v1/completions
+# The fake continues "a" (ids 2, 101) greedily with b, c, d, ... ("d" is id 104); after id 257 come 258, 259,
+# 0, 1 and then 2 = </s> (EOS).
+def test_stop_token_ids_end_the_completion_and_include_stop_str_in_output_keeps_them(client):
+    r = post(client, {"prompt": "a", "max_tokens": 10, "temperature": 0, "stop_token_ids": [104]})
+    choice = r.json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"], r.json()["usage"]["completion_tokens"]) == ("bc", "stop", 3)
+    r = post(client, {"prompt": "a", "max_tokens": 10, "temperature": 0, "stop_token_ids": [104],
+                      "include_stop_str_in_output": True, "logprobs": 0})
+    choice = r.json()["choices"][0]
+    assert (choice["text"], choice["logprobs"]["tokens"]) == ("bcd", ["b", "c", "d"])
+    r = post(client, {"prompt": "a", "max_tokens": 10, "temperature": 0, "stop": ["x", "de"],
+                      "include_stop_str_in_output": True})
+    assert r.json()["choices"][0]["text"] == "bcde"  # the stop string that ended it, kept
+
+
+def test_ignore_eos_and_min_tokens_fix_the_output_length(client):
+    eos_at_5 = {"prompt": [2, 257], "max_tokens": 10, "temperature": 0}
+    r = post(client, eos_at_5)
+    assert (r.json()["choices"][0]["finish_reason"], r.json()["usage"]["completion_tokens"]) == ("stop", 5)
+    for extra in ({"ignore_eos": True}, {"min_tokens": 5}):
+        r = post(client, {**eos_at_5, **extra})
+        assert (r.json()["choices"][0]["finish_reason"], r.json()["usage"]["completion_tokens"]) == ("length", 10)
+
+
+def test_skip_special_tokens_false_writes_them_into_the_text(client):
+    body = {"prompt": [2, 259], "max_tokens": 3, "temperature": 0, "ignore_eos": True}  # then ids 0, 1, 2
+    assert post(client, body).json()["choices"][0]["text"] == ""
+    r = post(client, {**body, "skip_special_tokens": False})
+    assert r.json()["choices"][0]["text"] == "<s><pad></s>"
+
+
+def test_top_k_and_repetition_penalty_reach_the_engine(client, gen):
+    """What they do to the tokens is checked on the real tiny model (test_service_tiny.py)."""
+    seen = gen.engine.model.inserted_settings
+    r = post(client, {"prompt": "a", "max_tokens": 2, "top_k": 7, "repetition_penalty": 1.3, "seed": 1})
+    assert r.status_code == 200 and (seen[-1].top_k, seen[-1].repetition_penalty) == (7, pytest.approx(1.3))
+    post(client, {"prompt": "a", "max_tokens": 2, "top_k": -1})  # vLLM's "off"
+    assert seen[-1].top_k == 0
+
+
+@pytest.mark.parametrize("body, param, fragment", [
+    ({"min_p": 0.1}, "min_p", "not supported"),
+    ({"logprobs": 6}, "logprobs", "at most 5"),
+    ({"logprobs": 21}, "logprobs", "less than or equal to 20"),
+    ({"top_k": -2}, "top_k", ""),
+    ({"repetition_penalty": 0}, "repetition_penalty", ""),
+    ({"min_tokens": 17}, "min_tokens", "max_tokens"),
+    ({"stop_token_ids": [5000]}, "stop_token_ids", "outside the vocabulary"),
+    ({"stop_token_ids": [104], "min_tokens": 2}, "stop_token_ids", "only one stop token"),
+])
+def test_extensions_that_cannot_be_honoured_are_400_naming_the_field(client, body, param, fragment):
+    r = post(client, {"prompt": "a", **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and fragment in err["message"]
+
+
+def test_unknown_fields_stay_ignored_and_known_defaults_are_accepted(client):
+    r = post(client, {"prompt": "a", "max_tokens": 2, "temperature": 0, "min_p": 0.0, "top_k": 0,
+                      "no_such_field": {"x": 1}, "use_beam_search": False})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "bc"

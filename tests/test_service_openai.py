@@ -80,3 +80,39 @@ def test_greedy_over_http_equals_offline_generation_fake(fake_server):
     for prompt, [c] in zip(prompts, offline):
         r = client.completions.create(model="opt-fake", prompt=prompt, max_tokens=7, temperature=0)
         assert r.choices[0].text == c.text
+
+
+def test_vllm_extensions_through_extra_body(fake_server):
+    _, client = fake_server
+    r = client.completions.create(model="opt-fake", prompt="a", max_tokens=10, temperature=0,
+                                  extra_body={"stop_token_ids": [104], "include_stop_str_in_output": True})
+    assert (r.choices[0].text, r.choices[0].finish_reason) == ("bcd", "stop")
+    with pytest.raises(openai.BadRequestError, match="min_p"):
+        client.completions.create(model="opt-fake", prompt="a", extra_body={"min_p": 0.5})
+
+
+@pytest.fixture(scope="module")
+def opt_server(opt_tokenizer):
+    """The fake engine behind the real OPT tokenizer: its greedy tokens are whatever ids follow the prompt's."""
+    g = fake_generator(num_slots=4, max_seq_len=64, max_queue=32, tokenizer=opt_tokenizer)
+    with serve_in_thread(create_app(g)) as url:
+        yield g, url, openai.OpenAI(base_url=url + "/v1", api_key="dummy", max_retries=0, timeout=30)
+    g.close()
+
+
+def test_logprob_tokens_are_text_in_every_route(opt_server):
+    import requests
+    _, url, client = opt_server
+    prompt = "Is it café? yes"
+    r = client.completions.create(model="opt", prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                  logprobs=2)
+    lp = r.choices[0].logprobs
+    assert lp.tokens[:5] == ["Is", " it", " café", "?", " yes"] and "".join(lp.tokens) == r.choices[0].text
+    assert lp.top_logprobs[-1][lp.tokens[-1]] == pytest.approx(lp.token_logprobs[-1])
+    chunks = list(client.completions.create(model="opt", prompt=prompt, max_tokens=3, temperature=0,
+                                            logprobs=1, stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert streamed == lp.tokens[5:] and "".join(streamed) == "".join(c.choices[0].text for c in chunks)
+    meta = requests.post(url + "/completions", json={"prompt": prompt, "max_tokens": 3, "temperature": 0},
+                         timeout=30).json()["choices"][0]
+    assert meta["logprobs"]["tokens"] == lp.tokens[5:] and "".join(meta["logprobs"]["tokens"]) == meta["text"]

@@ -27,9 +27,13 @@ def test_empty_or_too_many_prompts_are_rejected(prompt, fragment):
 
 @pytest.mark.parametrize("field, value", [
     ("max_tokens", "5"), ("max_tokens", -1), ("max_tokens", 10**9), ("max_tokens", 1.5),
-    ("temperature", "hot"), ("temperature", -0.1), ("top_p", 1.5), ("n", 0), ("logprobs", 6),
+    ("temperature", "hot"), ("temperature", -0.1), ("top_p", 1.5), ("n", 0), ("logprobs", 21),
     ("stream", "yes"), ("echo", 1), ("stop", ["a", "b", "c", "d", "e"]), ("stop", ""), ("prompt", 5),
     ("prompt", [1, "a"]), ("prompt", [-1]), ("presence_penalty", 3.0), ("seed", "1"),
+    # vLLM's extensions, checked as vLLM's SamplingParams checks them
+    ("top_k", -2), ("top_k", 1.5), ("min_p", 1.5), ("min_p", -0.1), ("min_tokens", -1), ("min_tokens", 17),
+    ("repetition_penalty", 0.0), ("stop_token_ids", [-1]), ("stop_token_ids", 2), ("ignore_eos", "yes"),
+    ("include_stop_str_in_output", 1), ("skip_special_tokens", "no"),
 ])
 def test_wrong_types_and_out_of_range_values_are_rejected(field, value):
     body = {"prompt": "hi", field: value}

@@ -109,3 +109,23 @@ def test_gptj_beam_search_over_http_equals_offline_generate(tiny):
     assert r.status_code == 200, r.text
     assert r.json() == {"gen_text": [prompt + g.decode(new)]}
     print(f"\nbeam: {g.decode(new)!r}  greedy: {greedy!r}")
+
+
+def test_vllm_extensions_change_the_tokens_as_vllm_documents(tiny):
+    """top_k=1 leaves only the most likely token (sampling = greedy); repetition_penalty > 1 discourages every
+    token already in the prompt or the output (a random model's loops stop); ignore_eos fixes the length."""
+    g, _, url = tiny
+    client = openai.OpenAI(base_url=url + "/v1", api_key="dummy", max_retries=0, timeout=120)
+    ask = dict(model="tiny", prompt="Hello world", max_tokens=12)
+    greedy = client.completions.create(**ask, temperature=0, extra_body={"ignore_eos": True})
+    top1 = client.completions.create(**ask, temperature=1.0, seed=3, extra_body={"top_k": 1, "ignore_eos": True})
+    assert top1.choices[0].text == greedy.choices[0].text
+    assert greedy.usage.completion_tokens == 12 and greedy.choices[0].finish_reason == "length"
+    penalised = client.completions.create(**ask, temperature=0, extra_body={"repetition_penalty": 1e4,
+                                                                             "ignore_eos": True})
+    [[plain]], [[offline]] = (g.complete_many(["Hello world"], SamplingParams(
+        max_tokens=12, temperature=0, ignore_eos=True, repetition_penalty=p)) for p in (1.0, 1e4))
+    assert plain.text == greedy.choices[0].text and offline.text == penalised.choices[0].text
+    prompt_ids, new = g.encode("Hello world"), offline.token_ids
+    assert len(set(plain.token_ids)) < len(plain.token_ids)  # unpenalised, greedy repeats itself
+    assert not set(new) & set(prompt_ids) and len(set(new)) == len(new)  # penalised: nothing seen is chosen again

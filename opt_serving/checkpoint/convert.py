@@ -68,6 +68,8 @@ def convert(input: str | Path, output: str | Path, format: str = "auto", dtype: 
         md5.verify(detected.all_files, md5_csv)
         log(f"md5 verified for {len(detected.all_files)} file(s) against {md5_csv}")
     reader = open_reader(detected, _override(config))
+    if getattr(reader, "note", None):
+        log(reader.note)
     cfg = reader.config
     log(f"model: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads, "
         f"ffn {cfg.ffn_dim}, vocab {cfg.vocab_size}, {cfg.num_params() / 1e6:.1f}M parameters -> {dtype}")

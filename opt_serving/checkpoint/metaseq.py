@@ -61,6 +61,26 @@ def _check_parallel_sizes(ckpt: dict, path: Path, num_parts: int, num_shards: in
                               f"but {num_parts} x {num_shards} files were found{hint}")
 
 
+def _glued_singleton(ckpt: dict, path: Path, shapes: dict[str, tuple[int, ...]]) -> str | None:
+    """A singleton file whose cfg names more model-parallel parts than one: metaseq's convert_to_singleton
+    glues the parts but copies cfg from part 0, so restored.pt still says model_parallel_size 8. The
+    attention projection's rows tell the two apart: all the heads (glued) or 1/mp of them (one part).
+    Returns what was detected, None when the cfg says one part (or nothing)."""
+    mp = layout._get(layout._get(ckpt.get("cfg"), "common"), "model_parallel_size")
+    if mp is None or int(mp) == 1:
+        return None
+    hidden = shapes.get("decoder.embed_positions.weight", (0, 0))[1]
+    q = shapes.get("decoder.layers.0.self_attn.q_proj.weight")
+    qkv = shapes.get("decoder.layers.0.self_attn.qkv_proj.weight")
+    rows = q[0] if q is not None else (qkv[0] // 3 if qkv is not None else None)
+    if rows == hidden:
+        return (f"{path}: cfg says model_parallel_size {mp} but the tensors are full-size: a glued singleton "
+                f"(metaseq's convert_to_singleton keeps part 0's cfg); converting it as one part")
+    raise CheckpointError(f"{path}: cfg says model_parallel_size {mp} and its attention holds {rows} of "
+                          f"{hidden} rows: this is one model-parallel part; pass all {mp} parts "
+                          f"(*-model_part-N.pt) or a glued singleton")
+
+
 class FlatParam:
     """One FSDP flat parameter (the same in every shard of a part) and where its members lie."""
 
@@ -208,8 +228,12 @@ class UnflattenedReader:
                 raise CheckpointError(f"{path}: its cfg describes a different model from {self.parts[0].path}")
             self.parts.append(mf)
         first = self.parts[0]
-        _check_parallel_sizes(first.data, first.path, self.num_parts, None)
         shapes0 = {k: tuple(v.shape) for k, v in self._model(0).items()}
+        self.note = None  # what the reader found beyond the format (convert logs it)
+        if self.num_parts == 1:  # the shapes, not the copied cfg, tell a glued singleton from one part
+            self.note = _glued_singleton(first.data, first.path, shapes0)
+        else:
+            _check_parallel_sizes(first.data, first.path, self.num_parts, None)
         self.config = layout.config_from_metaseq(first.data, shapes0, self.num_parts, str(first.path), override)
         layout.check_divisible(self.config, self.num_parts, str(first.path))
         for p, mf in enumerate(self.parts):

@@ -209,7 +209,8 @@ def can_pack(params: dict) -> bool:
 
 
 def is_packed(params: dict) -> bool:
-    return "lm_head" in params
+    """pack_params made these params (a pipeline stage without the LM head: its layers are packed)."""
+    return "lm_head" in params or "packed" in params.get("layers_0", {}).get("fc1", {})
 
 
 def pack_params(params: dict) -> dict:
@@ -221,8 +222,9 @@ def pack_params(params: dict) -> dict:
         return params
     device = next(iter(devices(params)))
     out = _map_dense(params, "kernel", "packed", lambda layer, path, w: pack(w, device=device))
-    out["lm_head"] = {"packed": pack(params["embed_tokens"]["embedding"], transposed=True, device=device)}
-    out["lm_head"].update(pack_head(params["embed_tokens"]["embedding"], device) or {})
+    if "embed_tokens" in params:  # the LM head (a pipeline's middle stages have none)
+        out["lm_head"] = {"packed": pack(params["embed_tokens"]["embedding"], transposed=True, device=device)}
+        out["lm_head"].update(pack_head(params["embed_tokens"]["embedding"], device) or {})
     return out
 
 
@@ -235,7 +237,7 @@ def unpack_params(params: dict) -> dict:
         n = _at(layer, path)["bias"].shape[0]
         return jnp.asarray(unpack(packed, _in_features(layer, path), n))
     out = _map_dense(params, "packed", "kernel", plain)
-    del out["lm_head"]
+    out.pop("lm_head", None)
     return out
 
 

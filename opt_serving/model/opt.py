@@ -14,7 +14,7 @@ The engine-facing functions (cfg is static, the cache is donated):
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -120,38 +120,68 @@ class DecoderLayer(nn.Module):
         return h, cache_out
 
 
+class StageSpec(NamedTuple):
+    """A contiguous slice of the decoder: layers [start, stop). The first stage embeds the tokens, the
+    last applies the final layer norm (and projection) and owns the tied LM head. The whole model is
+    the one stage that is both (`whole`). A stage's params number its layers from 0."""
+    start: int
+    stop: int
+    first: bool = True
+    last: bool = True
+
+    @property
+    def num_layers(self) -> int:
+        return self.stop - self.start
+
+    @classmethod
+    def whole(cls, cfg: OPTConfig) -> "StageSpec":
+        return cls(0, cfg.num_hidden_layers)
+
+
 class OPT(nn.Module):
-    """The decoder plus tied LM head. `attends[i]` implements layer i's attention
-    (prefill or decode, with its cache) and returns (context, new layer cache)."""
+    """The decoder plus tied LM head, or one pipeline stage of it (`stage`). `attends[i]` implements
+    the stage's layer i's attention (prefill or decode, with its cache) and returns (context, new
+    layer cache). A stage that is not first takes hidden states [B, S, D] in place of token ids."""
     cfg: OPTConfig
     dtype: Any = jnp.float32
     fused_qkv: bool = False
+    stage: StageSpec | None = None  # None: the whole model
 
     def setup(self):
         cfg, dt = self.cfg, self.dtype
-        self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.word_embed_proj_dim,
-                                     dtype=dt, param_dtype=dt)
-        self.embed_positions = nn.Embed(cfg.max_position_embeddings + cfg.position_offset,
-                                        cfg.hidden_size, dtype=dt, param_dtype=dt)
-        if cfg.has_project_in_out:
-            self.project_in = Linear(cfg.hidden_size, use_bias=False, dtype=dt)
+        st = self.stage or StageSpec.whole(cfg)
+        if st.first or st.last:  # the input embedding, tied to the LM head
+            self.embed_tokens = nn.Embed(cfg.vocab_size, cfg.word_embed_proj_dim,
+                                         dtype=dt, param_dtype=dt)
+        if st.first:
+            self.embed_positions = nn.Embed(cfg.max_position_embeddings + cfg.position_offset,
+                                            cfg.hidden_size, dtype=dt, param_dtype=dt)
+            if cfg.has_project_in_out:
+                self.project_in = Linear(cfg.hidden_size, use_bias=False, dtype=dt)
+        if st.last and cfg.has_project_in_out:
             self.project_out = Linear(cfg.word_embed_proj_dim, use_bias=False, dtype=dt)
-        self.layers = [DecoderLayer(cfg, dt, self.fused_qkv) for _ in range(cfg.num_hidden_layers)]
-        if cfg.has_final_layer_norm:
+        self.layers = [DecoderLayer(cfg, dt, self.fused_qkv) for _ in range(st.num_layers)]
+        if st.last and cfg.has_final_layer_norm:
             self.layer_norm = LayerNorm(dt)
 
-    def __call__(self, input_ids, positions, attends, all_logits: bool = True,
+    def __call__(self, x, positions, attends, all_logits: bool = True,
                  return_hidden: bool = False):
         cfg = self.cfg
-        h = self.embed_tokens(input_ids)  # [B, S, word_embed_proj_dim]
-        if cfg.has_project_in_out:
-            h = self.project_in(h)
-        h = h + self.embed_positions(positions + cfg.position_offset)
+        st = self.stage or StageSpec.whole(cfg)
+        if st.first:
+            h = self.embed_tokens(x)  # [B, S, word_embed_proj_dim]
+            if cfg.has_project_in_out:
+                h = self.project_in(h)
+            h = h + self.embed_positions(positions + cfg.position_offset)  # [B, S, D]
+        else:
+            h = x.astype(self.dtype)  # the previous stage's hidden states [B, S, D]
         caches = []
         # unrolled on purpose: a scan carrying the cache copies it every step
         for layer, attend in zip(self.layers, attends):
             h, c = layer(h, attend)
             caches.append(c)
+        if not st.last:
+            return h, caches
         if not all_logits:
             h = h[:, -1:]
         if cfg.has_final_layer_norm:
@@ -169,7 +199,7 @@ def lm_logits(params_or_embedding, h):
     """The tied LM head: h [..., word_embed_proj_dim] -> float32 logits [..., V]. Takes the params
     (using the packed copy of the embedding when there is one) or the embedding [V, D] itself."""
     p = params_or_embedding
-    if isinstance(p, dict) and cpu_kernels.is_packed(p):
+    if isinstance(p, dict) and "lm_head" in p:  # packed (cpu_kernels.pack_params)
         return cpu_kernels.matmul(h.astype(jnp.float32), p["lm_head"]["packed"],
                                   p["embed_tokens"]["embedding"].shape[0])
     embedding = p["embed_tokens"]["embedding"] if isinstance(p, dict) else p
@@ -245,35 +275,40 @@ def prefill_positions(attention_mask):
     return jnp.cumsum(m, axis=1) * m - 1
 
 
-def _prefill(cfg, params, cache, input_ids, attention_mask, all_logits=True, return_hidden=False):
+def _prefill(cfg, params, cache, input_ids, attention_mask, all_logits=True, return_hidden=False,
+             stage: StageSpec | None = None):
     """See `prefill`. With return_hidden, the final hidden states [B,S,D] (or [B,D]) come back
     instead of logits: the caller applies `lm_logits` only where it needs them (a 2048-token
-    prompt's full logits are a 158 GFLOP product)."""
+    prompt's full logits are a 158 GFLOP product). A `stage` that is not first takes hidden states
+    [B,S,D] as `input_ids`; one that is not last returns its hidden states [B,S,D]."""
     dtype = cache["k"][0].dtype
-    b, s = input_ids.shape
+    b, s = attention_mask.shape
     if s > cache["mask"].shape[1]:
         raise ValueError(f"prompt of {s} tokens does not fit a cache of {cache['mask'].shape[1]}")
     attends = [_prefill_attend(kc, vc, attention_mask)
                for kc, vc in zip(cache["k"], cache["v"])]
-    logits, caches = OPT(cfg, dtype, is_fused(params)).apply({"params": params}, input_ids,
-                                           prefill_positions(attention_mask), attends, all_logits,
-                                           return_hidden)
+    out, caches = OPT(cfg, dtype, is_fused(params), stage).apply(
+        {"params": params}, input_ids, prefill_positions(attention_mask), attends, all_logits, return_hidden)
     # prefill starts the rows afresh: only the prompt's real tokens are valid
     mask = jnp.zeros_like(cache["mask"]).at[:, :s].set(attention_mask.astype(jnp.bool_))
     new_cache = {"k": tuple(c[0] for c in caches), "v": tuple(c[1] for c in caches), "mask": mask}
-    return (logits if all_logits else logits[:, 0]), new_cache
+    last = stage is None or stage.last
+    return (out if all_logits or not last else out[:, 0]), new_cache
 
 
-def _decode(cfg, params, cache, tokens, positions, write_index, read_len=None, return_hidden=False):
+def _decode(cfg, params, cache, tokens, positions, write_index, read_len=None, return_hidden=False,
+            stage: StageSpec | None = None):
+    """See `decode`. A `stage` that is not first takes hidden states [B, D] as `tokens`; one that is
+    not last returns its hidden states [B, D]."""
     dtype = cache["k"][0].dtype
-    rows = jnp.arange(tokens.shape[0])
+    rows = jnp.arange(positions.shape[0])
     mask = cache["mask"].at[rows, write_index].set(True)
     attends = [_decode_attend(kc, vc, mask, write_index, read_len)
                for kc, vc in zip(cache["k"], cache["v"])]
-    logits, caches = OPT(cfg, dtype, is_fused(params)).apply({"params": params}, tokens[:, None],
-                                           positions[:, None], attends, return_hidden=return_hidden)
+    out, caches = OPT(cfg, dtype, is_fused(params), stage).apply(
+        {"params": params}, tokens[:, None], positions[:, None], attends, return_hidden=return_hidden)
     new_cache = {"k": tuple(c[0] for c in caches), "v": tuple(c[1] for c in caches), "mask": mask}
-    return logits[:, 0], new_cache
+    return out[:, 0], new_cache
 
 
 prefill = jax.jit(_prefill, static_argnums=(0,), static_argnames=("all_logits",),
@@ -384,6 +419,22 @@ def init_params(cfg: OPTConfig, seed: int = 0, dtype=jnp.float32, std: float = 0
         return jax.device_put(host.astype(dtype))
 
     return jax.tree_util.tree_map_with_path(make, param_tree_shapes(cfg))
+
+
+def stage_params(params: dict, stage: StageSpec) -> dict:
+    """A whole model's param tree (checkpoint layout) cut down to one stage's: its layers numbered
+    from 0, the embeddings on the first stage, the final norm, projection and tied embedding on the
+    last."""
+    out = {f"layers_{i - stage.start}": params[f"layers_{i}"] for i in range(stage.start, stage.stop)}
+    keep = set()
+    if stage.first or stage.last:
+        keep.add("embed_tokens")
+    if stage.first:
+        keep |= {"embed_positions", "project_in"}
+    if stage.last:
+        keep |= {"project_out", "layer_norm"}
+    out.update({k: v for k, v in params.items() if k in keep})
+    return out
 
 
 def param_tree_shapes(cfg: OPTConfig) -> dict:

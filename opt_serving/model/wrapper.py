@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from opt_serving import sampling
-from opt_serving.config import OPTConfig, get_config, size_from_name
+from opt_serving.config import OPTConfig, config_for, get_config, size_from_name
 from opt_serving.model import cpu_kernels, kv_cache, opt, weights
 
 PREFIXES = ("facebook/", "jax/", "alpa/")
@@ -28,8 +28,11 @@ PREFIXES = ("facebook/", "jax/", "alpa/")
 def resolve_numpy_folder(path: str | Path, model_name: str) -> Path:
     """`path` itself, or Alpa's `<path>/<name>-np` (also accepting `<path>/<size>-np`)."""
     path = Path(path)
-    size = size_from_name(model_name)
-    candidates = [path, path / f"opt-{size}-np", path / f"{size}-np"]
+    try:
+        size = size_from_name(model_name)
+        candidates = [path, path / f"opt-{size}-np", path / f"{size}-np"]
+    except ValueError:  # not a preset: the name is a label for the folder itself ("jax/my-finetune")
+        candidates = [path]
     for c in candidates:
         if (c / "config.json").exists() or (c / "decoder.embed_tokens.weight").exists():
             return c
@@ -38,6 +41,8 @@ def resolve_numpy_folder(path: str | Path, model_name: str) -> Path:
 
 
 def _dtype(dtype) -> jnp.dtype:
+    if isinstance(dtype, str) and dtype == "auto":  # float16 on a GPU, float32 on a CPU
+        dtype = "float16" if jax.default_backend() == "gpu" else "float32"
     if isinstance(dtype, str):
         dtype = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}.get(dtype, dtype)
     return jnp.dtype(dtype)
@@ -50,7 +55,8 @@ def get_model(model_name: str, path: str | Path | None = None, dtype=jnp.float32
     if not model_name.startswith(PREFIXES):
         raise ValueError(f"unknown model {model_name!r}: the name must start with one of "
                          f"{', '.join(PREFIXES)} (e.g. 'jax/opt-125m')")
-    size_from_name(model_name)  # unknown sizes fail here, naming the known ones
+    if path is None or not (Path(path) / "config.json").is_file():
+        size_from_name(model_name)  # unknown sizes fail here, naming the known ones (a folder's config.json wins)
     if model_name.startswith("alpa/"):
         try:
             from opt_serving.parallel import backend
@@ -59,7 +65,7 @@ def get_model(model_name: str, path: str | Path | None = None, dtype=jnp.float32
                 f"{model_name}: the alpa/ backend (opt_serving.parallel.backend) is not available "
                 "in this build; use jax/ for one device") from None
         return backend.get_alpa_model(model_name, path, dtype=dtype, tensor_parallel=tensor_parallel,
-                                      pipeline_parallel=pipeline_parallel, dummy=dummy, **kwargs)
+                                      pipeline_parallel=pipeline_parallel, dummy=dummy, seed=seed, **kwargs)
     if tensor_parallel not in (None, 1) or pipeline_parallel not in (None, 1):
         raise ValueError(f"{model_name} runs on one device; use alpa/ for parallelism")
     if model_name.startswith("facebook/"):
@@ -71,9 +77,7 @@ def get_model(model_name: str, path: str | Path | None = None, dtype=jnp.float32
     if path is None:
         raise ValueError(f"{model_name}: give path= (the numpy weights folder) or dummy=True")
     folder = resolve_numpy_folder(path, model_name)
-    cfg = (OPTConfig.from_hf_json(folder) if (folder / "config.json").exists()
-           else get_config(model_name))
-    cfg, params = weights.load_params(folder, cfg, dtype, progress=kwargs.get("progress", False))
+    cfg, params = weights.load_params(folder, config_for(model_name, folder), dtype, progress=kwargs.get("progress", False))
     return OPTModel(cfg, params)
 
 
@@ -144,35 +148,20 @@ def prepare_inputs(cfg: OPTConfig, input_ids, attention_mask, max_length, max_ne
     return ids, mask, max_new_tokens, is_torch
 
 
-class OPTModel:
-    """The Flax OPT on one device: params + config, the jitted steps, and generate()."""
+class Generation:
+    """Hugging Face's generate() over a model's own decode loops: arguments, sampling settings and the
+    returned shapes are this code for every plan; a subclass gives `_sample` and `_beams` (OPTModel:
+    one compiled on-device loop; backend.PipelinedOPT: a host loop over the stage actors, picking
+    tokens with the same jitted `pick_tokens` and `beam_step`)."""
+    config: OPTConfig
 
-    def __init__(self, cfg: OPTConfig, params):
-        self.config = cfg
-        # kept in the layout the steps run fastest (opt.runtime_params: q/k/v fused into one matmul,
-        # on a CPU pre-packed for oneDNN; a sharded tree, e.g. a tensor-parallel engine's, stays as
-        # it is): the steps and generate() run these
-        self.dtype = opt.param_dtype(params)
-        self.fused_params = opt.runtime_params(params)
+    def _sample(self, ids, mask, st, max_new: int, new_bucket: int, pad: int, output_scores: bool):
+        """-> (history [B, S + new_bucket], steps taken, processed scores [new_bucket, B, V] or [0, ...])"""
+        raise NotImplementedError
 
-    @property
-    def params(self):
-        """The params in the checkpoint's layout (q_proj / k_proj / v_proj, plain kernels), as a new tree."""
-        return opt.checkpoint_params(self.fused_params)
-
-    # engine-facing pass-throughs
-    def init_cache(self, batch: int, max_len: int):
-        return kv_cache.init_cache(self.config, batch, max_len, self.dtype)
-
-    def prefill(self, cache, input_ids, attention_mask, all_logits=True):
-        return opt.prefill(self.config, self.fused_params, cache, input_ids, attention_mask,
-                           all_logits=all_logits)
-
-    def decode(self, cache, tokens, positions, write_index):
-        return opt.decode(self.config, self.fused_params, cache, tokens, positions, write_index)
-
-    def __call__(self, input_ids, attention_mask=None):
-        return opt.forward(self.config, self.fused_params, input_ids, attention_mask)
+    def _beams(self, ids, mask, st, max_new, k, n_return, length_penalty, early_stop, eos, pad, output_scores):
+        """-> ((seqs, beam_idx) of the n_return best per prompt, scores [max_new, B*K, V], beam scores)"""
+        raise NotImplementedError
 
     def generate(self, input_ids=None, attention_mask=None, max_length=None, max_new_tokens=None,
                  min_length=None, min_new_tokens=None, do_sample=False, temperature=1.0, top_k=50,
@@ -206,10 +195,9 @@ class OPTModel:
                 raise ValueError(f"num_return_sequences ({num_return_sequences}) > num_beams ({num_beams})")
             ids, mask = np.repeat(ids, num_beams, 0), np.repeat(mask, num_beams, 0)
             st = sampling.make_settings(b * num_beams, seed=seed, **settings)
-            seqs, scores, seq_scores = _beam_search(
-                cfg, self.fused_params, jnp.asarray(ids), jnp.asarray(mask), st, max_new_tokens, num_beams,
-                num_return_sequences, float(length_penalty), bool(early_stopping is True), eos, pad,
-                output_scores)
+            seqs, scores, seq_scores = self._beams(
+                ids, mask, st, max_new_tokens, num_beams, num_return_sequences, float(length_penalty),
+                bool(early_stopping is True), eos, pad, output_scores)
             seqs, beam_idx = np.asarray(seqs[0]), np.asarray(seqs[1])
             out_len = s + int(((beam_idx + 1) != 0).sum(1).max())
             seqs = seqs[:, :out_len]
@@ -231,9 +219,7 @@ class OPTModel:
                 settings["min_length"] += extra  # HF's min_length counts the history we lengthened
             st = sampling.make_settings(rows, seed=np.asarray(seed) + np.arange(rows), **settings)
             new_bucket = kv_cache.bucket_length(max_new_tokens, 1 << 30)
-            seqs, steps, scores = _sample_loop(cfg, self.fused_params, jnp.asarray(ids), jnp.asarray(mask),
-                                               st, jnp.int32(max_new_tokens), new_bucket, pad,
-                                               output_scores, cpu_kernels.is_packed(self.fused_params))
+            seqs, steps, scores = self._sample(ids, mask, st, max_new_tokens, new_bucket, pad, output_scores)
             n_steps = int(steps)
             seqs = np.asarray(seqs)[:, extra:sb + n_steps]
             seq_scores = None
@@ -257,12 +243,74 @@ class OPTModel:
         return GenerateOutput(sequences=seqs, scores=score_steps, sequences_scores=seq_scores)
 
 
+class OPTModel(Generation):
+    """The Flax OPT on one device: params + config, the jitted steps, and generate()."""
+
+    def __init__(self, cfg: OPTConfig, params):
+        self.config = cfg
+        # kept in the layout the steps run fastest (opt.runtime_params: q/k/v fused into one matmul,
+        # on a CPU pre-packed for oneDNN; a sharded tree, e.g. a tensor-parallel engine's, stays as
+        # it is): the steps and generate() run these
+        self.dtype = opt.param_dtype(params)
+        self.fused_params = opt.runtime_params(params)
+
+    @property
+    def params(self):
+        """The params in the checkpoint's layout (q_proj / k_proj / v_proj, plain kernels), as a new tree."""
+        return opt.checkpoint_params(self.fused_params)
+
+    # engine-facing pass-throughs
+    def init_cache(self, batch: int, max_len: int):
+        return kv_cache.init_cache(self.config, batch, max_len, self.dtype)
+
+    def prefill(self, cache, input_ids, attention_mask, all_logits=True):
+        return opt.prefill(self.config, self.fused_params, cache, input_ids, attention_mask,
+                           all_logits=all_logits)
+
+    def decode(self, cache, tokens, positions, write_index):
+        return opt.decode(self.config, self.fused_params, cache, tokens, positions, write_index)
+
+    def __call__(self, input_ids, attention_mask=None):
+        return opt.forward(self.config, self.fused_params, input_ids, attention_mask)
+
+    def _sample(self, ids, mask, st, max_new, new_bucket, pad, output_scores):
+        return _sample_loop(self.config, self.fused_params, jnp.asarray(ids), jnp.asarray(mask), st,
+                            jnp.int32(max_new), new_bucket, pad, output_scores,
+                            cpu_kernels.is_packed(self.fused_params))
+
+    def _beams(self, ids, mask, st, max_new, k, n_return, length_penalty, early_stop, eos, pad, output_scores):
+        return _beam_search(self.config, self.fused_params, jnp.asarray(ids), jnp.asarray(mask), st, max_new, k,
+                            n_return, length_penalty, early_stop, eos, pad, output_scores)
+
+
 def _start(cfg, params, ids, mask, max_new, return_hidden=False):
     """Prefill a cache of `max_new` more entries than the prompt; next-token logits [B, V] (or the
     final hidden states [B, D])."""
     b, s = ids.shape
     cache = kv_cache.init_cache(cfg, b, s + max_new, opt.param_dtype(params))
     return opt._prefill(cfg, params, cache, ids, mask, all_logits=False, return_hidden=return_hidden)
+
+
+def processed_choice(logits, state, st):
+    """HF's logits processors and warpers over logits [B, V], then each row's greedy or sampled token ->
+    (tokens [B], the processed scores [B, V]: what output_scores returns)."""
+    scores = sampling.warp(sampling.process_logits(logits, state, st), st)
+    return sampling.choose(scores, state, st), scores
+
+
+def append_tokens(tok, state, st, unfinished, pad):
+    """Finished rows get `pad`; the tokens join the history; a row finishes at its EOS."""
+    tok = jnp.where(unfinished, tok, pad)
+    state = sampling.update_state(state, tok)
+    return tok, state, unfinished & (tok != st.eos_token_id)
+
+
+@jax.jit
+def pick_tokens(logits, state, st, unfinished, pad):
+    """One generate() step's choice from the next-token logits [B, V], as a jitted function of its own
+    (a host loop's, e.g. over pipeline stages) -> (tokens, state, unfinished, processed scores)."""
+    tok, scores = processed_choice(logits, state, st)
+    return (*append_tokens(tok, state, st, unfinished, pad), scores)
 
 
 def decode_windows(prompt_len: int, total: int) -> list[int]:
@@ -298,20 +346,15 @@ def _sample_loop(cfg, params, ids, mask, st, max_new, new_bucket, pad, output_sc
     screened = cpu_kernels.has_head(params) and not output_scores
 
     def pick(h, state, unfinished, scores_buf, i):  # h: final hidden states [B, D]
-        def processed():
-            return sampling.warp(sampling.process_logits(opt.lm_logits(params, h), state, st), st)
         if screened:
             tok = jax.lax.cond(sampling.plain_argmax(state, st),
                                lambda: opt.lm_argmax(params, h, sampling.held_back(state, st)),
-                               lambda: sampling.choose(processed(), state, st))
+                               lambda: processed_choice(opt.lm_logits(params, h), state, st)[0])
         else:
-            scores = processed()
-            tok = sampling.choose(scores, state, st)
+            tok, scores = processed_choice(opt.lm_logits(params, h), state, st)
             if output_scores:
                 scores_buf = scores_buf.at[i].set(scores)
-        tok = jnp.where(unfinished, tok, pad)
-        state = sampling.update_state(state, tok)
-        unfinished = unfinished & (tok != st.eos_token_id)
+        tok, state, unfinished = append_tokens(tok, state, st, unfinished, pad)
         return tok, state, unfinished, scores_buf
 
     tok, state, unfinished, scores_buf = pick(h, state, jnp.ones((b,), jnp.bool_), scores_buf, 0)

@@ -1,113 +1,82 @@
-"""Pipeline parallelism: contiguous layer slices in Ray actors, hidden states handed on by ref.
+"""Pipeline parallelism: one Ray actor per stage, each a `runner.stage.StageSlots` over its layers.
 
-A stage runs MODEL's own modules (`opt.DecoderLayer`, its embeddings and layer norm) over
-its slice of layers, as pure jitted steps: (params, cache slice, hidden or ids) -> (hidden
-or logits, cache slice). The first stage embeds, the last applies the final layer norm and
-the tied logits (it holds its own copy of embed_tokens). Actors are placed by a placement
-group with one bundle per stage; the driver chains `stage.step.remote(ref)` calls, so
-several micro-batches can be in flight at once: each stage works on the next micro-batch
-while later stages finish the previous one.
+A stage actor holds its contiguous slice of layers (the model's own modules, `opt.OPT` with a
+`StageSpec`), the KV cache of every decode slot for those layers, and, on the last stage, the LM head
+and the sampling state. It runs the tensor-parallel jitted steps of its layers over its own node's
+devices (tp GPUs, or on a CPU tp host devices it makes itself through XLA_FLAGS). The driver
+(`runner.slots.Slots`, or `backend.PipelinedOPT.generate`) chains calls: stage i's output ref is
+stage i+1's argument, so hidden states move between stages through Ray's object store without
+coming back to the driver, and several micro-batches are in the stages at once.
+
+Placement: one placement-group bundle per stage (its tp GPUs and a CPU: a bundle always lies on one
+node). Under Ray Serve the replica's own placement group holds them (bundles 1..pp, after the
+replica's), so Serve starting, stopping or restarting a replica does the same to its stages; elsewhere
+the pipeline makes its own group and removes it on `close()` (or when the object owning it is
+collected). Each stage reads only its slice of the numpy folder, from its own node's disk.
 """
 from __future__ import annotations
 
-from functools import partial
+import os
+import weakref
+from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from opt_serving.config import OPTConfig
-from opt_serving.model import opt
-from opt_serving.model.kv_cache import init_cache, reorder
-from opt_serving.model.weights import flax_path, global_param_shapes, layer_param_shapes, load_checked
+from opt_serving.runner.types import StageDied
+
+STAGE_NAME_PREFIX = "opt-serving-stage-"
+
+__all__ = ["RayStages", "StageActor", "StageDied", "split_layers", "stage_specs", "measure_handoff_latency"]
 
 
-class StageDied(RuntimeError):
-    """A pipeline stage's actor is gone; rebuild the model (a new get_model call)."""
+def split_layers(num_layers: int, pp: int, layer_split: list[int] | None = None) -> list[range]:
+    split = layer_split or [num_layers // pp + (i < num_layers % pp) for i in range(pp)]
+    if len(split) != pp or sum(split) != num_layers or min(split) < 1:
+        raise ValueError(f"layer split {split} does not cover {num_layers} layers in {pp} stages")
+    starts = np.cumsum([0, *split])
+    return [range(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:])]
 
 
-# ---- one stage, pure ----
-
-def _embed(cfg, params, input_ids, positions):
-    dt = params["embed_tokens"]["embedding"].dtype
-    h = jnp.take(params["embed_tokens"]["embedding"], input_ids, axis=0)  # [B, S, word_embed]
-    if cfg.has_project_in_out:
-        h = h @ params["project_in"]["kernel"]
-    pos = jnp.take(params["embed_positions"]["embedding"], positions + cfg.position_offset, axis=0)
-    return (h + pos).astype(dt)
+def stage_specs(cfg: OPTConfig, pp: int, layer_split: list[int] | None = None):
+    from opt_serving.model.opt import StageSpec
+    ranges = split_layers(cfg.num_hidden_layers, pp, layer_split)
+    return [StageSpec(r.start, r.stop, i == 0, i == pp - 1) for i, r in enumerate(ranges)]
 
 
-def _head(cfg, params, h):
-    dt = params["embed_tokens"]["embedding"].dtype
-    if cfg.has_final_layer_norm:
-        h = opt.LayerNorm(dt).apply({"params": params["layer_norm"]}, h)
-    if cfg.has_project_in_out:
-        h = h @ params["project_out"]["kernel"]
-    return jnp.einsum("bsd,vd->bsv", h, params["embed_tokens"]["embedding"],
-                      preferred_element_type=jnp.float32)
-
-
-def _run_layers(cfg, params, layers, h, attends):
-    dt = h.dtype
-    caches = []
-    for i, attend in zip(layers, attends):
-        h, c = opt.DecoderLayer(cfg, dt).apply({"params": params[f"layers_{i}"]}, h, attend)
-        caches.append(c)
-    return h, {"k": tuple(c[0] for c in caches), "v": tuple(c[1] for c in caches)}
-
-
-def stage_prefill(cfg, layers, first, last, params, cache, x, attention_mask, all_logits=True):
-    """x: input_ids [B, S] on the first stage, else hidden [B, S, hidden]."""
-    positions = opt.prefill_positions(attention_mask)
-    h = _embed(cfg, params, x, positions) if first else x
-    attends = [opt._prefill_attend(k, v, attention_mask) for k, v in zip(cache["k"], cache["v"])]
-    h, new = _run_layers(cfg, params, layers, h, attends)
-    s = attention_mask.shape[1]
-    new["mask"] = jnp.zeros_like(cache["mask"]).at[:, :s].set(attention_mask.astype(jnp.bool_))
-    if not last:
-        return h, new
-    logits = _head(cfg, params, h if all_logits else h[:, -1:])
-    return (logits if all_logits else logits[:, 0]), new
-
-
-def stage_decode(cfg, layers, first, last, params, cache, x, positions, write_index):
-    """x: tokens [B] on the first stage, else hidden [B, 1, hidden]."""
-    rows = jnp.arange(positions.shape[0])
-    mask = cache["mask"].at[rows, write_index].set(True)
-    h = _embed(cfg, params, x[:, None], positions[:, None]) if first else x
-    attends = [opt._decode_attend(k, v, mask, write_index) for k, v in zip(cache["k"], cache["v"])]
-    h, new = _run_layers(cfg, params, layers, h, attends)
-    new["mask"] = mask
-    return (_head(cfg, params, h)[:, 0] if last else h), new
-
-
-def stage_param_names(cfg: OPTConfig, layers: range, first: bool, last: bool) -> list[str]:
+def load_stage_params(folder, cfg: OPTConfig, spec, dtype="float32", mesh=None) -> dict:
+    """One stage's tensors from a numpy folder, memory-mapped, into its Flax tree (layers numbered from
+    0). With a tp `mesh` each device reads only its own slice of each file. A node without the files
+    gets an error naming the node and the path."""
+    import jax
+    import jax.numpy as jnp
+    from opt_serving.model.weights import flax_path, global_param_shapes, layer_param_shapes, load_checked
+    if not (Path(folder) / "decoder.embed_tokens.weight").exists() and not (Path(folder) / "config.json").exists():
+        raise FileNotFoundError(f"node {_node_name()} has no numpy weights folder at {folder}: every node that "
+                                "runs a pipeline stage reads its layers from the same path (copy the folder "
+                                "there, or use a shared file system)")
+    shapes = dict(global_param_shapes(cfg))
     names = []
-    g = global_param_shapes(cfg)
-    if first:
+    if spec.first:
         names += [n for n in ("decoder.embed_tokens.weight", "decoder.embed_positions.weight",
-                              "decoder.project_in_dim.weight") if n in g]
-    if last:
-        names += [n for n in ("decoder.embed_tokens.weight", "decoder.layer_norm.weight",
-                              "decoder.layer_norm.bias", "decoder.project_out_dim.weight")
-                  if n in g and n not in names]
-    for i in layers:
-        names += list(layer_param_shapes(cfg, i))
-    return names
-
-
-def load_stage_params(folder, cfg: OPTConfig, layers: range, first: bool, last: bool,
-                      dtype=jnp.float32, mesh=None) -> dict:
-    """Only this stage's tensors, memory-mapped, into a Flax-shaped tree. With a tp `mesh`,
-    each device reads only its own slice of each file."""
-    shapes = {**global_param_shapes(cfg)}
-    for i in layers:
-        shapes.update(layer_param_shapes(cfg, i))
+                              "decoder.project_in_dim.weight") if n in shapes]
+    if spec.last:
+        names += [n for n in ("decoder.embed_tokens.weight", "decoder.layer_norm.weight", "decoder.layer_norm.bias",
+                              "decoder.project_out_dim.weight") if n in shapes and n not in names]
+    for i in range(spec.start, spec.stop):
+        layer = layer_param_shapes(cfg, i)
+        shapes.update(layer)
+        names += list(layer)
     np_dtype = np.dtype(jnp.dtype(dtype))
     tree: dict = {}
-    for name in stage_param_names(cfg, layers, first, last):
+    for name in names:
         path, transpose = flax_path(name)
-        a = load_checked(folder, name, shapes[name])
+        if path[0].startswith("layers_"):  # the stage numbers its layers from 0
+            path = (f"layers_{int(path[0][7:]) - spec.start}", *path[1:])
+        try:
+            a = load_checked(folder, name, shapes[name])
+        except FileNotFoundError:
+            raise FileNotFoundError(f"node {_node_name()}: weight file {Path(folder) / name} is missing") from None
         view = a.T if transpose else a
         if mesh is None:
             arr = jnp.asarray(np.ascontiguousarray(view, dtype=np_dtype))
@@ -124,189 +93,290 @@ def load_stage_params(folder, cfg: OPTConfig, layers: range, first: bool, last: 
     return tree
 
 
-def select_stage_params(params: dict, cfg: OPTConfig, layers: range, first: bool, last: bool,
-                        place=lambda name, arr: arr) -> dict:
-    """A full Flax tree (e.g. dummy weights) cut down to one stage; `place(name, leaf)` may move each leaf."""
-    out: dict = {}
-    for name in stage_param_names(cfg, layers, first, last):
-        path, _ = flax_path(name)
-        src, node = params, out
-        for p in path:
-            src = src[p]
-        for p in path[:-1]:
-            node = node.setdefault(p, {})
-        node[path[-1]] = place(name, src)
-    return out
+def _node_name() -> str:
+    import socket
+    try:
+        import ray
+        node = ray.get_runtime_context().get_node_id()[:12]
+    except Exception:
+        node = "?"
+    return f"{socket.gethostname()} (Ray node {node})"
 
 
-def _shard_stage(params: dict, cfg: OPTConfig, layers, first, last, mesh) -> dict:
-    """Put a stage's param tree on its tp mesh with the Megatron specs of sharding.py."""
-    from jax.sharding import NamedSharding
-    from opt_serving.parallel.sharding import TP_RULES, param_spec
-    return select_stage_params(
-        params, cfg, layers, first, last,
-        place=lambda name, arr: jax.device_put(arr, NamedSharding(mesh, param_spec(name, TP_RULES))))
+class StageActor:
+    """Runs inside a Ray worker: a `StageSlots` over this stage's layers, from the folder on this node
+    (or from `params`, already cut to the stage), tensor-parallel over the node's tp devices."""
 
-
-class Stage:
-    """One stage in this process: its params, cache and jitted steps (tp-sharded if tp > 1)."""
-
-    def __init__(self, cfg: OPTConfig, params: dict, layers: range, first: bool, last: bool,
-                 tp: int = 1):
-        self.cfg, self.layers = cfg, tuple(layers)
-        self.first, self.last = first, last
-        self.dtype = jax.tree_util.tree_leaves(params)[0].dtype
-        self.mesh = None
+    def __init__(self, cfg, spec, folder, params, dtype, tp, rows, groups, max_seq_len, name=""):
+        import jax
+        self.name = name
+        from opt_serving.runner.stage import StageSlots
+        mesh = None
         if tp > 1:
             from opt_serving.parallel.sharding import _check_divisible, make_mesh
             if len(jax.devices()) < tp:
-                raise ValueError(f"a tp={tp} stage needs {tp} devices, this process sees "
+                raise ValueError(f"a tp={tp} stage needs {tp} devices, node {_node_name()} gives it "
                                  f"{len(jax.devices())}")
             _check_divisible(cfg, tp)
-            self.mesh = make_mesh(jax.devices()[:tp], tp)
-            params = _shard_stage(params, cfg, layers, first, last, self.mesh)
-        self.params = params
-        statics = (cfg, self.layers, first, last)
-        self._prefill = jax.jit(partial(stage_prefill, *statics), static_argnames=("all_logits",),
-                                donate_argnums=(1,))
-        self._decode = jax.jit(partial(stage_decode, *statics), donate_argnums=(1,))
-        self._reorder = jax.jit(reorder, donate_argnums=(0,))
-        self.caches: dict[int, dict] = {}   # micro-batch id -> this stage's cache slice
+            mesh = make_mesh(jax.devices()[:tp], tp)
+        if params is None:
+            params = load_stage_params(folder, cfg, spec, dtype, mesh)
+        elif mesh is not None:
+            params = _shard_stage(params, spec, mesh)
+        else:
+            params = jax.tree_util.tree_map(jax.numpy.asarray, params)
+        self.slots = StageSlots(cfg, params, spec, rows, groups, max_seq_len)
+        self.reset_stats()
 
-    def init_cache(self, mb: int, batch: int, max_len: int) -> None:
-        cache = init_cache(self.cfg.replace(num_hidden_layers=len(self.layers)), batch, max_len,
-                           self.dtype)
-        if self.mesh is not None:
-            from opt_serving.parallel.sharding import cache_shardings
-            sh = cache_shardings(self.cfg.replace(num_hidden_layers=len(self.layers)), self.mesh)
-            cache = jax.device_put(cache, sh)
-        self.caches[mb] = cache
+    def reset_stats(self) -> None:
+        import time
+        self._since, self._busy, self._calls = time.perf_counter(), 0.0, 0
 
-    def free_cache(self, mb: int) -> None:
-        self.caches.pop(mb, None)
+    def stats(self) -> dict:
+        """Seconds spent in prefill and decode calls since reset_stats, against the wall clock: the
+        stage's busy fraction (1 - its share of the pipeline bubble)."""
+        import time
+        wall = time.perf_counter() - self._since
+        return {"stage": self.name, "busy_s": self._busy, "wall_s": wall, "calls": self._calls,
+                "busy_fraction": self._busy / wall if wall else 0.0}
 
-    def prefill(self, mb: int, x, attention_mask, all_logits: bool = True):
-        out, self.caches[mb] = self._prefill(self.params, self.caches[mb], jnp.asarray(x),
-                                             jnp.asarray(attention_mask), all_logits=all_logits)
-        return np.asarray(out)
+    def _timed(self, fn, *args):
+        import time
+        t0 = time.perf_counter()
+        out = _host(fn(*args))  # synchronous: the result is on the host when the call ends
+        self._busy += time.perf_counter() - t0
+        self._calls += 1
+        return out
 
-    def decode(self, mb: int, x, positions, write_index):
-        out, self.caches[mb] = self._decode(self.params, self.caches[mb], jnp.asarray(x),
-                                            jnp.asarray(positions), jnp.asarray(write_index))
-        return np.asarray(out)
+    # the StageSlots calls the driver chains (runner/slots.py); what leaves the actor is numpy
+    def prefill(self, *args):
+        return self._timed(self.slots.prefill, *args)
 
-    def reorder(self, mb: int, index) -> None:
-        """Beam search: row i of the cache continues from row index[i]."""
-        index = np.asarray(index, np.int32)
-        n = self.caches[mb]["mask"].shape[0]
-        if index.shape != (n,) or index.min(initial=0) < 0 or index.max(initial=0) >= n:
-            raise ValueError(f"reorder index must be {n} row numbers in [0, {n}), got {index}")
-        self.caches[mb] = self._reorder(self.caches[mb], jnp.asarray(index))
+    def insert(self, *args):
+        self.slots.insert(*args)
 
+    def drop(self, handle):
+        self.slots.drop(handle)
 
-# ---- the pipeline over Ray actors ----
+    def decode(self, *args):
+        return self._timed(self.slots.decode, *args)
 
-def split_layers(num_layers: int, pp: int, layer_split: list[int] | None = None) -> list[range]:
-    split = layer_split or [num_layers // pp + (i < num_layers % pp) for i in range(pp)]
-    if len(split) != pp or sum(split) != num_layers or min(split) < 1:
-        raise ValueError(f"layer split {split} does not cover {num_layers} layers in {pp} stages")
-    starts = np.cumsum([0, *split])
-    return [range(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:])]
+    def free(self, group, row):
+        self.slots.free(group, row)
 
+    def end_warmup(self):
+        self.slots.end_warmup()
 
-class Pipeline:
-    """pp Ray actors, one per stage, placed by a placement group (one bundle per stage)."""
+    def ready(self) -> bool:
+        return True
 
-    def __init__(self, cfg: OPTConfig, pp: int, folder=None, params=None, dtype=jnp.float32,
-                 layer_split: list[int] | None = None, tp: int = 1, use_gpus: bool | None = None,
-                 cpus_per_stage: float = 1, placement_timeout_s: float = 120):
+    # whole-sequence calls for generate() (backend.PipelinedOPT)
+    def seq(self, method, *args):
+        return _host(getattr(self.slots, "seq_" + method)(*args))
+
+    # for tests and benchmarks
+    def where(self) -> dict:
+        import jax
         import ray
+        return {"node": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
+                "devices": len(jax.devices()), "stage": self.name}
+
+    def echo(self, x):
+        return x
+
+
+def _describe(i: int, spec) -> str:
+    return f"stage {i} (layers {spec.start}-{spec.stop - 1})"
+
+
+def _host(out):
+    """Device arrays (a tp stage's sharded hidden states among them) as numpy, for the object store."""
+    import jax
+    return jax.tree_util.tree_map(lambda a: np.asarray(a) if isinstance(a, jax.Array) else a, out)
+
+
+def _shard_stage(params: dict, spec, mesh) -> dict:
+    """A stage's param tree (numbered from 0) on its tp mesh with the Megatron specs of sharding.py."""
+    import jax
+    from jax.sharding import NamedSharding
+    from opt_serving.parallel.sharding import TP_RULES, param_spec
+    from opt_serving.model.weights import _GLOBAL_PATHS, flax_path  # noqa: F401
+
+    def name_of(path) -> str:
+        keys = [p.key for p in path]
+        if keys[0].startswith("layers_"):
+            i = int(keys[0][7:]) + spec.start
+            sub = ".".join(k for k in keys[1:-1] if k != "ln")
+            leaf = {"kernel": "weight", "scale": "weight"}.get(keys[-1], keys[-1])
+            return f"decoder.layers.{i}.{sub}.{leaf}"
+        return next(n for n, (p, _) in _GLOBAL_PATHS.items() if tuple(p) == tuple(keys))
+
+    return jax.tree_util.tree_map_with_path(
+        lambda path, a: jax.device_put(a, NamedSharding(mesh, param_spec(name_of(path), TP_RULES))), params)
+
+
+def stage_bundles(plan, gpus: bool, cpus_per_stage: float = 1, extra_cpus: float = 0) -> tuple[list[dict], str]:
+    """The placement group of a pipelined plan: one bundle per stage (`extra_cpus` more in the first, for
+    the replica that drives them) and its strategy. GPU stages (tp GPUs each) fill nodes; a CPU node is
+    one of the planner's devices, so CPU stages go one a node where the cluster has enough nodes."""
+    import ray
+    bundles = [{"CPU": float(cpus_per_stage), **({"GPU": float(plan.tp)} if gpus else {})} for _ in range(plan.pp)]
+    bundles[0]["CPU"] += extra_cpus
+    if gpus:
+        return bundles, "PACK"
+    nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+    return bundles, "STRICT_SPREAD" if nodes >= plan.pp else "SPREAD"
+
+
+class RayStages:
+    """`runner.slots.Stages` over pp Ray actors placed as the plan says (see the module docstring)."""
+
+    def __init__(self, cfg: OPTConfig, plan, folder=None, dtype="float32", seed: int = 0, rows: int = 1,
+                 groups: int = 1, max_seq_len: int | None = None, cpus_per_stage: float = 1,
+                 placement_timeout_s: float = 120):
+        import ray
+        from ray.util import get_current_placement_group
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        if (folder is None) == (params is None):
-            raise ValueError("give either a numpy folder or an in-memory param tree")
-        self.cfg, self.pp, self.tp = cfg, pp, tp
-        self.ranges = split_layers(cfg.num_hidden_layers, pp, layer_split)
-        if use_gpus is None:
-            use_gpus = ray.cluster_resources().get("GPU", 0) > 0
-        # one bundle per stage: its tp devices (GPUs), or a CPU slot whose process gets tp
-        # host devices from XLA_FLAGS
-        bundle = {"CPU": cpus_per_stage, "GPU": tp} if use_gpus else {"CPU": cpus_per_stage}
-        self.pg = placement_group([bundle] * pp, strategy="PACK")
-        try:
-            ray.get(self.pg.ready(), timeout=placement_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            remove_placement_group(self.pg)
-            raise RuntimeError(
-                f"the Ray cluster cannot place {pp} stages of {bundle} within "
-                f"{placement_timeout_s:.0f} s; available: {ray.available_resources()}") from None
-        env = {} if use_gpus else {"env_vars": {
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={tp}", "JAX_PLATFORMS": "cpu"}}
+        self.cfg, self.plan, self.tp = cfg, plan, plan.tp
+        self.specs = stage_specs(cfg, plan.pp, plan.layer_split)
+        self.n = len(self.specs)
+        gpus = ray.cluster_resources().get("GPU", 0) > 0
+        pg, own = get_current_placement_group(), False
+        if pg is None or len(pg.bundle_specs) != self.n:  # not a replica of ours (app._placement): our own group
+            bundles, strategy = stage_bundles(plan, gpus, cpus_per_stage=cpus_per_stage)
+            pg, own = placement_group(bundles, strategy=strategy), True
+            try:
+                _wait_or_make_room(pg, placement_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                remove_placement_group(pg)
+                raise RuntimeError(
+                    f"the Ray cluster cannot place {self.n} stages ({bundles}, {strategy}) within "
+                    f"{placement_timeout_s:.0f} s; "
+                    f"available: {ray.available_resources()}") from None
+        self.pg, self._own_pg = pg, own
+        env = {} if gpus else {"env_vars": {  # a CPU stage makes its tp host devices; its kernels use its CPUs
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={plan.tp}", "JAX_PLATFORMS": "cpu",
+            "OPT_SERVING_CPU_THREADS": str(max(1, int(cpus_per_stage)))}}
+        whole = None
+        if folder is None:  # random weights: drawn once here, as jax/ draws them, then cut per stage
+            import jax
+            from opt_serving.model import opt
+            whole = opt.init_params(cfg, seed, jax.numpy.dtype(dtype))
         actor = ray.remote(StageActor)
         self.actors = []
-        for s, layers in enumerate(self.ranges):
-            first, last = s == 0, s == pp - 1
-            part = None if params is None else jax.device_get(
-                select_stage_params(params, cfg, layers, first, last))
+        tag = os.urandom(4).hex()  # named (ray.util.list_named_actors finds them), owned by this process
+        for i, spec in enumerate(self.specs):
+            part = None
+            if whole is not None:
+                import jax
+                from opt_serving.model import opt
+                part = jax.device_get(opt.stage_params(whole, spec))
             self.actors.append(actor.options(
-                num_cpus=cpus_per_stage, num_gpus=tp if use_gpus else 0, runtime_env=env,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, s)).remote(
-                    cfg, layers, first, last, folder, part, jnp.dtype(dtype).name, tp))
-        self._call(lambda a: a.ready.remote())
+                num_cpus=cpus_per_stage, num_gpus=plan.tp if gpus else 0, runtime_env=env, max_restarts=0,
+                name=f"{STAGE_NAME_PREFIX}{tag}-{i}",
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, i)).remote(
+                    cfg, spec, None if folder is None else str(folder), part, str(np.dtype(dtype)) if not
+                    isinstance(dtype, str) else dtype, plan.tp, rows, groups, max_seq_len, _describe(i, spec)))
+        del whole
+        self._sent: list = []  # replies nobody waits for (insert, free, drop): their errors surface later
+        self.dead: str | None = None
+        self._finalizer = weakref.finalize(self, _shutdown, list(self.actors), pg if own else None)
+        if own:
+            _LIVE.append(weakref.ref(self))
+        self.get([a.ready.remote() for a in self.actors])
 
-    def _get(self, refs):
+    def describe(self, i: int) -> str:
+        return _describe(i, self.specs[i])
+
+    def call(self, i: int, method: str, *args):
+        ref = getattr(self.actors[i], method).remote(*args)
+        if method in ("insert", "free", "drop", "end_warmup"):
+            self._sent.append(ref)
+        return ref
+
+    def get(self, futures):
         import ray
+        if self.dead is not None:
+            raise StageDied(self.dead)
         try:
-            return ray.get(refs)
-        except ray.exceptions.RayActorError as e:
-            dead = [f"stage {s} (layers {r.start}-{r.stop - 1})"
-                    for s, (a, r) in enumerate(zip(self.actors, self.ranges)) if not _alive(a)]
-            raise StageDied(f"pipeline {', '.join(dead) or 'stage'} died "
-                            f"({e.__class__.__name__}); rebuild the model with get_model(...)") from None
+            if self._sent:  # check the replies nobody waited for, so their errors are not lost
+                done, self._sent = ray.wait(self._sent, num_returns=len(self._sent), timeout=0)
+                ray.get(done)
+            return ray.get(futures)
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+            which = [self.describe(i) for i, a in enumerate(self.actors) if not _alive(a)]
+            self.dead = (f"pipeline {', '.join(which) or 'stage'} died ({type(e).__name__}); "
+                         "the model must be loaded again")
+            raise StageDied(self.dead) from None
 
-    def _call(self, fn):
-        return self._get([fn(a) for a in self.actors])
-
-    def init_cache(self, mb: int, batch: int, max_len: int) -> None:
-        self._call(lambda a: a.init_cache.remote(mb, batch, max_len))
-
-    def free_cache(self, mb: int) -> None:
-        self._call(lambda a: a.free_cache.remote(mb))
-
-    def prefill_async(self, mb: int, input_ids, attention_mask, all_logits: bool = True):
-        """Chain the stages; returns the last stage's ref without waiting."""
-        x = np.asarray(input_ids)
-        for a in self.actors:
-            x = a.prefill.remote(mb, x, np.asarray(attention_mask), all_logits)
-        return x
-
-    def decode_async(self, mb: int, tokens, positions, write_index):
-        x = np.asarray(tokens)
-        for a in self.actors:
-            x = a.decode.remote(mb, x, np.asarray(positions), np.asarray(write_index))
-        return x
-
-    def reorder_async(self, mb: int, index) -> list:
-        """Every stage gathers its cache rows by `index`; Ray runs one caller's calls to an actor
-        in order, so a decode sent after this sees the reordered cache."""
-        index = np.asarray(index, np.int32)
-        return [a.reorder.remote(mb, index) for a in self.actors]
-
-    def reorder(self, mb: int, index) -> None:
-        self._get(self.reorder_async(mb, index))
-
-    def prefill(self, mb, *args, **kw):
-        return self._get(self.prefill_async(mb, *args, **kw))
-
-    def decode(self, mb, *args):
-        return self._get(self.decode_async(mb, *args))
-
-    def shutdown(self) -> None:
+    def check_health(self) -> None:
+        """Raises StageDied naming the stage when one is gone (a busy stage is healthy)."""
         import ray
+        if self.dead is None:
+            refs = [a.ready.remote() for a in self.actors]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=10)
+            for i, ref in enumerate(refs):
+                if ref in ready:
+                    try:
+                        ray.get(ref)
+                    except Exception as e:
+                        self.dead = f"pipeline {self.describe(i)} died ({type(e).__name__})"
+                        break
+        if self.dead is not None:
+            raise StageDied(self.dead)
+
+    def where(self) -> list[dict]:
+        import ray
+        return ray.get([a.where.remote() for a in self.actors])
+
+    def close(self, why: str = "the model was closed") -> None:
+        if self.dead is None:
+            self.dead = why
+        self._finalizer()
+
+
+# pipelines this process placed itself, oldest first (a notebook's `m = get_model(...)` run again)
+_LIVE: list = []
+
+
+def _wait_or_make_room(pg, timeout_s: float) -> None:
+    """Wait for a new pipeline's placement group. `m = get_model(...)` run again builds the new model
+    while `m` still holds the old one: when the cluster has no room, a dropped pipeline still awaiting
+    collection is collected, then the older pipelines this process placed are closed, oldest first (using
+    one afterwards raises StageDied saying so), before waiting the full timeout."""
+    import gc
+    import logging
+    import ray
+    try:
+        return ray.get(pg.ready(), timeout=5)
+    except ray.exceptions.GetTimeoutError:
+        gc.collect()
+    while True:
+        older = [p for p in (r() for r in _LIVE) if p is not None and p._finalizer.alive]
+        try:
+            return ray.get(pg.ready(), timeout=5 if older else timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            if not older:
+                raise
+            logging.getLogger(__name__).warning(
+                "the Ray cluster has no room for the new pipeline: closing an older one this process placed")
+            older[0].close("closed to make room for a newer pipelined model in this process; load it again")
+
+
+def _shutdown(actors, pg) -> None:
+    """Kill the stage actors and remove the placement group this pipeline made (if Ray is still up)."""
+    try:
+        import ray
+        if not ray.is_initialized():
+            return
         from ray.util.placement_group import remove_placement_group
-        for a in self.actors:
+        for a in actors:
             ray.kill(a)
-        remove_placement_group(self.pg)
+        if pg is not None:
+            remove_placement_group(pg)
+    except Exception:  # interpreter shutdown, Ray already gone: nothing left to free
+        pass
 
 
 def _alive(actor) -> bool:
@@ -316,44 +386,6 @@ def _alive(actor) -> bool:
         return True
     except Exception:
         return False
-
-
-class StageActor:
-    """Runs inside a Ray worker: a `Stage` loaded from the folder (its slice only)."""
-
-    def __init__(self, cfg, layers, first, last, folder, params, dtype, tp=1):
-        if params is None:
-            mesh = None
-            if tp > 1:
-                from opt_serving.parallel.sharding import make_mesh
-                mesh = make_mesh(jax.devices()[:tp], tp)
-            params = load_stage_params(folder, cfg, layers, first, last, dtype, mesh)
-        self.stage = Stage(cfg, params, layers, first, last, tp)
-
-    def ready(self) -> bool:
-        return True
-
-    def init_cache(self, mb, batch, max_len):
-        self.stage.init_cache(mb, batch, max_len)
-
-    def free_cache(self, mb):
-        self.stage.free_cache(mb)
-
-    def num_devices(self) -> int:
-        return len(jax.devices())
-
-    def prefill(self, mb, x, attention_mask, all_logits):
-        return self.stage.prefill(mb, x, attention_mask, all_logits)
-
-    def decode(self, mb, x, positions, write_index):
-        return self.stage.decode(mb, x, positions, write_index)
-
-    def reorder(self, mb, index):
-        self.stage.reorder(mb, index)
-
-    def pid(self) -> int:
-        import os
-        return os.getpid()
 
 
 class _Echo:

@@ -1,7 +1,7 @@
 """Measured decode-step times of pipeline stages at each tensor-parallel degree.
 
 Alpa profiled candidate stages rather than trusting an analytic model; this does the same
-for the devices this process sees. For each tp degree it jits `pipeline.Stage` decode steps
+for the devices this process sees. For each tp degree it jits `runner.stage.StageSlots` decode steps
 over a mesh of tp local devices (the code pp > 1 plans run) and times:
 
     middle stages of 1, 4 and all layers -> a stage of n layers, interpolated between them
@@ -130,24 +130,34 @@ def time_interleaved(steps: dict, rounds: int, repeats: int,
 
 def _stage_steps(cfg: OPTConfig, tp: int, depths: tuple[int, ...], batch: int, context: int,
                  dtype: str) -> dict[tuple[int, bool, bool], Callable[[], None]]:
-    """The jitted stage steps of `variants(depths)` for one tp degree, compiled and warmed."""
+    """The jitted stage steps of `variants(depths)` for one tp degree, compiled and warmed: the stage
+    code a pipeline runs (runner.stage.StageSlots over opt.StageSpec), one decode of `batch` rows."""
+    import jax
     import jax.numpy as jnp
     from opt_serving.model import opt
-    from opt_serving.parallel.pipeline import Stage, select_stage_params
+    from opt_serving.runner.stage import StageSlots
     dt = jnp.dtype(dtype)
     params = opt.init_params(cfg.replace(num_hidden_layers=max(depths)), 0, dt)
     tokens = np.full((batch,), 5, np.int32)
-    hidden = np.zeros((batch, 1, cfg.hidden_size), dt)
+    hidden = np.zeros((batch, cfg.hidden_size), dt)
     where = np.full((batch,), context // 2, np.int32)   # position and cache slot written
+    mesh = None
+    if tp > 1:
+        from opt_serving.parallel.sharding import make_mesh
+        mesh = make_mesh(jax.devices()[:tp], tp)
     steps = {}
     for n, first, last in variants(depths):
-        stage = Stage(cfg, select_stage_params(params, cfg, range(n), first, last), range(n),
-                      first, last, tp)
-        stage.init_cache(0, batch, context)
+        spec = opt.StageSpec(0, n, first, last)
+        part = opt.stage_params(params, spec)
+        if mesh is not None:
+            from opt_serving.parallel.pipeline import _shard_stage
+            part = _shard_stage(part, spec, mesh)
+        stage = StageSlots(cfg, part, spec, rows=batch, max_seq_len=context)
+        stage.seq_open(0, batch, context)
         x = tokens if first else hidden
 
         def step(stage=stage, x=x):
-            stage.decode(0, x, where, where)             # returns host numpy: synchronous
+            jax.block_until_ready(stage.seq_decode(0, x, where, where))
         step()                                           # compile and warm
         steps[n, first, last] = step
     return steps
@@ -212,7 +222,7 @@ class _ProfileActor:
 
 
 def _actor_samples(cfg: OPTConfig, tps, depths, batch, context, dtype, rounds, repeats) -> dict:
-    """Stage samples measured in Ray actors made like `pipeline.Pipeline`'s CPU stages. Each
+    """Stage samples measured in Ray actors made like `pipeline.RayStages`' CPU stages. Each
     step is one call from here, as a pipeline's stages are driven: an actor idles between
     its calls, every actor and step taking turns. The round trip of an empty call, taken
     in the same turns, is subtracted: the planner adds the hops itself. Needs ray.init()."""

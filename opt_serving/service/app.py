@@ -21,11 +21,13 @@ from typing import Any, AsyncIterator, Optional, Sequence
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from opt_serving.engine import EngineClosed, QueueFull
+from opt_serving.runner.types import StageDied
 from opt_serving.service import protocol as P
+from opt_serving.service.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from opt_serving.service.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
@@ -57,13 +59,24 @@ def _engine_error(e: BaseException) -> ApiError | None:
                         headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(e, EngineClosed):
         return ApiError(503, f"server shutting down: {e}", "server_error", code="shutting_down")
+    if isinstance(e, StageDied):  # the replica's health check fails too: Serve rebuilds it with its stages
+        return ApiError(503, f"model unavailable: {e}", "server_error", code="stage_died",
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(e, (TimeoutError, asyncio.TimeoutError)):
         return ApiError(504, "request timed out", "timeout_error", code="timeout")
     if isinstance(e, ValueError):  # bad prompt for this model: too long, token id outside the vocabulary, ...
         msg = str(e)
         code = "context_length_exceeded" if "context length" in msg else None
-        return ApiError(400, msg, param="prompt" if "prompt" in msg else None, code=code)
+        return ApiError(400, msg, param="prompt" if "prompt" in msg else leading_field(msg), code=code)
     return None
+
+
+def leading_field(message: str) -> str | None:
+    """The request field an error message starts with ("min_tokens must be ...", "stop: ..."), if any."""
+    word = message.split(" ", 1)[0].rstrip(":")
+    known = set(P.CompletionRequest.model_fields) | set(P.MetaseqRequest.model_fields) | set(
+        P.GenerateRequest.model_fields)
+    return word if word in known else None
 
 
 def _unwrap(e: BaseException) -> BaseException:
@@ -104,14 +117,24 @@ async def _until_done_or_gone(request, coro, handles):
 class Service:
     """The generator plus what every route needs: sampling-parameter mapping, concurrency, metrics."""
 
-    def __init__(self, generator, model_name: str | None = None, request_timeout: float = 600.0):
+    def __init__(self, generator, model_name: str | None = None, request_timeout: float = 600.0,
+                 max_logprobs: int = P.MAX_LOGPROBS):
+        from opt_serving.engine import MAX_TOP_LOGPROBS
         from opt_serving.generator import SamplingParams
         self.g = generator
         self.SamplingParams = SamplingParams
         self.model_name = model_name or getattr(generator, "model_name", None) or "opt"
         self.max_seq_len = int(generator.max_seq_len)
         self.request_timeout = request_timeout
+        # what the server answers for: its configured limit, within the alternatives the engine computes
+        self.max_logprobs = min(max_logprobs, MAX_TOP_LOGPROBS)
         self.metrics = ServiceMetrics(generator.stats)
+
+    def check_logprobs(self, logprobs: Optional[int]) -> Optional[int]:
+        if logprobs is not None and logprobs > self.max_logprobs:
+            raise ApiError(400, f"logprobs: at most {self.max_logprobs} alternatives per token on this server, "
+                                f"got {logprobs}", param="logprobs")
+        return logprobs
 
     def jobs(self, prompts: list, count: int, n: Optional[int] = None, **params) -> list[tuple[Any, Any]]:
         """(prompt, params) per prompt and sample; samples of one prompt get distinct seeds the way the
@@ -121,16 +144,18 @@ class Service:
         try:
             base.validate()  # before anything is queued
         except ValueError as e:
-            raise ApiError(400, str(e)) from None
+            raise ApiError(400, str(e), param=leading_field(str(e))) from None
         return [(p, cp) for p in prompts for cp in self.g.choice_params(base, count, n)]
 
-    def start(self, jobs: list[tuple[Any, Any]]) -> list:
+    async def start(self, jobs: list[tuple[Any, Any]]) -> list:
         """Start every job now (so a full queue or a too-long prompt is an HTTP error, not a broken stream);
-        if one cannot start, the ones already started are cancelled."""
+        if one cannot start, the ones already started are cancelled. The prompts are checked and tokenised
+        on a worker thread: a long one would otherwise hold up every other request on this event loop."""
+        prepared = await asyncio.to_thread(lambda: [self.g.prepare(p, params) for p, params in jobs])
         streams = []
         try:
-            for prompt, params in jobs:
-                streams.append(self.g.stream(prompt, params))
+            for (prompt, params), ids in zip(jobs, prepared):
+                streams.append(self.g.stream(prompt, params, ids=ids))
         except BaseException:
             for st in streams:
                 st.cancel()
@@ -262,10 +287,14 @@ class _CountRequests:
 # ---------------------------------------------------------------------------------------------------------
 
 def create_app(generator, *, model_name: str | None = None, api_keys: Sequence[str] = (),
-               request_timeout: float = 600.0, close_generator: bool = False) -> FastAPI:
+               request_timeout: float = 600.0, close_generator: bool = False,
+               max_logprobs: int = P.MAX_LOGPROBS, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """FastAPI app serving `generator`. `api_keys`: if given, POST routes and /v1/models need
-    `Authorization: Bearer <one of them>`. `close_generator`: close it when the app shuts down."""
-    svc = Service(generator, model_name, request_timeout)
+    `Authorization: Bearer <one of them>`. `close_generator`: close it when the app shuts down.
+    `max_logprobs`: the most top alternatives per token a request may ask for (vLLM's --max-logprobs; the
+    engine computes at most engine.MAX_TOP_LOGPROBS). `max_body_bytes`: larger request bodies are a 413,
+    refused before they are read."""
+    svc = Service(generator, model_name, request_timeout, max_logprobs)
     keys = [k for k in api_keys if k]
 
     @contextlib.asynccontextmanager
@@ -279,6 +308,8 @@ def create_app(generator, *, model_name: str | None = None, api_keys: Sequence[s
                   responses={400: {"model": P.ErrorResponse}, 401: {"model": P.ErrorResponse},
                              429: {"model": P.ErrorResponse}})
     app.state.service = svc
+    # before anything reads the body; inside the counting, so refusals show in the metrics
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
     app.add_middleware(_CountRequests, metrics=svc.metrics)
     page = (STATIC / "index.html").read_text()
 
@@ -300,7 +331,7 @@ def create_app(generator, *, model_name: str | None = None, api_keys: Sequence[s
             msg = first["msg"].removeprefix("Value error, ")
             if loc:
                 msg = f"{'.'.join(loc)}: {msg}"
-        return JSONResponse(P.error_json(msg, param=loc[0] if loc else None), status_code=400)
+        return JSONResponse(P.error_json(msg, param=loc[0] if loc else leading_field(msg)), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_req, e: StarletteHTTPException):
@@ -324,15 +355,15 @@ def create_app(generator, *, model_name: str | None = None, api_keys: Sequence[s
 
     auth = [Depends(check_key)]
 
-    def start(jobs) -> list:
+    async def start(jobs) -> list:
         """Start the jobs' engine requests, mapping refusals (queue full, too long) to HTTP errors."""
         with _as_http_errors():
-            return svc.start(jobs)
+            return await svc.start(jobs)
 
     async def run(request: Request, work, jobs):
         """Start the jobs and await `work(streams)`, mapping engine errors to HTTP ones; a client that
         disconnects first cancels the work (and with it the engine requests)."""
-        streams = start(jobs)
+        streams = await start(jobs)
         return await _until_done_or_gone(request, work(streams), streams)
 
     # ---- pages and probes ----
@@ -340,8 +371,15 @@ def create_app(generator, *, model_name: str | None = None, api_keys: Sequence[s
     async def index():
         return HTMLResponse(page)
 
-    @app.get("/health")
-    async def health() -> dict:
+    @app.get("/health", responses={503: {"description": "the engine is dead or stuck; the reason is given"}})
+    async def health():
+        check = getattr(generator, "check_health", None)
+        if check is not None:
+            try:  # off the event loop: a slot model's own check may ask remote stages
+                await asyncio.to_thread(check)
+            except RuntimeError as e:
+                return JSONResponse({"status": "unhealthy", "model": svc.model_name, "reason": str(e)},
+                                    status_code=503)
         return {"status": "ok", "model": svc.model_name}
 
     @app.get("/metrics", include_in_schema=False)
@@ -368,9 +406,10 @@ def create_app(generator, *, model_name: str | None = None, api_keys: Sequence[s
         jobs = svc.jobs(prompts, best_of, n, max_tokens=16 if req.max_tokens is None else req.max_tokens,
                         temperature=temperature, top_p=top_p, presence_penalty=req.presence_penalty or 0.0,
                         frequency_penalty=req.frequency_penalty or 0.0, seed=req.seed, stop=req.stops,
-                        logprobs=req.logprobs, echo=bool(req.echo), score_tokens=False)
+                        logprobs=svc.check_logprobs(req.logprobs), echo=bool(req.echo), score_tokens=False,
+                        **req.extensions())
         if req.stream:
-            return _stream_openai(svc, req, start(jobs))
+            return _stream_openai(svc, req, await start(jobs))
 
         async def work(streams):
             timer = svc.metrics.timer("completions")
@@ -543,13 +582,16 @@ def _stream_openai(svc: Service, req: P.CompletionRequest, streams: list) -> Str
 
 class ServeArgs(BaseModel):
     """Arguments of the application builder (`serve run opt_serving.service:app model=... path=...`);
-    strings from the command line are converted (lax mode)."""
+    strings from the command line are converted (lax mode). An argument not listed here is an error
+    naming it (a misspelt `pipeline_paralel` never leaves a deployment silently unpipelined)."""
+    model_config = ConfigDict(extra="forbid")
+
     model: Optional[str] = None          # None: the embedded tiny model
     path: Optional[str] = None
     dummy: bool = False                  # random weights of the named size (no path)
     seed: int = 0                        # of the random weights
     tokenizer: Optional[str] = None      # tokenizer folder, instead of the weights folder's / the embedded one
-    dtype: str = "float32"
+    dtype: str = "auto"                  # float16 on GPUs, float32 on CPUs
     max_batch_size: int = 16
     max_seq_len: Optional[int] = None
     max_queue: int = 256
@@ -558,10 +600,25 @@ class ServeArgs(BaseModel):
     num_replicas: Optional[int] = None  # None: 1, or what serve_config.yaml's autoscaling_config decides
     num_cpus: float = 1.0                # per replica
     graceful_shutdown_timeout_s: float = 10.0
+    # alpa/ models: the plan (left out: the planner's choice for the Ray cluster)
+    tensor_parallel: Optional[int] = None
+    pipeline_parallel: Optional[int] = None
+    device_memory: Optional[str] = None  # what each device may hold ("16GB"): CPU nodes, GPUs Ray does not name
+    micro_batches: Optional[int] = None  # decode slot groups of a pipelined plan (default pp)
+    health_check_period_s: float = 5.0
+    max_logprobs: int = P.MAX_LOGPROBS   # vLLM's --max-logprobs
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
     def key_list(self) -> list[str]:
         keys = self.api_keys.split(",") if isinstance(self.api_keys, str) else self.api_keys
         return [k.strip() for k in keys if k.strip()]
+
+    def plan_args(self) -> dict:
+        """What load_engine takes about the plan (alpa/ models only)."""
+        if not (self.model or "").startswith("alpa/"):
+            return {}
+        return dict(tensor_parallel=self.tensor_parallel, pipeline_parallel=self.pipeline_parallel,
+                    device_memory=self.device_memory, micro_batches=self.micro_batches)
 
 
 def check_model_args(args: ServeArgs) -> None:
@@ -604,28 +661,43 @@ def build_generator(args: ServeArgs):
         path, model = str(ensure_embedded_model()), "jax/opt-tiny"
     return Generator.from_pretrained(model, path, dtype=args.dtype, max_batch_size=args.max_batch_size,
                                      max_seq_len=args.max_seq_len, max_queue=args.max_queue,
-                                     dummy=args.dummy, seed=args.seed, tokenizer=args.tokenizer)
+                                     dummy=args.dummy, seed=args.seed, tokenizer=args.tokenizer, **args.plan_args())
 
 
 def _placement(args: ServeArgs) -> dict:
-    """Deployment options. An `alpa/` model runs its tensor-parallel plan inside the replica (the engine
-    drives pp = 1 plans), so on a GPU cluster the replica's placement group bundle reserves the plan's
-    tp GPUs on one node, next to the replica's CPUs."""
+    """Deployment options. An `alpa/` model is planned here, for the Ray cluster this process joins
+    (address="auto"; one is started when none runs, as `serve run` would), and the replica's placement
+    group holds what the plan needs: its own bundle (with the plan's tp GPUs when pp = 1), or one bundle
+    per pipeline stage with the replica in the first, so the stages belong to the replica and live and
+    die with it. The plan's
+    degrees go to the replica, which plans its layer split for the same cluster."""
     own = {"ray_actor_options": {"num_cpus": args.num_cpus}}
     if not (args.model or "").startswith("alpa/"):
         return own
+    from opt_serving.parallel import backend
+    from opt_serving.runner.load import resolve_dtype
+    args.dtype = resolve_dtype(args.dtype, cluster=True)  # the cluster's GPUs decide "auto", not this process's
+    # the plan needs only the config: the folder's, or the preset's when there is no folder (yet)
+    plan, _, _ = backend.plan_model(args.model, args.path, args.dtype, dummy=args.dummy or args.path is None,
+                                    tensor_parallel=args.tensor_parallel,
+                                    pipeline_parallel=args.pipeline_parallel, device_memory=args.device_memory,
+                                    batch_size=args.max_batch_size, max_seq_len=args.max_seq_len)
+    args.tensor_parallel, args.pipeline_parallel = plan.tp, plan.pp
     import ray
-
-    if not (ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0):
-        return own   # CPU: the replica's process makes its own host devices
-    from opt_serving.config import get_config
-    from opt_serving.parallel import cluster, planner
-    plan = planner.best_plan(get_config(args.model), cluster.cluster_from_ray(), model=args.model,
-                             batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
-                             dtype=args.dtype, pipeline_parallel=1)
-    return {"ray_actor_options": {"num_cpus": args.num_cpus, "num_gpus": plan.tp},
-            "placement_group_bundles": [{"CPU": args.num_cpus, "GPU": float(plan.tp)}],
-            "placement_group_strategy": "STRICT_PACK"}
+    gpus = ray.cluster_resources().get("GPU", 0) > 0
+    if plan.pp == 1:
+        if not gpus:  # CPU: the replica's process makes its own tp host devices
+            env = {"env_vars": {"XLA_FLAGS": f"--xla_force_host_platform_device_count={plan.tp}"}}
+            return {"ray_actor_options": {"num_cpus": args.num_cpus, "runtime_env": env}} if plan.tp > 1 else own
+        return {"ray_actor_options": {"num_cpus": args.num_cpus, "num_gpus": plan.tp},
+                "placement_group_bundles": [{"CPU": args.num_cpus, "GPU": float(plan.tp)}],
+                "placement_group_strategy": "STRICT_PACK"}
+    # one bundle per stage, the replica in stage 0's (a bundle lies on one node, so a stage's tp devices
+    # do too); CPU nodes are the planner's devices: one stage a node where there are enough of them
+    from opt_serving.parallel.pipeline import stage_bundles
+    bundles, strategy = stage_bundles(plan, gpus, extra_cpus=args.num_cpus)
+    return {"ray_actor_options": {"num_cpus": args.num_cpus},
+            "placement_group_bundles": bundles, "placement_group_strategy": strategy}
 
 
 def build_app(args: ServeArgs | dict | None = None):
@@ -647,16 +719,19 @@ def build_app(args: ServeArgs | dict | None = None):
 
         def __serve_build_asgi_app__(self):
             return create_app(self.generator, model_name=self.args.model, api_keys=self.args.key_list(),
-                              request_timeout=self.args.request_timeout, close_generator=True)
+                              request_timeout=self.args.request_timeout, close_generator=True,
+                              max_logprobs=self.args.max_logprobs, max_body_bytes=self.args.max_body_bytes)
 
         def check_health(self):
-            if getattr(self.generator, "closed", False):
-                raise RuntimeError("generator closed")
+            """Serve replaces the replica when this raises: a dead or stuck engine, a dead pipeline stage."""
+            self.generator.check_health()
 
     replicas = {} if args.num_replicas is None else {"num_replicas": args.num_replicas}
+    placement = _placement(args)  # plans alpa/ models, fixing their degrees in args
     deployment = serve.deployment(
         OPTServer, name="OPTServer", **replicas,
         # every waiting request must reach the engine's own bounded queue (which answers 429), not Serve's
         max_ongoing_requests=args.max_queue + args.max_batch_size,
-        graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s, **_placement(args))
+        graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s,
+        health_check_period_s=args.health_check_period_s, **placement)
     return deployment.bind(args.model_dump())

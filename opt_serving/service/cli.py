@@ -27,7 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "with a --path that has no tokenizer files")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto (default): float16 on GPUs, float32 on CPUs")
     p.add_argument("--max-batch-size", type=int, default=16, help="decode slots (requests advanced per step)")
     p.add_argument("--max-seq-len", type=int, default=None, help="prompt + generated tokens (default: the model's)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond which the answer is 429")
@@ -35,6 +36,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", action="append", default=[],
                    help="accept only requests with `Authorization: Bearer KEY` (repeatable; also "
                         "$OPT_SERVING_API_KEYS, comma separated)")
+    p.add_argument("--tensor-parallel", type=int, default=None, metavar="TP",
+                   help="alpa/ models: devices a stage's layers are split over (default: the planner's choice)")
+    p.add_argument("--pipeline-parallel", type=int, default=None, metavar="PP",
+                   help="alpa/ models: pipeline stages, Ray actors placed on the cluster's nodes (default: the "
+                        "planner's choice for the Ray cluster)")
+    p.add_argument("--device-memory", default=None, metavar="BYTES",
+                   help="alpa/ models: what each device may hold, e.g. 16GB (CPU nodes, GPUs Ray does not "
+                        "name); the planner pipelines a model that does not fit one device")
+    p.add_argument("--micro-batches", type=int, default=None,
+                   help="pipelined plans: decode slot groups in flight through the stages (default: pp)")
+    p.add_argument("--max-logprobs", type=int, default=20,
+                   help="most top alternatives a request may ask for per token (vLLM's --max-logprobs)")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20,
+                   help="request bodies larger than this are refused with 413 before they are read")
     p.add_argument("--num-replicas", type=int, default=None, help="model replicas (default 1)")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs for a Ray started here (default: all)")
     p.add_argument("--ray-address", default=None,
@@ -127,7 +142,10 @@ def serve_args_from(args: argparse.Namespace):
     return ServeArgs(model=args.model, path=path, dummy=args.dummy, seed=args.seed, tokenizer=tokenizer,
                      dtype=args.dtype, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
                      max_queue=args.max_queue, request_timeout=args.request_timeout, api_keys=keys,
-                     num_replicas=args.num_replicas, graceful_shutdown_timeout_s=args.drain_timeout)
+                     num_replicas=args.num_replicas, graceful_shutdown_timeout_s=args.drain_timeout,
+                     tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel,
+                     device_memory=args.device_memory, micro_batches=args.micro_batches,
+                     max_logprobs=args.max_logprobs, max_body_bytes=args.max_body_bytes)
 
 
 def check_args(serve_args) -> str | None:
@@ -199,7 +217,13 @@ def run(args: argparse.Namespace) -> int:
         # with direct ingress Serve still starts its proxy: it gets a spare port, the replica owns --port
         from opt_serving.service.testserver import free_port
         serve.start(http_options={"host": args.host, "port": free_port() if direct else args.port})
-        serve.run(build_app(serve_args), name="opt", route_prefix="/", blocking=False)
+        from opt_serving.parallel.planner import NoFeasiblePlan
+        try:
+            app = build_app(serve_args)  # plans alpa/ models for the cluster just joined
+        except NoFeasiblePlan as e:
+            print(f"opt-serving serve: {e}", file=sys.stderr)
+            return 2
+        serve.run(app, name="opt", route_prefix="/", blocking=False)
         take_signals()
         if started_ray:  # the replicas are up: every other process Ray started is running by now
             lower_ray_priority(args.ray_nice, include_proxy=direct)

@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 MAX_N = 16           # completions per prompt (n and best_of)
 MAX_PROMPTS = 64     # prompts per request
 MAX_STOP = 4         # OpenAI's limit on stop strings
+MAX_LOGPROBS = 20    # vLLM's default --max-logprobs; the server's own limit may be lower (app.py)
+MAX_STOP_TOKEN_IDS = 64
 
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 # OpenAI's four prompt forms; the order matters: a list of ints must not be read as a list of lists.
@@ -70,7 +72,7 @@ class CompletionRequest(Request):
     best_of: Optional[Annotated[int, Field(ge=1, le=MAX_N)]] = None
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
-    logprobs: Optional[Annotated[int, Field(ge=0, le=5)]] = None
+    logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]] = None
     echo: Optional[bool] = False
     stop: Optional[Union[Annotated[str, Field(max_length=256)],
                          Annotated[list[Annotated[str, Field(max_length=256)]], Field(max_length=MAX_STOP)]]] = None
@@ -80,6 +82,15 @@ class CompletionRequest(Request):
     logit_bias: Optional[dict[str, float]] = None
     suffix: Optional[str] = None
     user: Optional[str] = None
+    # vLLM's sampling extensions, with vLLM's meaning and checks (its SamplingParams); null = the default
+    top_k: Optional[Annotated[int, Field(ge=-1, lt=2**31)]] = None   # -1 or 0: off
+    min_p: Optional[Annotated[float, Field(ge=0.0, le=1.0)]] = None  # 0: off (the only value served)
+    min_tokens: Optional[Annotated[int, Field(ge=0, le=1_000_000)]] = None
+    ignore_eos: Optional[bool] = None
+    repetition_penalty: Optional[Annotated[float, Field(gt=0.0)]] = None
+    stop_token_ids: Optional[Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)]] = None
+    include_stop_str_in_output: Optional[bool] = None
+    skip_special_tokens: Optional[bool] = None
 
     @model_validator(mode="after")
     def _check(self) -> "CompletionRequest":
@@ -93,6 +104,12 @@ class CompletionRequest(Request):
             raise ValueError("logit_bias is not supported")
         if self.suffix:
             raise ValueError("suffix is not supported")
+        if self.min_p:  # known, but the sampler has no min-p filter: refused rather than ignored
+            raise ValueError("min_p is not supported by this server (only 0, off)")
+        max_tokens = 16 if self.max_tokens is None else self.max_tokens
+        if (self.min_tokens or 0) > max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be less than or equal to max_tokens "
+                             f"({max_tokens})")
         _stop_list(self.stop)
         normalize_prompt(self.prompt)
         return self
@@ -100,6 +117,15 @@ class CompletionRequest(Request):
     @property
     def stops(self) -> list[str]:
         return _stop_list(self.stop)
+
+    def extensions(self) -> dict:
+        """vLLM's extensions as generator SamplingParams fields (defaults for those not sent)."""
+        return dict(top_k=max(self.top_k or 0, 0), min_tokens=self.min_tokens or 0,
+                    ignore_eos=bool(self.ignore_eos),
+                    repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                    stop_token_ids=list(self.stop_token_ids or []),
+                    include_stop_str_in_output=bool(self.include_stop_str_in_output),
+                    skip_special_tokens=self.skip_special_tokens is not False)
 
 
 class Logprobs(BaseModel):

@@ -186,15 +186,17 @@ def write_reshard_parts(folder: str | Path, model, parts: int) -> list[Path]:
     return files
 
 
-def write_singleton(path: str | Path, model, with_cfg: bool = True) -> Path:
-    """A consolidated checkpoint (Alpa's `restored.pt`): one file, separate q/k/v."""
+def write_singleton(path: str | Path, model, with_cfg: bool = True, cfg_parts: int = 1) -> Path:
+    """A consolidated checkpoint (Alpa's `restored.pt`): one file, separate q/k/v. `cfg_parts`: the
+    model_parallel_size its cfg names; metaseq's convert_to_singleton copies part 0's cfg, so a glued
+    singleton of an 8-part model still says 8."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     sd = metaseq_state_dict(model)
     sd["decoder.version"] = torch.tensor([3.0])
     data = {"model": sd}
     if with_cfg:
-        data["cfg"] = metaseq_cfg(_opt_config(model))
+        data["cfg"] = metaseq_cfg(_opt_config(model), parts=cfg_parts)
     torch.save(data, path)
     return path
 

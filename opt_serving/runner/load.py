@@ -1,0 +1,67 @@
+"""A model name and weights -> the slot runner the engine drives, for every plan.
+
+`jax/` and `facebook/` names run on one device. `alpa/` names take the planner's plan for the Ray
+cluster this process is connected to (or, with no cluster running, for this process's devices):
+pp = 1 runs the tensor-parallel stage in this process (GSPMD shards the KV cache by heads); pp > 1 runs
+one Ray actor per stage (`parallel/pipeline.py`), each holding its layers and their KV cache.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from opt_serving.model import opt
+from opt_serving.runner.slots import LocalStages, Slots
+from opt_serving.runner.stage import StageSlots
+
+
+def load_slots(model_name: str, path=None, dtype: str = "float32", num_slots: int = 16,
+               max_seq_len: Optional[int] = None, dummy: bool = False, seed: int = 0,
+               tensor_parallel: Optional[int] = None, pipeline_parallel: Optional[int] = None,
+               device_memory=None, micro_batches: Optional[int] = None) -> Slots:
+    """Slots over the named model's weights: a numpy folder (or its parent holding `<size>-np/`), or
+    random weights of the named size (`dummy`, drawn from `seed`). `micro_batches`: decode slot groups
+    of a pipelined plan (default: pp, at most one per slot)."""
+    from opt_serving.model.wrapper import get_model
+    dtype = resolve_dtype(dtype, cluster=model_name.startswith("alpa/"))
+    if model_name.startswith("alpa/"):
+        from opt_serving.parallel import backend
+        plan, cfg, source = backend.plan_model(model_name, path, dtype, dummy=dummy,
+                                               tensor_parallel=tensor_parallel,
+                                               pipeline_parallel=pipeline_parallel,
+                                               device_memory=device_memory, batch_size=num_slots,
+                                               max_seq_len=max_seq_len)
+        if plan.pp > 1:
+            from opt_serving.parallel.pipeline import RayStages
+            groups = micro_batches or plan.pp
+            groups = max(g for g in range(1, min(groups, num_slots) + 1) if num_slots % g == 0)
+            stages = RayStages(cfg, plan, source, dtype=dtype, seed=seed, rows=num_slots // groups,
+                               groups=groups, max_seq_len=max_seq_len)
+            return Slots(cfg, stages, num_slots, groups, max_seq_len, plan=plan)
+        m = backend.tensor_parallel_model(cfg, plan, source, dtype, seed)
+    else:
+        if tensor_parallel not in (None, 1) or pipeline_parallel not in (None, 1):
+            raise ValueError(f"{model_name} runs on one device; use alpa/ for parallelism")
+        if model_name.startswith("facebook/"):
+            model_name = "jax/" + model_name[len("facebook/"):]
+        m = get_model(model_name, path, dtype=dtype, dummy=dummy, seed=seed)
+    return local_slots(m.config, m.fused_params, num_slots, max_seq_len, plan=getattr(m, "plan", None))
+
+
+def resolve_dtype(dtype: str, cluster: bool = False) -> str:
+    """"auto": float16 where the model runs on GPUs (this process's, or the Ray cluster's for an alpa/
+    model), float32 on CPUs, where the CPU kernels run float32 products."""
+    if dtype != "auto":
+        return dtype
+    import jax
+    gpu = jax.default_backend() == "gpu"
+    if cluster and not gpu:
+        from opt_serving.parallel.backend import connect_ray
+        ray = connect_ray(start=False)
+        gpu = ray is not None and ray.cluster_resources().get("GPU", 0) > 0
+    return "float16" if gpu else "float32"
+
+
+def local_slots(cfg, params, num_slots: int = 8, max_seq_len: Optional[int] = None, plan=None) -> Slots:
+    """Slots over a whole model's params in this process (one device, or a tensor-parallel mesh)."""
+    stage = StageSlots(cfg, params, opt.StageSpec.whole(cfg), num_slots, 1, max_seq_len)
+    return Slots(cfg, LocalStages([stage]), num_slots, 1, max_seq_len, plan=plan)

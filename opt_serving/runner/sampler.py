@@ -1,0 +1,184 @@
+"""The last stage's token choice: the tied LM head and per-slot sampling state, for the decode slots.
+
+Lives with the stage that holds the LM head (the whole model on one device; the last pipeline stage
+otherwise), so hidden states never leave it: a step hands on only the chosen tokens and their scores.
+Slots are split into groups (the pipeline's micro-batches); each group has its own state arrays, so a
+group is chosen for while the others are still in the stages.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from opt_serving import sampling
+from opt_serving.runner.types import MAX_BAD_WORD_LEN, MAX_BAD_WORDS, MAX_TOP_LOGPROBS, SlotSettings
+from opt_serving.model import cpu_kernels, opt
+
+
+def settings_rows(rows: Sequence[SlotSettings], batch: int) -> sampling.Settings:
+    """`sampling.Settings` of `batch` rows: these requests' settings, then defaults."""
+    rows = list(rows) + [SlotSettings()] * (batch - len(rows))
+    bad = np.full((batch, MAX_BAD_WORDS, MAX_BAD_WORD_LEN), -1, np.int32)
+    for r, s in enumerate(rows):
+        if len(s.bad_words_ids) > MAX_BAD_WORDS or any(len(w) > MAX_BAD_WORD_LEN for w in s.bad_words_ids):
+            raise ValueError(f"at most {MAX_BAD_WORDS} bad words of up to {MAX_BAD_WORD_LEN} tokens each")
+        for i, w in enumerate(s.bad_words_ids):
+            bad[r, i, :len(w)] = w
+    col = lambda f: [f(s) for s in rows]  # noqa: E731
+    settings = sampling.make_settings(
+        batch, temperature=col(lambda s: s.temperature), top_k=col(lambda s: s.top_k),
+        top_p=col(lambda s: s.top_p), repetition_penalty=col(lambda s: s.repetition_penalty),
+        presence_penalty=col(lambda s: s.presence_penalty),
+        frequency_penalty=col(lambda s: s.frequency_penalty),
+        no_repeat_ngram_size=col(lambda s: s.no_repeat_ngram_size), min_new_tokens=col(lambda s: s.min_tokens),
+        eos_token_id=col(lambda s: s.stop_token_ids[0] if s.stop_token_ids else -1),
+        seed=col(lambda s: s.seed % 2 ** 63))
+    return settings.replace(bad_words=bad)
+
+
+def prompt_state(ids, mask, lengths, rows: int, history_len: int, vocab: int) -> sampling.State:
+    """Sampling state for k right-padded prompts (ids, mask [k, n]; lengths [k]) in the first k of `rows`
+    rows: history = the prompt (pads as 0), seen = its real tokens."""
+    k, n = ids.shape
+    history = jnp.zeros((rows, history_len), jnp.int32).at[:k, :n].set(ids * mask)
+    at = jnp.broadcast_to(jnp.arange(k)[:, None], (k, n))
+    seen = jnp.zeros((rows, vocab), jnp.bool_).at[at, jnp.where(mask > 0, ids, vocab)].set(True, mode="drop")
+    length = jnp.zeros((rows,), jnp.int32).at[:k].set(lengths)
+    return sampling.State(history=history, length=length, prompt_length=length, seen=seen,
+                          counts=jnp.zeros((rows, vocab), jnp.int32))
+
+
+def split_rows(tree, k: Optional[int] = None) -> list:
+    """The first k (default: all) batch rows of every array in `tree`, as k batch-1 trees."""
+    if k is None:
+        k = jax.tree_util.tree_leaves(tree)[0].shape[0]
+    return [jax.tree_util.tree_map(lambda a: a[j:j + 1], tree) for j in range(k)]
+
+
+def raw_scores(logits):
+    """The model's own log-probabilities (before any processor) and the top alternatives, per row."""
+    lp = jax.nn.log_softmax(logits, axis=-1)
+    top_lp, top_ids = jax.lax.top_k(lp, MAX_TOP_LOGPROBS)
+    return lp, top_ids.astype("int32"), top_lp
+
+
+def token_scores(logits, tok, want_top):
+    """The chosen tokens' log-probabilities [B] and, when `want_top`, the top alternatives ([B, K] ids
+    and log-probabilities; ids -1 otherwise). Each pass over [B, V] costs milliseconds on a CPU at
+    batch 32, so neither the full log-softmax nor an unwanted top-k is materialised."""
+    lse = jax.nn.logsumexp(logits, axis=-1)  # [B]
+    lp = jnp.take_along_axis(logits, tok[:, None], axis=-1)[:, 0] - lse
+
+    def top():
+        vals, ids = jax.lax.top_k(logits, MAX_TOP_LOGPROBS)
+        return ids.astype(jnp.int32), vals - lse[:, None]
+
+    return lp, *jax.lax.cond(want_top, top, lambda: no_top(logits.shape[0]))
+
+
+def no_top(b: int):
+    """No top alternatives for b rows: ids -1 [b, K], log-probabilities 0 [b, K]."""
+    return jnp.full((b, MAX_TOP_LOGPROBS), -1, jnp.int32), jnp.zeros((b, MAX_TOP_LOGPROBS), jnp.float32)
+
+
+class Sampler:
+    """Token choice over `groups` groups of `rows` slots: state/settings/active arrays per group, and the
+    rows of prefilled requests waiting to be inserted (by handle)."""
+
+    def __init__(self, cfg, params, rows: int, groups: int, max_seq_len: int):
+        self.cfg, self.rows, self.max_seq_len = cfg, rows, max_seq_len
+        L, V = max_seq_len, cfg.vocab_size
+        empty = jnp.zeros((rows, 1), jnp.int32)
+
+        def fresh():  # own buffers per leaf (init_state shares one for length and prompt_length): donated
+            return jax.tree_util.tree_map(jnp.copy, sampling.init_state(empty, empty, V, L))
+        self.state = [fresh() for _ in range(groups)]
+        self.settings = [settings_rows([], rows) for _ in range(groups)]
+        self.active = [jnp.zeros(rows, jnp.bool_) for _ in range(groups)]
+        self.pending: dict[int, tuple] = {}  # handle -> (row state, row settings)
+        screened = cpu_kernels.has_head(params)
+
+        def first(params, h, ids, mask, lengths, want_prompt, state_rows):
+            """k right-padded prompts' final hidden states h [k, n, D] -> their sampling state padded to
+            `state_rows` rows, the last positions' hidden states [state_rows, D], and the prompt scores of
+            rows that `want_prompt` (zeros otherwise)."""
+            k, n = ids.shape
+            last = jnp.zeros((state_rows, h.shape[-1]), h.dtype).at[:k].set(h[jnp.arange(k), lengths - 1])
+
+            def prompt_scores():  # position i predicts token i+1; the full logits only when asked
+                plp, ptop, ptop_lp = raw_scores(opt.lm_logits(params, h))  # [k, n, V], [k, n, K] x 2
+                return jnp.take_along_axis(plp, jnp.roll(ids, -1, axis=1)[..., None], axis=-1)[..., 0], ptop, ptop_lp
+
+            none = lambda: (jnp.zeros((k, n), jnp.float32), jnp.zeros((k, n, MAX_TOP_LOGPROBS), jnp.int32),  # noqa: E731
+                            jnp.zeros((k, n, MAX_TOP_LOGPROBS), jnp.float32))
+            return (prompt_state(ids, mask, lengths, state_rows, L, V), last,
+                    jax.lax.cond(jnp.any(want_prompt), prompt_scores, none))
+
+        def choose(params, h, state, settings, active, want_scores, want_top):
+            """One token per row from the final hidden states h [B, D], scored when `want_scores`, appended
+            to the rows that are `active`. When no row wants scores and every active row takes the plain
+            argmax, params with the screened greedy head never make the logits (opt.lm_argmax); the
+            scores are then NaN."""
+            def full():
+                logits = opt.lm_logits(params, h)  # [B, V]
+                tok, _ = sampling.sample(logits, state, settings)
+                return (tok, *token_scores(logits, tok, want_top))
+
+            def plain():
+                tok = opt.lm_argmax(params, h, sampling.held_back(state, settings))
+                return (tok, jnp.full(tok.shape, jnp.nan, jnp.float32), *no_top(h.shape[0]))
+            out = jax.lax.cond(~want_scores & sampling.plain_argmax(state, settings, active), plain, full) \
+                if screened else full()
+            # free slots keep their state, so their positions never run past the cache
+            state = sampling.update_state(state, out[0], active)
+            return state, out
+
+        def insert(state, settings, active, row_state, row_settings, slot):
+            put = lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r.astype(a.dtype), slot, axis=0)  # noqa: E731
+            return (jax.tree_util.tree_map(put, state, row_state),
+                    jax.tree_util.tree_map(put, settings, row_settings), active.at[slot].set(True))
+
+        self._first = jax.jit(first, static_argnums=(6,))
+        self._choose = jax.jit(choose, donate_argnums=(2,))
+        self._insert = jax.jit(insert, donate_argnums=(0, 1, 2))
+        self._split_rows = jax.jit(split_rows)  # a pass's sampling state and settings -> batch-1 rows
+        self._free = jax.jit(lambda active, slot: active.at[slot].set(False), donate_argnums=(0,))
+
+    def prefill(self, params, handles: Sequence[int], h, ids, mask, lengths,
+                settings: Sequence[SlotSettings], state_rows: int):
+        """Choose the first token of each prompt in a prefill pass and keep its sampling row under its
+        handle -> (tokens, logprobs, top ids, top logprobs) [k], and prompt scores (or None)."""
+        k = len(settings)
+        want_prompt = np.array([s.prompt_logprobs for s in settings] + [False] * (ids.shape[0] - k))
+        state, last, scores = self._first(params, h, ids, mask, lengths, want_prompt, state_rows)
+        want_top = np.array([s.top_logprobs for s in settings] + [False] * (state_rows - k))
+        want_scores = any(s.top_logprobs or s.logprob for s in settings)
+        pass_settings = settings_rows(settings, state_rows)
+        state, first = self._choose(params, last, state, pass_settings, np.arange(state_rows) < k,
+                                    np.bool_(want_scores), np.bool_(want_top.any()))
+        tok, lp, top_ids, top_lp = (np.asarray(a) for a in first)
+        rows = self._split_rows((state, pass_settings)) if state_rows > 1 else [(state, pass_settings)]
+        for j, handle in enumerate(handles):
+            self.pending[handle] = rows[j]
+        prompt = tuple(np.asarray(a) for a in scores) if want_prompt.any() else None
+        return (tok[:k], lp[:k], np.where(want_top[:k, None], top_ids[:k], -1), top_lp[:k]), prompt
+
+    def insert(self, handle: int, group: int, row: int, keep: bool = False) -> None:
+        row_state, row_settings = self.pending[handle] if keep else self.pending.pop(handle)
+        self.state[group], self.settings[group], self.active[group] = self._insert(
+            self.state[group], self.settings[group], self.active[group], row_state, row_settings, np.int32(row))
+
+    def drop(self, handle: int) -> None:
+        self.pending.pop(handle, None)
+
+    def choose(self, params, group: int, h, want_scores: bool, want_top: bool):
+        """-> (tokens, logprobs, top ids, top logprobs) of the group's rows, as numpy."""
+        self.state[group], out = self._choose(params, h, self.state[group], self.settings[group],
+                                              self.active[group], np.bool_(want_scores), np.bool_(want_top))
+        return tuple(np.asarray(a) for a in out)
+
+    def free(self, group: int, row: int) -> None:
+        self.active[group] = self._free(self.active[group], np.int32(row))

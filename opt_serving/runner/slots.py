@@ -1,0 +1,257 @@
+"""The engine's slot model for every plan: host bookkeeping over a chain of stages.
+
+`Slots` keeps, per decode slot, its token count, its newest token and what its request wants scored,
+and drives the stages (`StageSlots`, runner/stage.py) through a `Stages` object: in this process
+(`LocalStages`: one device or a tensor-parallel mesh, a stage that is both first and last) or in Ray
+actors (`parallel/pipeline.py`). Every call goes to every stage in the same order, and each stage runs
+its calls in that order, so an insert or a free sent after a decode acts after it.
+
+Pipelined decode: the slots form `groups` micro-batch groups. `step()` sends every idle group with work
+through the stages, then waits for the oldest one and returns its tokens (`StepResult.rows`): while the
+engine hands those out, the other groups are in the stages. With one group it is a plain synchronous
+step. A slot freed or refilled while its group is in flight gets no token from that flight.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+from typing import Any, Optional, Protocol, Sequence
+
+import numpy as np
+
+from opt_serving.model import kv_cache
+from opt_serving.runner.stage import cache_windows, prefill_buckets
+from opt_serving.runner.types import (MAX_TOP_LOGPROBS, PREFILL_BATCH_TOKENS, PREFILL_MIN_BUCKET, Prefix,
+                                      SlotSettings, StepResult, TokenInfo)
+
+
+class Stages(Protocol):
+    """How the driver reaches the stages. `call` returns a future (or, in process, the value itself);
+    a future may be passed as an argument of the next stage's call; `get` waits for futures."""
+    n: int
+
+    def call(self, i: int, method: str, *args) -> Any: ...
+    def get(self, futures) -> Any: ...
+    def check_health(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class LocalStages:
+    """Stages in this process: calls run at once."""
+
+    def __init__(self, stages: Sequence):
+        self.stages = list(stages)
+        self.n = len(self.stages)
+
+    def call(self, i: int, method: str, *args):
+        return getattr(self.stages[i], method)(*args)
+
+    def get(self, futures):
+        return futures
+
+    def check_health(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Slots:
+    """`engine.SlotModel` over `stages`, each holding `num_slots // groups` rows of every group."""
+
+    def __init__(self, cfg, stages: Stages, num_slots: int, groups: int = 1, max_seq_len: Optional[int] = None,
+                 plan=None):
+        if num_slots % groups:
+            raise ValueError(f"{num_slots} decode slots do not split into {groups} micro-batch groups")
+        self.cfg, self.stages, self.plan = cfg, stages, plan
+        self.num_slots, self.groups = num_slots, groups
+        self.max_seq_len = min(max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.vocab_size = cfg.vocab_size
+        self.buckets = prefill_buckets(self.max_seq_len)
+        # short prompt buckets -> rows a pass (at most the slots: never more requests are admitted at once).
+        # Every prompt of such a bucket runs in a pass of that many rows, even alone: a prompt's numbers
+        # then never depend on the requests it was batched with (XLA's elementwise ops can round an ulp
+        # differently at another shape, enough to flip a near-tied greedy token).
+        self.batch_rows = {b: PREFILL_BATCH_TOKENS // b for b in self.buckets
+                           if 2 * b <= PREFILL_BATCH_TOKENS and PREFILL_BATCH_TOKENS // b <= num_slots}
+        # a batched pass chooses its first tokens over this many rows (padded): sampling costs a pass over
+        # [rows, V] per processor, so not the slots' 32 rows for 4 prompts, and one compile for all passes
+        self.pass_rows = max(self.batch_rows.values(), default=1)
+        self._lengths = np.zeros(num_slots, np.int64)   # tokens so far (0 = free): window and read length
+        self._next = np.zeros(num_slots, np.int32)      # the newest token, fed to the next decode
+        self._want_top = np.zeros(num_slots, np.bool_)  # does the slot's request want top alternatives
+        self._want_lp = np.zeros(num_slots, np.bool_)   # ... or its tokens' log-probabilities
+        self._flights: collections.deque = collections.deque()  # (group, future, slots sent), oldest first
+        self._stale: set[int] = set()   # slots freed or refilled while their group was in flight
+        self._handles = itertools.count()
+
+    def group_of(self, slot: int) -> tuple[int, int]:
+        """(group, row) of a slot: consecutive slots alternate groups."""
+        return slot % self.groups, slot // self.groups
+
+    def _group_slots(self, g: int) -> np.ndarray:
+        return np.arange(g, self.num_slots, self.groups)
+
+    # ---- prefill ----
+    def prefill(self, tokens: Sequence[int], settings: SlotSettings) -> Prefix:
+        return self.prefill_batch([tokens], [settings])[0]
+
+    def prefill_batch(self, prompts: Sequence[Sequence[int]], settings: Sequence[SlotSettings]) -> list[Prefix]:
+        """`prefill` for several requests: prompts of a short bucket (`batch_rows`) share passes of a fixed
+        number of rows, longer ones go one at a time. Every pass is sent before any is awaited, so a
+        pipeline's stages work on consecutive passes at once."""
+        groups: dict[int, list[int]] = collections.defaultdict(list)
+        for i, tokens in enumerate(prompts):
+            groups[kv_cache.bucket_length(len(tokens), self.max_seq_len, PREFILL_MIN_BUCKET)].append(i)
+        passes = []
+        for bucket, todo in groups.items():
+            rows = self.batch_rows.get(bucket, 1)
+            for at in range(0, len(todo), rows):
+                chunk = todo[at:at + rows]
+                passes.append((chunk, self._send_prefill(bucket, [prompts[i] for i in chunk],
+                                                         [settings[i] for i in chunk])))
+        out: list[Optional[Prefix]] = [None] * len(prompts)
+        for chunk, (handles, future) in passes:
+            first, scores = self.stages.get(future)
+            for j, i in enumerate(chunk):
+                out[i] = self._prefix(prompts[i], settings[i], handles[j], first, scores, j)
+        return out
+
+    def _send_prefill(self, bucket: int, prompts, settings):
+        rows = self.batch_rows.get(bucket, 1)
+        state_rows = self.pass_rows if rows > 1 else 1
+        ids = np.full((rows, bucket), self.cfg.pad_token_id, np.int32)  # right-padded, then rows of one pad
+        mask = np.zeros((rows, bucket), np.int32)
+        lengths = np.ones(rows, np.int32)
+        mask[:, 0] = 1
+        for j, tokens in enumerate(prompts):
+            ids[j, :len(tokens)] = tokens
+            mask[j, :len(tokens)] = 1
+            lengths[j] = len(tokens)
+        handles = [next(self._handles) for _ in prompts]
+        x = ids
+        for i in range(self.stages.n):
+            x = self.stages.call(i, "prefill", handles, x, ids, mask, lengths, list(settings), state_rows)
+        return handles, x
+
+    @staticmethod
+    def _prefix(tokens, s: SlotSettings, handle: int, first, scores, j: int) -> Prefix:
+        tok, lp, top_ids, top_lp = first
+        top = [(int(t), float(v)) for t, v in zip(top_ids[j], top_lp[j]) if t >= 0]
+        prompt = None
+        if s.prompt_logprobs:
+            plp, ptop, ptop_lp = scores
+            prompt = [TokenInfo(int(tokens[0]), None)] + [
+                TokenInfo(int(tokens[i + 1]), float(plp[j, i]), list(zip(ptop[j, i].tolist(), ptop_lp[j, i].tolist())))
+                for i in range(len(tokens) - 1)]
+        return Prefix(length=len(tokens), first=TokenInfo(int(tok[j]), float(lp[j]), top), prompt=prompt,
+                      state=handle, settings=s)
+
+    def discard(self, prefix: Prefix) -> None:
+        for i in range(self.stages.n):
+            self.stages.call(i, "drop", prefix.state)
+
+    # ---- slots ----
+    def _in_flight(self, g: int) -> bool:
+        return any(f[0] == g for f in self._flights)
+
+    def insert(self, prefix: Prefix, slot: int, keep: bool = False) -> None:
+        """Put a prefilled request into a slot; with `keep` its prefix can be inserted again (warm-up)."""
+        g, row = self.group_of(slot)
+        if self._in_flight(g):
+            self._stale.add(slot)
+        for i in range(self.stages.n):
+            self.stages.call(i, "insert", prefix.state, g, row, keep)
+        self._lengths[slot] = prefix.length + 1  # the prompt and the first token
+        self._next[slot] = prefix.first.id
+        self._want_top[slot] = prefix.settings.top_logprobs
+        self._want_lp[slot] = prefix.settings.logprob
+
+    def free(self, slot: int) -> None:
+        g, row = self.group_of(slot)
+        if self._in_flight(g):
+            self._stale.add(slot)
+        for i in range(self.stages.n):
+            self.stages.call(i, "free", g, row)
+        self._lengths[slot] = 0
+
+    def window_needed(self, g: int = 0) -> int:
+        """The cache window a group's next step needs: the bucket holding every active slot's tokens."""
+        longest = int(self._lengths[self._group_slots(g)].max())
+        return kv_cache.bucket_length(min(max(longest, 1), self.max_seq_len), self.max_seq_len)
+
+    def _send_decode(self, g: int) -> None:
+        slots = self._group_slots(g)
+        lengths = self._lengths[slots]
+        busy = lengths > 0
+        want_top = bool(self._want_top[slots][busy].any())
+        want_scores = want_top or bool(self._want_lp[slots][busy].any())
+        positions = np.where(busy, lengths - 1, 0).astype(np.int32)
+        x = self._next[slots]
+        for i in range(self.stages.n):
+            x = self.stages.call(i, "decode", g, x, positions, self.window_needed(g), int(lengths.max()),
+                                 want_scores, want_top)
+        self._flights.append((g, x, slots[busy]))
+
+    def step(self) -> StepResult:
+        for g in range(self.groups):  # every idle group with work goes into the stages
+            if not self._in_flight(g) and self._lengths[self._group_slots(g)].any():
+                self._send_decode(g)
+        g, future, sent = self._flights.popleft()
+        tok, lp, top_ids, top_lp = self.stages.get(future)
+        slots = self._group_slots(g)
+        rows = np.zeros(self.num_slots, np.bool_)
+        rows[[s for s in sent if s not in self._stale]] = True
+        self._stale.difference_update(slots)
+        tokens = np.zeros(self.num_slots, np.int32)
+        logprobs = np.zeros(self.num_slots, np.float32)
+        ids = np.full((self.num_slots, MAX_TOP_LOGPROBS), -1, np.int32)
+        lps = np.zeros((self.num_slots, MAX_TOP_LOGPROBS), np.float32)
+        tokens[slots], logprobs[slots], ids[slots], lps[slots] = tok, lp, top_ids, top_lp
+        # the top-k ran for every row if one wanted it: the others get none
+        ids = np.where(self._want_top[:, None], ids, -1)
+        self._next[rows] = tokens[rows]
+        self._lengths[rows] += 1
+        return StepResult(tokens, logprobs, ids, lps, rows=None if self.groups == 1 else rows)
+
+    # ---- life ----
+    def warmup(self) -> None:
+        """Compile every prefill bucket, its insert into every cache window that holds it, the decode step
+        and free at every window, and the resizes between neighbouring windows (growing only, where steps
+        never shrink the cache). Every group's cache has the same shapes: warming group 0 compiles all."""
+        # b - 1 prompt tokens fill prefill bucket b
+        prefixes = [self.prefill([self.cfg.bos_token_id] * (b - 1), SlotSettings()) for b in self.buckets]
+        for w in cache_windows(self.max_seq_len):  # growing: each window's inserts, then its step
+            for b, prefix in zip(self.buckets, prefixes):
+                if b <= w:
+                    self.insert(prefix, 0, keep=True)
+            self._lengths[0] = w  # the step reads the whole window
+            self.step()
+            self.free(0)
+        for prefix in prefixes:
+            self.discard(prefix)
+        for i in range(self.stages.n):
+            self.stages.call(i, "end_warmup")
+        self.stages.get(self.stages.call(0, "ready"))
+
+    @property
+    def params(self):
+        """The runtime params of a model run in this process (one stage: the whole model)."""
+        if not isinstance(self.stages, LocalStages):
+            raise AttributeError("a pipelined model's params live in its stage actors")
+        return self.stages.stages[0].params
+
+    def generation_model(self):
+        """A `wrapper.Generation` (HF-style generate(), beam search) over the same weights, no second copy:
+        an OPTModel in this process, or a PipelinedOPT over the same stage actors."""
+        if isinstance(self.stages, LocalStages):
+            from opt_serving.model.wrapper import OPTModel
+            return OPTModel(self.cfg, self.params)
+        from opt_serving.parallel.backend import PipelinedOPT
+        return PipelinedOPT(self.cfg, self.stages, self.plan)
+
+    def check_health(self) -> None:
+        self.stages.check_health()
+
+    def close(self) -> None:
+        self.stages.close()

@@ -1,0 +1,182 @@
+"""One stage's share of the decode slots: its layers' params, the KV cache of every slot for those
+layers, and the jitted steps. The whole model on one device (or one tensor-parallel mesh) is the stage
+that is both first and last; a pipeline is several, each in its own Ray actor (parallel/pipeline.py).
+
+Slots are split into `groups` (the pipeline's micro-batches), each with its own cache of `rows` rows,
+so a stage can run one group's decode while the next stage runs another's. Slot s is row s // groups
+of group s % groups (consecutive slots alternate groups, so a few requests still fill every group).
+
+Prompts are right-padded to a bucket (powers of two from 8), so a slot's tokens sit at cache entries
+0..n-1 and each decode writes at the token's own position. A group's cache holds only the window its
+longest slot needs (powers of two from 16): it grows and shrinks a window at a time, where slicing a
+window out of a full-length cache made XLA copy it every step. With the CPU attention kernel, which
+reads only the entries written so far, it only grows (a shrink copies the whole cache for nothing).
+
+The last stage also chooses the tokens (`Sampler`): what leaves it is tokens and scores, never
+hidden states. The other stages hand their hidden states on.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import jax
+import numpy as np
+
+from opt_serving.model import cpu_kernels, kv_cache, opt
+from opt_serving.runner.sampler import Sampler, split_rows
+from opt_serving.runner.types import PREFILL_MIN_BUCKET, SlotSettings
+
+
+def cache_windows(max_seq_len: int) -> list[int]:
+    """The cache sizes a group's cache steps through: powers of two from 16, then max_seq_len."""
+    L = max_seq_len
+    return sorted({kv_cache.bucket_length(n, L) for n in [1] + [2 ** i for i in range(4, 16)] + [L] if n <= L})
+
+
+def prefill_buckets(max_seq_len: int) -> list[int]:
+    """The padded prompt widths prefill compiles for: powers of two from 8, then max_seq_len."""
+    L = max_seq_len
+    return sorted({kv_cache.bucket_length(n, L, PREFILL_MIN_BUCKET)
+                   for n in [1] + [2 ** i for i in range(3, 16)] + [L] if n <= L})
+
+
+class StageSlots:
+    """One stage's layers over `groups` groups of `rows` decode slots (see the module docstring)."""
+
+    def __init__(self, cfg, params, stage: opt.StageSpec, rows: int, groups: int = 1,
+                 max_seq_len: Optional[int] = None):
+        # one device: q/k/v as one matmul, on a CPU pre-packed (opt.runtime_params; a tensor-parallel
+        # stage's params stay split by heads)
+        self.cfg, self.spec, self.params = cfg, stage, opt.runtime_params(params)
+        self.rows, self.groups = rows, groups
+        self.max_seq_len = min(max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.windows = cache_windows(self.max_seq_len)
+        dtype = opt.param_dtype(params)
+        scfg = cfg.replace(num_hidden_layers=stage.num_layers)
+        self._empty_cache = lambda: kv_cache.init_cache(scfg, rows, self.windows[0], dtype)  # smallest window
+        self.caches = [self._empty_cache() for _ in range(groups)]
+        self.pending: dict[int, dict] = {}  # handle -> a prefilled request's batch-1 cache, until inserted
+        # packed params on a CPU: the decode attention kernel reads only the entries written so far
+        self.read_written = read_written = cpu_kernels.is_packed(self.params)
+        self.sampler = (Sampler(cfg, self.params, rows, groups, self.max_seq_len) if stage.last else None)
+
+        def prefill(params, x, mask):
+            """k right-padded prompts (ids [k, n], or the previous stage's hidden states [k, n, D]) in one
+            pass -> k batch-1 caches and the hidden states [k, n, D] (final ones on the last stage)."""
+            k, n = mask.shape
+            cache = kv_cache.init_cache(scfg, k, n, dtype)
+            h, cache = opt._prefill(cfg, params, cache, x, mask, return_hidden=True, stage=stage)
+            return split_rows(cache, k), h
+
+        def step(params, cache, x, pos, read_len):
+            # the newest token (or its hidden state) goes in at its own position
+            return opt._decode(cfg, params, cache, x, pos, pos,
+                               read_len=read_len if read_written else None, return_hidden=True, stage=stage)
+
+        def seq_prefill(params, cache, x, mask, all_logits):
+            return opt._prefill(cfg, params, cache, x, mask, all_logits=all_logits, stage=stage)
+
+        def seq_decode(params, cache, x, positions, write_index):
+            return opt._decode(cfg, params, cache, x, positions, write_index, stage=stage)
+
+        self.seqs: dict = {}  # key -> a whole-sequence cache (generate() over a pipeline)
+        self._seq_cache = lambda batch, n: kv_cache.init_cache(scfg, batch, n, dtype)
+        self._seq_prefill = jax.jit(seq_prefill, static_argnums=(4,), donate_argnums=(1,))
+        self._seq_decode = jax.jit(seq_decode, donate_argnums=(1,))
+        self._seq_reorder = jax.jit(kv_cache.reorder, donate_argnums=(0,))
+        self._prefill = jax.jit(prefill)
+        self._step = jax.jit(step, donate_argnums=(1,))
+        self._insert_cache = jax.jit(lambda cache, pcache, row: kv_cache._insert(cache, pcache, row),
+                                     donate_argnums=(0,))
+        self._resize = jax.jit(lambda cache, n: kv_cache._resize(cache, n), static_argnums=(1,))
+        self._free = jax.jit(kv_cache.free_slot, donate_argnums=(0,))
+
+    # ---- prefill ----
+    def prefill(self, handles: Sequence[int], x, ids, mask, lengths, settings: Sequence[SlotSettings],
+                state_rows: int):
+        """One prefill pass: keep each request's cache rows under its handle. A stage that is not last
+        returns its hidden states for the next; the last returns the first tokens (see Sampler.prefill)."""
+        caches, h = self._prefill(self.params, x, mask)
+        for handle, cache in zip(handles, caches):
+            self.pending[handle] = cache
+        if self.sampler is None:
+            return h
+        return self.sampler.prefill(self.params, handles, h, ids, mask, lengths, settings, state_rows)
+
+    def insert(self, handle: int, group: int, row: int, keep: bool = False) -> None:
+        """A prefilled request into a slot (`keep`: its rows stay for another insert, as warm-up does)."""
+        pcache = self.pending[handle] if keep else self.pending.pop(handle)
+        self._fit_cache(group, kv_cache.cache_max_len(pcache), shrink=False)
+        self.caches[group] = self._insert_cache(self.caches[group], pcache, np.int32(row))
+        if self.sampler is not None:
+            self.sampler.insert(handle, group, row, keep)
+
+    def drop(self, handle: int) -> None:
+        """A prefilled request that will not be inserted."""
+        self.pending.pop(handle, None)
+        if self.sampler is not None:
+            self.sampler.drop(handle)
+
+    # ---- decode ----
+    def decode(self, group: int, x, positions, window: int, read_len: int, want_scores: bool = True,
+               want_top: bool = True):
+        """One decode step of a group's rows: x is the newest tokens [rows] (first stage) or the previous
+        stage's hidden states [rows, D]; positions [rows] (0 for free rows). The cache is fitted to
+        `window` first. Returns hidden states, or on the last stage the chosen tokens and their scores."""
+        self._fit_cache(group, window, shrink=not self.read_written)
+        h, self.caches[group] = self._step(self.params, self.caches[group], x, positions, np.int32(read_len))
+        if self.sampler is None:
+            return h
+        return self.sampler.choose(self.params, group, h, want_scores, want_top)
+
+    def free(self, group: int, row: int) -> None:
+        self.caches[group] = self._free(self.caches[group], np.int32(row))
+        if self.sampler is not None:
+            self.sampler.free(group, row)
+
+    def _fit_cache(self, group: int, need: int, shrink: bool) -> None:
+        """Resize a group's cache to the smallest window holding `need` entries, one window at a time (so
+        only neighbouring sizes compile); without `shrink` it only grows."""
+        target = next(w for w in self.windows if w >= need)
+        at = self.windows.index(kv_cache.cache_max_len(self.caches[group]))
+        while self.windows[at] < target or (shrink and self.windows[at] > target):
+            at += 1 if self.windows[at] < target else -1
+            self.caches[group] = self._resize(self.caches[group], self.windows[at])
+
+    def end_warmup(self) -> None:
+        """After warm-up grew the caches to every window: start from empty smallest windows where steps
+        never shrink the cache, else compile the shrinking resizes steps will use."""
+        for g in range(self.groups):
+            if self.read_written:
+                self.caches[g] = self._empty_cache()
+            else:
+                for w in reversed(self.windows[:-1]):
+                    self._fit_cache(g, w, shrink=True)
+
+    def ready(self) -> bool:
+        return True
+
+    # ---- whole sequences: generate() over a pipeline (backend.PipelinedOPT), left-padded batches ----
+    def seq_open(self, key, batch: int, max_len: int) -> None:
+        self.seqs[key] = self._seq_cache(batch, max_len)
+
+    def seq_prefill(self, key, x, mask, all_logits: bool = False):
+        """-> hidden states [B, S, D], or on the last stage logits [B, V] (all positions: [B, S, V])."""
+        out, self.seqs[key] = self._seq_prefill(self.params, self.seqs[key], x, mask, all_logits)
+        return np.asarray(out) if self.spec.last else out
+
+    def seq_decode(self, key, x, positions, write_index):
+        """-> hidden states [B, D], or on the last stage logits [B, V]."""
+        out, self.seqs[key] = self._seq_decode(self.params, self.seqs[key], x, positions, write_index)
+        return np.asarray(out) if self.spec.last else out
+
+    def seq_reorder(self, key, index) -> None:
+        """Beam search: row i of the cache continues from row index[i]."""
+        index = np.asarray(index, np.int32)
+        n = kv_cache.cache_batch(self.seqs[key])
+        if index.shape != (n,) or index.min(initial=0) < 0 or index.max(initial=0) >= n:
+            raise ValueError(f"reorder index must be {n} row numbers in [0, {n}), got {index}")
+        self.seqs[key] = self._seq_reorder(self.seqs[key], index)
+
+    def seq_close(self, key) -> None:
+        self.seqs.pop(key, None)

@@ -1,0 +1,86 @@
+"""What crosses between the engine (scheduler) and the runners (model steps): a request's decoding
+settings, the tokens chosen for it, a prefilled request waiting for a slot, one decode step's result."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import numpy as np
+
+# top alternatives computed for every token; OpenAI's `logprobs` goes up to 5
+MAX_TOP_LOGPROBS = 5
+PREFILL_MIN_BUCKET = 8  # short prompts (chat turns, benchmarks) are not padded to 16: prefill is compute
+# Prompts of a short bucket are prefilled PREFILL_BATCH_TOKENS // bucket at a time (OPT-125m, 2-core CPU: an
+# 8-token prompt alone took 24.5 ms, mostly reading the weights; four in one pass 38.8 ms, 9.7 ms each; a
+# pass of 32 tokens is close to compute-bound). A prompt alone takes the whole pass, hence the small number.
+PREFILL_BATCH_TOKENS = 32
+# bad words live in fixed-shape per-slot arrays so the decode step compiles once
+MAX_BAD_WORDS, MAX_BAD_WORD_LEN = 8, 8
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotSettings:
+    """One request's decoding settings; the slot model turns them into per-slot arrays."""
+    max_tokens: int = 16
+    min_tokens: int = 0             # stop tokens are masked out until this many tokens are generated
+    temperature: float = 0.0        # 0 = greedy
+    top_k: int = 0                  # 0 = off
+    top_p: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # HF's: over prompt and generated tokens
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()   # finish "stop" when sampled (EOS); min_tokens holds back the first
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # HF's: a word's last token is banned after its prefix
+    no_repeat_ngram_size: int = 0
+    prompt_logprobs: bool = False   # score the prompt too (echo with logprobs)
+    # the chosen tokens' log-probabilities (TokenInfo.logprob; None when off). A step where no slot wants
+    # them and every slot is plainly greedy may then skip the logits (OPTSlots: the screened greedy head)
+    logprob: bool = True
+    top_logprobs: bool = True       # find each token's top alternatives (a top-k over the vocabulary)
+
+
+@dataclasses.dataclass
+class TokenInfo:
+    """One token with the model's log-probability (log-softmax of raw logits) and the top alternatives."""
+    id: int
+    logprob: Optional[float]   # None for a prompt's first token, and when not asked (SlotSettings.logprob)
+    top: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # best first
+
+
+@dataclasses.dataclass
+class EngineOutput:
+    """What a request's callback receives: prompt scores once, then each new token; the last has finish_reason."""
+    tokens: list[TokenInfo]
+    is_prompt: bool = False
+    finish_reason: Optional[str] = None   # "stop" | "length" | "cancelled" | "error"
+    error: Optional[BaseException] = None
+
+
+@dataclasses.dataclass
+class Prefix:
+    """A prefilled request, ready to be inserted into a slot."""
+    length: int                      # prompt tokens
+    first: TokenInfo                 # the first generated token (sampled by prefill)
+    prompt: Optional[list[TokenInfo]]  # prompt scores when settings.prompt_logprobs
+    state: Any                       # the slot model's own (the runner: a handle on the stages' rows)
+    settings: SlotSettings
+
+
+@dataclasses.dataclass
+class StepResult:
+    """One decode step over the slots (rows of inactive slots are garbage). A pipelined runner steps one
+    micro-batch group at a time: `rows` marks the slots this step produced a token for (None: all)."""
+    tokens: np.ndarray        # int32 [slots]
+    logprobs: np.ndarray      # float32 [slots]
+    top_ids: np.ndarray       # int32 [slots, MAX_TOP_LOGPROBS]
+    top_logprobs: np.ndarray  # float32 [slots, MAX_TOP_LOGPROBS]
+    rows: Optional[np.ndarray] = None  # bool [slots]
+
+    def token(self, slot: int) -> TokenInfo:
+        top = [(int(i), float(lp)) for i, lp in zip(self.top_ids[slot], self.top_logprobs[slot]) if i >= 0]
+        return TokenInfo(int(self.tokens[slot]), float(self.logprobs[slot]), top)
+
+
+class StageDied(RuntimeError):
+    """A pipeline stage (a Ray actor) is gone: the model cannot serve until it is loaded again."""

@@ -1,0 +1,101 @@
+"""The engine's driver over pipeline stages, in this process: two stages (the model's own modules over
+layers 0-1 and 2-3) and two micro-batch groups give the one-device engine's tokens, with requests that
+arrive, finish and are cancelled while the other group is in flight."""
+import threading
+
+import numpy as np
+import pytest
+
+from opt_serving.config import OPTConfig
+from opt_serving.engine import Engine, SlotSettings
+
+CFG = OPTConfig(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                ffn_dim=256, max_position_embeddings=64, word_embed_proj_dim=64)
+
+
+class Collect:
+    def __init__(self, hook=None):
+        self.ids, self.finish, self.done, self.hook = [], None, threading.Event(), hook
+
+    def __call__(self, out):
+        if not out.is_prompt:
+            self.ids += [t.id for t in out.tokens]
+        if out.finish_reason is not None:
+            self.finish = out.finish_reason
+            self.done.set()
+        if self.hook is not None:
+            self.hook(self)
+
+
+@pytest.fixture(scope="module")
+def params():
+    from opt_serving.model import opt
+    return opt.init_params(CFG, seed=3, std=0.3)  # large weights: clear argmaxes
+
+
+def two_stage_slots(params, num_slots=4, groups=2):
+    from opt_serving.model import opt
+    from opt_serving.parallel.pipeline import stage_specs
+    from opt_serving.runner.slots import LocalStages, Slots
+    from opt_serving.runner.stage import StageSlots
+    stages = [StageSlots(CFG, opt.stage_params(params, s), s, num_slots // groups, groups, 64)
+              for s in stage_specs(CFG, 2)]
+    return Slots(CFG, LocalStages(stages), num_slots, groups, 64)
+
+
+def run(model, jobs, hooks=None):
+    """Every job queued before the scheduler starts (it admits them at once); hooks[i](collector, engine,
+    collectors) runs after each of job i's outputs, on the engine thread."""
+    e = Engine(model, start=False)
+    hooks = hooks or {}
+    cols = []
+    cols += [Collect(None if i not in hooks else (lambda c, h=hooks[i]: h(c, e, cols))) for i in range(len(jobs))]
+    e.reqs = [e.submit(prompt, settings, c) for (prompt, settings), c in zip(jobs, cols)]
+    e.start()
+    try:
+        for c in cols:
+            assert c.done.wait(60)
+    finally:
+        e.close()
+    return cols
+
+
+JOBS = [([2, 5, 9, 17], SlotSettings(max_tokens=6)), ([2, 40, 41], SlotSettings(max_tokens=3)),
+        ([2] + list(range(10, 30)), SlotSettings(max_tokens=9)),
+        ([2, 7], SlotSettings(max_tokens=5, temperature=0.9, top_p=0.8, seed=4)),
+        ([2, 8, 8, 8], SlotSettings(max_tokens=7, repetition_penalty=1.4)),
+        ([2, 99], SlotSettings(max_tokens=4))]
+
+
+def test_two_stages_and_two_groups_equal_one_device(params):
+    from opt_serving.engine import OPTSlots
+    one = OPTSlots(CFG, params, num_slots=4, max_seq_len=64)
+    want = [c.ids for c in run(one, JOBS)]  # six jobs, four slots: later ones wait for a free slot
+    piped = two_stage_slots(params)
+    piped.warmup()
+    got = run(piped, JOBS)
+    assert [c.ids for c in got] == want
+    assert [len(c.ids) for c in got] == [s.max_tokens for _, s in JOBS]
+    # a step returns one group's slots (consecutive slots alternate groups)
+    assert piped.group_of(0) == (0, 0) and piped.group_of(1) == (1, 0) and piped.group_of(2) == (0, 1)
+
+
+def test_a_slot_cancelled_and_refilled_while_its_group_is_in_flight_gets_no_stale_token(params):
+    """Job 0 (slot 0, group 0) is cancelled while group 1's tokens are handed out, i.e. while group 0 is
+    in the stages; its slot is freed then, and job 4 takes it: none of them gets another's token."""
+    from opt_serving.engine import OPTSlots
+    jobs = JOBS[:5]
+    want = [c.ids for c in run(OPTSlots(CFG, params, num_slots=4, max_seq_len=64), jobs)]
+    piped = two_stage_slots(params)
+    freed_in_flight = []
+    real_free = piped.free
+    piped.free = lambda slot: (freed_in_flight.append(piped._in_flight(piped.group_of(slot)[0])), real_free(slot))
+
+    def cancel_job0(col, engine, cols):  # job 1 is in slot 1: group 1
+        if len(col.ids) == 2:
+            engine.cancel(engine.reqs[0])
+            cols[0].done.set()  # no output follows a cancel
+    got = run(piped, jobs, hooks={1: cancel_job0})
+    assert got[0].finish is None and got[0].ids == want[0][:len(got[0].ids)] and len(got[0].ids) < 6
+    assert [c.ids for c in got[1:]] == want[1:]  # job 4 took job 0's slot: its tokens are its own
+    assert freed_in_flight[0]  # the case under test: job 0's slot was freed with its group in the stages

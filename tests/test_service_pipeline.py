@@ -1,0 +1,149 @@
+"""alpa/ models pipelined over a two-node Ray cluster simulated on this machine, served by Ray Serve.
+
+The served answers of pp = 2 (chosen by the planner itself from a small `device_memory`) and of
+pp = 2 x tp = 2 equal the single-device jax/ engine's on the same weights: greedy, seeded sampling,
+and eight requests at once against each alone. The two stages run on the two nodes, inside the
+replica's placement group. A killed stage fails requests with a 503 naming it, and Serve rebuilds the
+replica with its stages. Ray starts are slow on 2 cores: one cluster serves the whole module.
+"""
+import concurrent.futures
+import os
+import signal
+import time
+
+import pytest
+import requests
+
+from opt_serving.generator import SamplingParams
+
+pytestmark = pytest.mark.skipif(os.environ.get("OPT_SERVING_SKIP_RAY") == "1", reason="OPT_SERVING_SKIP_RAY=1")
+
+PROMPTS = ["Hello world", "Paris is the capital of", "a", "The quick brown fox jumps over",
+           "OPT serving", "Once upon a time", "1 2 3 4", "the end"]
+GREEDY = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
+SAMPLED = dict(max_tokens=8, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def folder():
+    from opt_serving.embedded import ensure_embedded_model
+    return ensure_embedded_model()
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    """The jax/ engine's completions (one device, this process)."""
+    from opt_serving.generator import Generator
+    gen = Generator.from_pretrained("jax/opt-tiny", folder, max_batch_size=8, max_seq_len=64)
+    try:
+        return {name: [c[0].text for c in gen.complete_many(PROMPTS, SamplingParams(**kw))]
+                for name, kw in (("greedy", GREEDY), ("sampled", SAMPLED))}
+    finally:
+        gen.close()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from ray import serve
+    from opt_serving.service.testserver import free_port
+    from opt_serving.testing.ray_cluster import simulated_cluster
+    with simulated_cluster(nodes=2, cpus_per_node=2) as c:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield f"http://127.0.0.1:{port}"
+
+
+def deploy(folder, **plan):
+    """The app for alpa/opt-tiny with `plan`, replacing whatever ran before; returns its plan."""
+    from ray import serve
+    from opt_serving.service.app import ServeArgs, build_app
+    args = ServeArgs(model="alpa/opt-tiny", path=str(folder), max_batch_size=8, max_seq_len=64, **plan)
+    serve.run(build_app(args), name="opt", route_prefix="/")
+    return args
+
+
+def complete(url, prompt, **kw):
+    r = requests.post(url + "/v1/completions", json={"prompt": prompt, **kw}, timeout=120)
+    return r
+
+
+def texts(url, kw, concurrent=False):
+    if not concurrent:
+        return [complete(url, p, **kw).json()["choices"][0]["text"] for p in PROMPTS]
+    with concurrent_pool() as pool:
+        return [r.json()["choices"][0]["text"] for r in pool.map(lambda p: complete(url, p, **kw), PROMPTS)]
+
+
+def concurrent_pool():
+    return concurrent.futures.ThreadPoolExecutor(len(PROMPTS))
+
+
+def stages_by_node():
+    from opt_serving.testing.ray_cluster import node_names, stage_actors
+    names = node_names()
+    return sorted((names[a["node"]], a["pid"], a["stage"]) for a in stage_actors())
+
+
+def test_a_small_device_memory_pipelines_the_model_over_both_nodes(cluster, folder, reference):
+    args = deploy(folder, device_memory="5MB")  # 4 MB of weights: no device holds them all
+    assert (args.pipeline_parallel, args.tensor_parallel) == (2, 1)  # the planner's own choice
+    assert [node for node, _, _ in stages_by_node()] == ["node0", "node1"]
+    assert texts(cluster, GREEDY) == reference["greedy"]
+    assert texts(cluster, SAMPLED) == reference["sampled"]
+    # eight at once (two micro-batch groups of four slots, in the stages together) = each alone
+    assert texts(cluster, GREEDY, concurrent=True) == reference["greedy"]
+    assert texts(cluster, SAMPLED, concurrent=True) == reference["sampled"]
+
+
+def test_nothing_fits_says_what_opt_serving_plan_says(cluster, folder, capsys):
+    from opt_serving.parallel import backend, cli as plan_cli
+    from opt_serving.parallel.planner import NoFeasiblePlan
+    with pytest.raises(NoFeasiblePlan) as served:
+        deploy(folder, device_memory="3MB")
+    parser = __import__("argparse").ArgumentParser()
+    plan_cli.add_arguments(parser)
+    assert plan_cli.run(parser.parse_args(["--model", "alpa/opt-tiny", "--cluster", "2x1x3MB:cpu",
+                                           "--batch-size", "8", "--max-seq-len", "64",
+                                           "--dtype", "float32"])) != 0
+    out = capsys.readouterr()
+    assert str(served.value) in out.out + out.err
+    assert backend  # the same planner both ways
+
+
+def test_a_killed_stage_gives_503s_and_serve_rebuilds_the_replica(cluster, folder, reference):
+    deploy(folder, pipeline_parallel=2)
+    assert texts(cluster, GREEDY)[:2] == reference["greedy"][:2]
+    _, pid, stage = stages_by_node()[1]
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    r = complete(cluster, PROMPTS[0], **GREEDY)
+    failed_after = time.monotonic() - t0
+    assert r.status_code == 503, r.text
+    assert f"{stage} died" in r.json()["error"]["message"]
+    deadline, served_again = time.monotonic() + 240, None
+    while time.monotonic() < deadline:  # Serve's health check fails, it rebuilds the replica and its stages
+        r = complete(cluster, PROMPTS[0], **GREEDY)
+        if r.status_code == 200:
+            served_again = time.monotonic() - t0
+            break
+        assert r.status_code == 503, r.text
+        time.sleep(0.5)
+    print(f"killed stage: first request failed after {failed_after:.2f} s; served again after {served_again} s")
+    assert served_again is not None, "the deployment did not come back"
+    assert r.json()["choices"][0]["text"] == reference["greedy"][0]
+    assert len(stages_by_node()) == 2 and pid not in [p for _, p, _ in stages_by_node()]
+
+
+def test_pp2_by_tp2_serves_the_same_tokens(cluster, folder, reference):
+    args = deploy(folder, pipeline_parallel=2, tensor_parallel=2)
+    assert (args.pipeline_parallel, args.tensor_parallel) == (2, 2)
+    assert len(stages_by_node()) == 2
+    assert texts(cluster, GREEDY, concurrent=True) == reference["greedy"]
+    assert texts(cluster, SAMPLED) == reference["sampled"]
+
+
+def test_an_unknown_builder_argument_is_an_error_naming_it():
+    from pydantic import ValidationError
+    from opt_serving.service.app import build_app
+    with pytest.raises(ValidationError, match="pipeline_paralel"):
+        build_app({"model": "alpa/opt-tiny", "pipeline_paralel": 2})
