@@ -62,6 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "each other down)")
     p.add_argument("--tensor-parallel", type=int, help="alpa/ only")
     p.add_argument("--pipeline-parallel", type=int, help="alpa/ only")
+    p.add_argument("--device-memory", help="alpa/ only: what each device may hold, e.g. 16GB (the plan is made "
+                                          "for the running Ray cluster, else this process's devices)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="OUT", help="write the results as JSON")
     p.add_argument("--tsv", default="results.tsv", help="append one row per model here ('' to skip)")
@@ -115,7 +117,8 @@ def load_ours(name: str, path: str | None, dummy: bool, dtype: str, args):
     from opt_serving.model.wrapper import get_model
     kwargs = {}
     if name.startswith("alpa/"):
-        kwargs = dict(tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel)
+        kwargs = dict(tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel,
+                      device_memory=args.device_memory, batch_size=args.batch_size)
     return get_model(name, path=path, dtype=dtype, dummy=dummy, **kwargs)
 
 

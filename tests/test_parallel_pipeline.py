@@ -80,3 +80,10 @@ def test_split_layers_checks_cover():
         split_layers(4, 2, [1, 2])
 
 # The Ray stage actors are tested through the alpa/ backend in test_parallel_backend.py.
+
+
+def test_a_node_without_the_weights_names_itself_and_the_path(tmp_path):
+    from opt_serving.parallel.pipeline import load_stage_params, stage_specs
+    missing = tmp_path / "opt-tiny-np"
+    with pytest.raises(FileNotFoundError, match=r"node \S+ .*has no numpy weights folder at .*opt-tiny-np"):
+        load_stage_params(missing, CFG, stage_specs(CFG, 2)[1])
