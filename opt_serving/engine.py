@@ -1,11 +1,11 @@
 """Continuous batching over a fixed number of decode slots (JetStream's shape).
 
-Two layers, one file:
-  * a slot model (`OPTSlots` here, `FakeSlots` in `testing/fake_engine.py`) owns the KV cache and the jitted
-    steps: `prefill(tokens, settings) -> Prefix`, `insert(prefix, slot)`, `step() -> StepResult` (one decode over
-    every slot), `free(slot)`. Sampling settings are per-slot arrays, so requests with different settings share
-    a step.
-  * `Engine`, the scheduler: a bounded queue and a background thread that admits queued requests into free
+  * a slot model (`runner.slots.Slots` for every plan: one device, a tensor-parallel mesh or pipeline stages;
+    `FakeSlots` in `testing/fake_engine.py`) owns the KV cache and the jitted steps: `prefill(tokens,
+    settings) -> Prefix`, `insert(prefix, slot)`, `step() -> StepResult` (one decode over every slot, or, for a
+    pipeline, over one micro-batch group of them: `StepResult.rows`), `free(slot)`. Sampling settings are
+    per-slot arrays, so requests with different settings share a step.
+  * `Engine`, this module, the scheduler: a bounded queue and a background thread that admits queued requests into free
     slots (prefilled together when the slot model has `prefill_batch`), steps, and hands each request its
     tokens through a callback (called on the engine thread; the
     generator forwards them to asyncio with `loop.call_soon_threadsafe`). EOS, max_tokens, the context limit,
@@ -21,13 +21,15 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
-import numpy as np
+from opt_serving.runner.types import (MAX_BAD_WORD_LEN, MAX_BAD_WORDS, MAX_TOP_LOGPROBS, EngineOutput, Prefix,
+                                      SlotSettings, StepResult, TokenInfo)
 
-from opt_serving.runner.types import (  # noqa: F401  (re-exported: the engine's vocabulary)
-    MAX_BAD_WORD_LEN, MAX_BAD_WORDS, MAX_TOP_LOGPROBS, PREFILL_BATCH_TOKENS, PREFILL_MIN_BUCKET, EngineOutput,
-    Prefix, SlotSettings, StepResult, TokenInfo)
+# the engine's vocabulary, re-exported for the generator and the service
+__all__ = ["Engine", "EngineClosed", "EngineOutput", "EngineRequest", "EngineStats", "MAX_BAD_WORDS",
+           "MAX_BAD_WORD_LEN", "MAX_TOP_LOGPROBS", "OPTSlots", "Prefix", "QueueFull", "SlotModel", "SlotSettings",
+           "StepResult", "TokenInfo", "load_engine"]
 
 log = logging.getLogger(__name__)
 

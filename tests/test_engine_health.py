@@ -129,3 +129,26 @@ def test_health_route_answers_503_with_the_reason_when_unhealthy():
         gen.close()
     with pytest.raises(RuntimeError, match="generator closed"):
         gen.check_health()
+
+
+def test_serves_replica_check_fails_with_the_engine():
+    """The deployment's own health check (what Serve polls to replace a replica) asks the generator."""
+    import types
+
+    from opt_serving.service.app import build_app
+    replica_class = build_app({})._bound_deployment.func_or_class
+    eng = gated_engine(stall_s=10)
+    gen = Generator(eng, byte_tokenizer(), model_name="opt-fake", model=FakeBeamModel())
+    replica = types.SimpleNamespace(generator=gen)
+    try:
+        replica_class.check_health(replica)  # idle: healthy
+        eng.submit([2, 101], SlotSettings(max_tokens=2), lambda out: None)
+        assert eng.model.stepping.wait(10)
+        eng._clock.now += 60
+        with pytest.raises(RuntimeError, match="engine stalled"):
+            replica_class.check_health(replica)
+        eng.model.gate.release(1)
+    finally:
+        gen.close()
+    with pytest.raises(RuntimeError, match="generator closed"):
+        replica_class.check_health(replica)

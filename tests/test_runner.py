@@ -3,7 +3,6 @@ layers 0-1 and 2-3) and two micro-batch groups give the one-device engine's toke
 arrive, finish and are cancelled while the other group is in flight."""
 import threading
 
-import numpy as np
 import pytest
 
 from opt_serving.config import OPTConfig

@@ -47,7 +47,7 @@ def cluster():
     from ray import serve
     from opt_serving.service.testserver import free_port
     from opt_serving.testing.ray_cluster import simulated_cluster
-    with simulated_cluster(nodes=2, cpus_per_node=2) as c:
+    with simulated_cluster(nodes=2, cpus_per_node=2):
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         yield f"http://127.0.0.1:{port}"

@@ -173,3 +173,19 @@ def test_long_generation_matches_hf(models, kernels, monkeypatch):
     finally:
         monkeypatch.undo()
         cpu_kernels._lib.cache_clear()
+
+
+def test_any_name_works_with_a_folder_that_has_a_config(tmp_path):
+    """The folder's config.json wins; the name is only a label (a fine-tune, OPT-IML, ...)."""
+    from opt_serving.model import opt
+    params = opt.init_params(CFG, seed=2)
+    weights.save_numpy_folder(tmp_path, CFG, weights.params_to_arrays(CFG, params))
+    for name in ("jax/my-finetune", "jax/opt-iml-max-1.3b"):
+        m = wrapper.get_model(name, path=tmp_path)
+        assert m.config == CFG
+        ids = np.array([[2, 5, 9]])
+        ref = wrapper.OPTModel(CFG, params)
+        np.testing.assert_array_equal(np.asarray(m.generate(ids, max_new_tokens=4)),
+                                      np.asarray(ref.generate(ids, max_new_tokens=4)))
+    with pytest.raises(ValueError, match="any name works with a folder that has a config.json, and .*nowhere has none"):
+        wrapper.get_model("jax/my-finetune", path=tmp_path / "nowhere")

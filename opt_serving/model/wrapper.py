@@ -56,7 +56,13 @@ def get_model(model_name: str, path: str | Path | None = None, dtype=jnp.float32
         raise ValueError(f"unknown model {model_name!r}: the name must start with one of "
                          f"{', '.join(PREFIXES)} (e.g. 'jax/opt-125m')")
     if path is None or not (Path(path) / "config.json").is_file():
-        size_from_name(model_name)  # unknown sizes fail here, naming the known ones (a folder's config.json wins)
+        try:  # unknown sizes fail here, naming the known ones (a folder's config.json wins)
+            size_from_name(model_name)
+        except ValueError as e:
+            if path is None:
+                raise
+            raise ValueError(f"{e}; any name works with a folder that has a config.json, and {path} has none") \
+                from None
     if model_name.startswith("alpa/"):
         try:
             from opt_serving.parallel import backend

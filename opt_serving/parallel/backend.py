@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import itertools
 from functools import partial
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp

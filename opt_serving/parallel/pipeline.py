@@ -200,7 +200,7 @@ def _shard_stage(params: dict, spec, mesh) -> dict:
     import jax
     from jax.sharding import NamedSharding
     from opt_serving.parallel.sharding import TP_RULES, param_spec
-    from opt_serving.model.weights import _GLOBAL_PATHS, flax_path  # noqa: F401
+    from opt_serving.model.weights import _GLOBAL_PATHS
 
     def name_of(path) -> str:
         keys = [p.key for p in path]
