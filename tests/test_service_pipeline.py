@@ -34,10 +34,16 @@ def folder():
 def reference(folder):
     """The jax/ engine's completions (one device, this process)."""
     from opt_serving.generator import Generator
+    import asyncio
     gen = Generator.from_pretrained("jax/opt-tiny", folder, max_batch_size=8, max_seq_len=64)
+
+    async def beams():
+        return await gen.beam(PROMPTS[1], SamplingParams(max_tokens=8, min_tokens=8), 3)
     try:
-        return {name: [c[0].text for c in gen.complete_many(PROMPTS, SamplingParams(**kw))]
-                for name, kw in (("greedy", GREEDY), ("sampled", SAMPLED))}
+        out = {name: [c[0].text for c in gen.complete_many(PROMPTS, SamplingParams(**kw))]
+               for name, kw in (("greedy", GREEDY), ("sampled", SAMPLED))}
+        out["beams"] = PROMPTS[1] + asyncio.run(beams()).text
+        return out
     finally:
         gen.close()
 
@@ -93,6 +99,11 @@ def test_a_small_device_memory_pipelines_the_model_over_both_nodes(cluster, fold
     # eight at once (two micro-batch groups of four slots, in the stages together) = each alone
     assert texts(cluster, GREEDY, concurrent=True) == reference["greedy"]
     assert texts(cluster, SAMPLED, concurrent=True) == reference["sampled"]
+    # beam search (GPT-J's route) runs generate() over the same stage actors
+    r = requests.post(cluster + "/generate", json={"prompt": [PROMPTS[1]], "max_length": 8, "min_length": 8,
+                                                   "do_sample": False, "num_beams": 3}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["gen_text"] == [reference["beams"]]
 
 
 def test_nothing_fits_says_what_opt_serving_plan_says(cluster, folder, capsys):

@@ -17,6 +17,7 @@ collected). Each stage reads only its slice of the numpy folder, from its own no
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from pathlib import Path
 
@@ -279,7 +280,10 @@ class RayStages:
                     cfg, spec, None if folder is None else str(folder), part, str(np.dtype(dtype)) if not
                     isinstance(dtype, str) else dtype, plan.tp, rows, groups, max_seq_len, _describe(i, spec)))
         del whole
-        self._sent: list = []  # replies nobody waits for (insert, free, drop): their errors surface later
+        # replies nobody waits for (insert, free, drop): their errors surface later. The engine thread and a
+        # beam search's thread (generation_model) both call in: the list has a lock
+        self._sent: list = []
+        self._lock = threading.Lock()
         self.dead: str | None = None
         self._finalizer = weakref.finalize(self, _shutdown, list(self.actors), pg if own else None)
         if own:
@@ -292,7 +296,8 @@ class RayStages:
     def call(self, i: int, method: str, *args):
         ref = getattr(self.actors[i], method).remote(*args)
         if method in ("insert", "free", "drop", "end_warmup"):
-            self._sent.append(ref)
+            with self._lock:
+                self._sent.append(ref)
         return ref
 
     def get(self, futures):
@@ -300,9 +305,10 @@ class RayStages:
         if self.dead is not None:
             raise StageDied(self.dead)
         try:
-            if self._sent:  # check the replies nobody waited for, so their errors are not lost
-                done, self._sent = ray.wait(self._sent, num_returns=len(self._sent), timeout=0)
-                ray.get(done)
+            with self._lock:  # check the replies nobody waited for, so their errors are not lost
+                done, self._sent = ray.wait(self._sent, num_returns=len(self._sent), timeout=0) if self._sent \
+                    else ([], [])
+            ray.get(done)
             return ray.get(futures)
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
             which = [self.describe(i) for i, a in enumerate(self.actors) if not _alive(a)]
