@@ -137,6 +137,11 @@ class Engine:
     def vocab_size(self) -> int:
         return self.model.vocab_size
 
+    @property
+    def max_top_logprobs(self) -> int:
+        """The most top alternatives a token can come with."""
+        return getattr(self.model, "max_top_logprobs", MAX_TOP_LOGPROBS)
+
     def warmup(self) -> None:
         """Compile every prefill bucket and the decode step now, not at the first request."""
         self.model.warmup()

@@ -408,6 +408,10 @@ class Generator:
         return self.engine.vocab_size
 
     @property
+    def max_top_logprobs(self) -> int:
+        return getattr(self.engine, "max_top_logprobs", MAX_TOP_LOGPROBS)
+
+    @property
     def max_length(self) -> int:
         """Alias of max_seq_len: the most prompt + generated tokens of one request."""
         return self.max_seq_len
@@ -656,6 +660,9 @@ class Generator:
                              f"{params.max_tokens}) can hold; it was not tokenised")
 
     def _prepare(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+        most = self.engine.max_top_logprobs
+        if params.logprobs is not None and params.logprobs > most:
+            raise ValueError(f"logprobs: at most {most} alternatives per token with this model, got {params.logprobs}")
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from opt_serving.config import OPTConfig
-from opt_serving.engine import Engine, EngineClosed, OPTSlots, QueueFull, SlotSettings
+from opt_serving.engine import MAX_TOP_LOGPROBS, Engine, EngineClosed, OPTSlots, QueueFull, SlotSettings
 from opt_serving.model import cpu_kernels, weights
 
 CFG = OPTConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
@@ -116,8 +116,8 @@ def test_logprobs_match_hf(engine, hf):
     for i, tok in enumerate(c.tokens):
         row = lp[len(prompt) - 1 + i]
         assert tok.logprob == pytest.approx(row[tok.id], abs=1e-4)
-        assert [t for t, _ in tok.top] == list(np.argsort(-row)[:5])
-        assert [v for _, v in tok.top] == pytest.approx(np.sort(row)[::-1][:5], abs=1e-4)
+        assert [t for t, _ in tok.top] == list(np.argsort(-row)[:MAX_TOP_LOGPROBS])
+        assert [v for _, v in tok.top] == pytest.approx(np.sort(row)[::-1][:MAX_TOP_LOGPROBS], abs=1e-4)
     assert c.prompt[0].logprob is None and [t.id for t in c.prompt] == prompt
     assert [t.logprob for t in c.prompt[1:]] == pytest.approx(
         [lp[i, prompt[i + 1]] for i in range(len(prompt) - 1)], abs=1e-4)
@@ -188,7 +188,7 @@ def test_top_alternatives_only_for_requests_that_want_them(engine, hf):
     for i, tok in enumerate(alone.tokens):
         assert tok.top == [] and tok.logprob == pytest.approx(lp[len(prompt) - 1 + i, tok.id], abs=1e-4)
     assert [t.logprob for t in alone.tokens] == pytest.approx([t.logprob for t in with_top.tokens], abs=1e-6)
-    assert all(len(t.top) == 5 for t in with_top.tokens) and all(t.top == [] for t in beside.tokens)
+    assert all(len(t.top) == MAX_TOP_LOGPROBS for t in with_top.tokens) and all(t.top == [] for t in beside.tokens)
 
 
 def test_per_request_settings_share_a_step(engine, hf):
@@ -328,7 +328,7 @@ def test_batched_prefill_gives_exactly_the_prefixes_of_one_by_one(model8, monkey
     for p, s, a in zip(prompts, settings, together):
         b = model8.prefill(p, s)
         assert (a.length, a.first, a.prompt) == (b.length, b.first, b.prompt)  # logprobs exactly equal too
-        assert len(a.first.top) == (5 if s.top_logprobs else 0)
+        assert len(a.first.top) == (MAX_TOP_LOGPROBS if s.top_logprobs else 0)
         assert (a.prompt is not None) == s.prompt_logprobs
         stage = model8.stages.stages[0]  # the rows each prefix holds there: cache, sampling state, settings
         rows = lambda p: jax_leaves((stage.pending[p.state], stage.sampler.pending[p.state]))  # noqa: E731

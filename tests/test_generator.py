@@ -180,7 +180,10 @@ def test_prompt_too_long_and_bad_params(gen):
         run(gen.complete("", greedy()))
     with pytest.raises(ValueError, match="vocabulary"):
         run(gen.complete([2, 999], greedy()))
-    for bad in [dict(temperature=-1), dict(top_p=0), dict(logprobs=6), dict(stop=["a"] * 5), dict(stop=[""]),
+    # beyond what this engine's model gives (the fake one: 5 alternatives; the real engine's: 20)
+    with pytest.raises(ValueError, match="logprobs: at most 5 alternatives per token with this model, got 6"):
+        run(gen.complete("ab", SamplingParams(max_tokens=2, logprobs=6)))
+    for bad in [dict(temperature=-1), dict(top_p=0), dict(logprobs=21), dict(stop=["a"] * 5), dict(stop=[""]),
                 dict(max_tokens=-1), dict(min_tokens=20, max_tokens=4)]:
         field = next(iter(bad))
         with pytest.raises(ValueError, match=field):

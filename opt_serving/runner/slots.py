@@ -58,6 +58,7 @@ class LocalStages:
 
 class Slots:
     """`engine.SlotModel` over `stages`, each holding `num_slots // groups` rows of every group."""
+    max_top_logprobs = MAX_TOP_LOGPROBS  # alternatives a token can come with
 
     def __init__(self, cfg, stages: Stages, num_slots: int, groups: int = 1, max_seq_len: Optional[int] = None,
                  plan=None):

@@ -7,8 +7,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-# top alternatives computed for every token; OpenAI's `logprobs` goes up to 5
-MAX_TOP_LOGPROBS = 5
+# top alternatives a token can come with (vLLM's default --max-logprobs); computed only for requests that ask
+MAX_TOP_LOGPROBS = 20
 PREFILL_MIN_BUCKET = 8  # short prompts (chat turns, benchmarks) are not padded to 16: prefill is compute
 # Prompts of a short bucket are prefilled PREFILL_BATCH_TOKENS // bucket at a time (OPT-125m, 2-core CPU: an
 # 8-token prompt alone took 24.5 ms, mostly reading the weights; four in one pass 38.8 ms, 9.7 ms each; a

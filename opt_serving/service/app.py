@@ -119,7 +119,6 @@ class Service:
 
     def __init__(self, generator, model_name: str | None = None, request_timeout: float = 600.0,
                  max_logprobs: int = P.MAX_LOGPROBS):
-        from opt_serving.engine import MAX_TOP_LOGPROBS
         from opt_serving.generator import SamplingParams
         self.g = generator
         self.SamplingParams = SamplingParams
@@ -127,7 +126,7 @@ class Service:
         self.max_seq_len = int(generator.max_seq_len)
         self.request_timeout = request_timeout
         # what the server answers for: its configured limit, within the alternatives the engine computes
-        self.max_logprobs = min(max_logprobs, MAX_TOP_LOGPROBS)
+        self.max_logprobs = min(max_logprobs, getattr(generator, "max_top_logprobs", max_logprobs))
         self.metrics = ServiceMetrics(generator.stats)
 
     def check_logprobs(self, logprobs: Optional[int]) -> Optional[int]:
@@ -292,7 +291,7 @@ def create_app(generator, *, model_name: str | None = None, api_keys: Sequence[s
     """FastAPI app serving `generator`. `api_keys`: if given, POST routes and /v1/models need
     `Authorization: Bearer <one of them>`. `close_generator`: close it when the app shuts down.
     `max_logprobs`: the most top alternatives per token a request may ask for (vLLM's --max-logprobs; the
-    engine computes at most engine.MAX_TOP_LOGPROBS). `max_body_bytes`: larger request bodies are a 413,
+    engine's model gives at most generator.max_top_logprobs). `max_body_bytes`: larger request bodies are a 413,
     refused before they are read."""
     svc = Service(generator, model_name, request_timeout, max_logprobs)
     keys = [k for k in api_keys if k]

@@ -19,11 +19,12 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from opt_serving.engine import (MAX_TOP_LOGPROBS, Engine, Prefix, SlotSettings, StepResult, TokenInfo)
+from opt_serving.engine import Engine, Prefix, SlotSettings, StepResult, TokenInfo
 
 LN2 = math.log(2.0)
 BYTE_OFFSET = 4
 FAKE_VOCAB_SIZE = BYTE_OFFSET + 256
+MAX_TOP_LOGPROBS = 5  # the fake model's top alternatives (the real engine computes engine.MAX_TOP_LOGPROBS)
 
 
 def fake_logprob(last: int, token: int, vocab_size: int = FAKE_VOCAB_SIZE) -> float:
@@ -40,6 +41,7 @@ def fake_top(last: int, vocab_size: int = FAKE_VOCAB_SIZE) -> list[tuple[int, fl
 
 class FakeSlots:
     """`engine.SlotModel` with hand-checkable outputs (see the module docstring)."""
+    max_top_logprobs = MAX_TOP_LOGPROBS
 
     def __init__(self, num_slots: int = 4, max_seq_len: int = 64, vocab_size: int = FAKE_VOCAB_SIZE):
         self.num_slots, self.max_seq_len, self.vocab_size = num_slots, max_seq_len, vocab_size
