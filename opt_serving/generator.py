@@ -60,6 +60,7 @@ class SamplingParams:
     temperature: float = 1.0        # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0                  # 0 = off
+    min_p: float = 0.0              # 0 = off; vLLM's: tokens below min_p x the top probability are dropped
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -91,6 +92,7 @@ class SamplingParams:
             (self.temperature >= 0, "temperature must be >= 0"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (isinstance(self.top_k, int) and self.top_k >= 0, "top_k must be an integer >= 0"),
+            (0.0 <= self.min_p <= 1.0, "min_p must be between 0 and 1"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be between -2 and 2"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be between -2 and 2"),
             (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
@@ -707,7 +709,8 @@ class Generator:
         seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
         return SlotSettings(
             max_tokens=params.max_tokens, min_tokens=params.min_tokens, temperature=float(params.temperature),
-            top_k=params.top_k, top_p=float(params.top_p), presence_penalty=float(params.presence_penalty),
+            top_k=params.top_k, top_p=float(params.top_p), min_p=float(params.min_p),
+            presence_penalty=float(params.presence_penalty),
             frequency_penalty=float(params.frequency_penalty),
             repetition_penalty=float(params.repetition_penalty), seed=seed, stop_token_ids=stop_ids,
             bad_words_ids=tuple(tuple(w) for w in params.bad_words_ids),

@@ -34,6 +34,7 @@ class Settings:
     temperature: jax.Array         # float32; 0 = greedy
     top_k: jax.Array               # int32; 0 = off
     top_p: jax.Array               # float32; 1 = off
+    min_p: jax.Array               # float32; 0 = off (vLLM's: drop tokens below min_p x the top probability)
     repetition_penalty: jax.Array  # float32; 1 = off (HF/CTRL: divide positive logits of seen tokens)
     presence_penalty: jax.Array    # float32; OpenAI: minus this once per generated token type
     frequency_penalty: jax.Array   # float32; OpenAI: minus this times the generated count
@@ -45,7 +46,7 @@ class Settings:
     bad_words: jax.Array           # int32 [B, W, L]: banned sequences, right-padded with -1
 
 
-def make_settings(batch: int, *, temperature=0.0, top_k=0, top_p=1.0, repetition_penalty=1.0,
+def make_settings(batch: int, *, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
                   presence_penalty=0.0, frequency_penalty=0.0, no_repeat_ngram_size=0,
                   min_length=0, min_new_tokens=0, eos_token_id=-1, seed=0,
                   bad_words_ids: Sequence[Sequence[int]] | Sequence[Sequence[Sequence[int]]] | None = None
@@ -61,7 +62,8 @@ def make_settings(batch: int, *, temperature=0.0, top_k=0, top_p=1.0, repetition
         raise ValueError(f"no_repeat_ngram_size above {MAX_NGRAM} is not supported")
     return Settings(
         temperature=arr(temperature, np.float32), top_k=arr(top_k, np.int32),
-        top_p=arr(top_p, np.float32), repetition_penalty=arr(repetition_penalty, np.float32),
+        top_p=arr(top_p, np.float32), min_p=arr(min_p, np.float32),
+        repetition_penalty=arr(repetition_penalty, np.float32),
         presence_penalty=arr(presence_penalty, np.float32),
         frequency_penalty=arr(frequency_penalty, np.float32),
         no_repeat_ngram_size=arr(ngram, np.int32), min_length=arr(min_length, np.int32),
@@ -236,7 +238,7 @@ def held_back(state: State, s: Settings):
 
 @partial(jax.jit, static_argnums=(2,))
 def warp(logits, s: Settings, min_tokens_to_keep: int = 1):
-    """Temperature, top-k, top-p as HF's warpers (rows with temperature 0 pass through)."""
+    """Temperature, top-k, top-p as HF's warpers, then min-p as vLLM's (rows with temperature 0 pass through)."""
     sampled = s.temperature > 0
     logits = jax.lax.cond(  # an all-greedy batch skips the pass over [B, V]
         jnp.any(sampled),
@@ -261,7 +263,14 @@ def warp(logits, s: Settings, min_tokens_to_keep: int = 1):
         return jnp.take_along_axis(asc, jnp.argsort(order, axis=-1), axis=-1)
 
     # a full-vocabulary sort per row is the costly part: only when some row asks for it
-    return jax.lax.cond(jnp.any(need_sort), topk_topp, lambda x: x, logits)
+    logits = jax.lax.cond(jnp.any(need_sort), topk_topp, lambda x: x, logits)
+    use_min_p = sampled & (s.min_p > 0)
+
+    def min_p(logits):  # a token stays if its probability is at least min_p times the likeliest one's
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        keep = probs >= s.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
+        return jnp.where(use_min_p[:, None] & ~keep, NEG_INF, logits)
+    return jax.lax.cond(jnp.any(use_min_p), min_p, lambda x: x, logits)
 
 
 def plain_argmax(state: State, s: Settings, active=None):

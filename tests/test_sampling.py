@@ -84,6 +84,23 @@ def test_warpers_match_hf(temperature, top_k, top_p):
     np.testing.assert_array_equal(mixed[1], ours[1])
 
 
+@pytest.mark.parametrize("temperature,min_p", [(1.0, 0.05), (0.7, 0.3)])
+def test_min_p_matches_hf(temperature, min_p):
+    """vLLM's min_p: after temperature, a token stays if its probability is at least min_p times the top
+    one's (HF's MinPLogitsWarper); a row with min_p 0 or temperature 0 is left as it was."""
+    _, _, logits = _case(1)
+    st = sampling.make_settings(2, temperature=temperature, min_p=[min_p, 0.0])
+    ours = np.asarray(sampling.warp(jnp.asarray(logits), st))
+    ref = _hf([lp.TemperatureLogitsWarper(temperature), lp.MinPLogitsWarper(min_p)],
+              np.zeros((1, 1), np.int32), logits[:1])[0]
+    np.testing.assert_array_equal(np.isinf(ours[0]), np.isinf(ref))
+    assert 0 < np.isinf(ours[0]).sum() < logits.shape[1] - 1  # the case drops some tokens, not all
+    np.testing.assert_allclose(ours[0][np.isfinite(ours[0])], ref[np.isfinite(ref)], rtol=1e-6)
+    assert not np.isinf(ours[1]).any()
+    greedy = sampling.make_settings(2, temperature=0.0, min_p=min_p)
+    np.testing.assert_array_equal(np.asarray(sampling.warp(jnp.asarray(logits), greedy)), logits)
+
+
 def test_openai_penalties():
     ids, mask, logits = _case()
     state = _state(ids, mask, generated=3)  # generated: 8, 3, 8 in row 1; 9, 5, 6 in row 0

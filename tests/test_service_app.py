@@ -499,14 +499,14 @@ def test_skip_special_tokens_false_writes_them_into_the_text(client):
 def test_top_k_and_repetition_penalty_reach_the_engine(client, gen):
     """What they do to the tokens is checked on the real tiny model (test_service_tiny.py)."""
     seen = gen.engine.model.inserted_settings
-    r = post(client, {"prompt": "a", "max_tokens": 2, "top_k": 7, "repetition_penalty": 1.3, "seed": 1})
+    r = post(client, {"prompt": "a", "max_tokens": 2, "top_k": 7, "repetition_penalty": 1.3, "seed": 1, "min_p": 0.2})
     assert r.status_code == 200 and (seen[-1].top_k, seen[-1].repetition_penalty) == (7, pytest.approx(1.3))
+    assert seen[-1].min_p == pytest.approx(0.2)
     post(client, {"prompt": "a", "max_tokens": 2, "top_k": -1})  # vLLM's "off"
     assert seen[-1].top_k == 0
 
 
 @pytest.mark.parametrize("body, param, fragment", [
-    ({"min_p": 0.1}, "min_p", "not supported"),
     ({"logprobs": 6}, "logprobs", "at most 5"),
     ({"logprobs": 21}, "logprobs", "less than or equal to 20"),
     ({"top_k": -2}, "top_k", ""),

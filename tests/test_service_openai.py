@@ -87,8 +87,8 @@ def test_vllm_extensions_through_extra_body(fake_server):
     r = client.completions.create(model="opt-fake", prompt="a", max_tokens=10, temperature=0,
                                   extra_body={"stop_token_ids": [104], "include_stop_str_in_output": True})
     assert (r.choices[0].text, r.choices[0].finish_reason) == ("bcd", "stop")
-    with pytest.raises(openai.BadRequestError, match="min_p"):
-        client.completions.create(model="opt-fake", prompt="a", extra_body={"min_p": 0.5})
+    with pytest.raises(openai.BadRequestError, match="min_p"):  # vLLM's range: 0 to 1
+        client.completions.create(model="opt-fake", prompt="a", extra_body={"min_p": 1.5})
 
 
 @pytest.fixture(scope="module")

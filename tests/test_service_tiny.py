@@ -120,6 +120,9 @@ def test_vllm_extensions_change_the_tokens_as_vllm_documents(tiny):
     greedy = client.completions.create(**ask, temperature=0, extra_body={"ignore_eos": True})
     top1 = client.completions.create(**ask, temperature=1.0, seed=3, extra_body={"top_k": 1, "ignore_eos": True})
     assert top1.choices[0].text == greedy.choices[0].text
+    # min_p = 1 keeps only tokens as likely as the likeliest: sampling becomes greedy too
+    minp1 = client.completions.create(**ask, temperature=1.0, seed=3, extra_body={"min_p": 1.0, "ignore_eos": True})
+    assert minp1.choices[0].text == greedy.choices[0].text
     assert greedy.usage.completion_tokens == 12 and greedy.choices[0].finish_reason == "length"
     penalised = client.completions.create(**ask, temperature=0, extra_body={"repetition_penalty": 1e4,
                                                                              "ignore_eos": True})

@@ -30,7 +30,8 @@ def settings_rows(rows: Sequence[SlotSettings], batch: int) -> sampling.Settings
     col = lambda f: [f(s) for s in rows]  # noqa: E731
     settings = sampling.make_settings(
         batch, temperature=col(lambda s: s.temperature), top_k=col(lambda s: s.top_k),
-        top_p=col(lambda s: s.top_p), repetition_penalty=col(lambda s: s.repetition_penalty),
+        top_p=col(lambda s: s.top_p), min_p=col(lambda s: s.min_p),
+        repetition_penalty=col(lambda s: s.repetition_penalty),
         presence_penalty=col(lambda s: s.presence_penalty),
         frequency_penalty=col(lambda s: s.frequency_penalty),
         no_repeat_ngram_size=col(lambda s: s.no_repeat_ngram_size), min_new_tokens=col(lambda s: s.min_tokens),

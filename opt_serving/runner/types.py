@@ -26,6 +26,7 @@ class SlotSettings:
     temperature: float = 0.0        # 0 = greedy
     top_k: int = 0                  # 0 = off
     top_p: float = 1.0
+    min_p: float = 0.0              # 0 = off
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # HF's: over prompt and generated tokens

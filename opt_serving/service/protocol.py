@@ -84,7 +84,7 @@ class CompletionRequest(Request):
     user: Optional[str] = None
     # vLLM's sampling extensions, with vLLM's meaning and checks (its SamplingParams); null = the default
     top_k: Optional[Annotated[int, Field(ge=-1, lt=2**31)]] = None   # -1 or 0: off
-    min_p: Optional[Annotated[float, Field(ge=0.0, le=1.0)]] = None  # 0: off (the only value served)
+    min_p: Optional[Annotated[float, Field(ge=0.0, le=1.0)]] = None  # 0: off
     min_tokens: Optional[Annotated[int, Field(ge=0, le=1_000_000)]] = None
     ignore_eos: Optional[bool] = None
     repetition_penalty: Optional[Annotated[float, Field(gt=0.0)]] = None
@@ -104,8 +104,6 @@ class CompletionRequest(Request):
             raise ValueError("logit_bias is not supported")
         if self.suffix:
             raise ValueError("suffix is not supported")
-        if self.min_p:  # known, but the sampler has no min-p filter: refused rather than ignored
-            raise ValueError("min_p is not supported by this server (only 0, off)")
         max_tokens = 16 if self.max_tokens is None else self.max_tokens
         if (self.min_tokens or 0) > max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be less than or equal to max_tokens "
@@ -120,7 +118,7 @@ class CompletionRequest(Request):
 
     def extensions(self) -> dict:
         """vLLM's extensions as generator SamplingParams fields (defaults for those not sent)."""
-        return dict(top_k=max(self.top_k or 0, 0), min_tokens=self.min_tokens or 0,
+        return dict(top_k=max(self.top_k or 0, 0), min_p=self.min_p or 0.0, min_tokens=self.min_tokens or 0,
                     ignore_eos=bool(self.ignore_eos),
                     repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
                     stop_token_ids=list(self.stop_token_ids or []),
