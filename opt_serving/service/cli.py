@@ -91,11 +91,18 @@ def direct_ingress_env(port: int, drain_s: float) -> dict:
     user code on the main loop) with that port pinned to ours. Measured here at 32 streaming
     clients (OPT-125m, 2-core CPU): 246 output tokens/s direct vs 185 through the proxy.
     A replica normally keeps answering 30 s after shutdown starts, for load balancers to notice;
-    one machine has none, so it drains for --drain-timeout only."""
+    one machine has none, so it drains for --drain-timeout only.
+    A replica's port is normally held out of the pool for 150 s after the replica stops (Ray Serve's
+    RAY_SERVE_PORT_QUARANTINE_S: HAProxy's hard-stop-after, 120 s, + 30 s, so that a stale HAProxy worker
+    cannot route one app's traffic to another app's replica on the same port). Here there is no HAProxy and
+    the pool is the one port, so a replica replacing a dead one (SIGKILL, a failed health check) could not
+    get --port for 150 s: every attempt loaded the model, failed with NoAvailablePortError and was retried,
+    and the server refused connections for 155 s after the kill (tiny model, 2-core CPU) instead of ~20 s."""
     return {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
             "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
             "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),  # Serve's range excludes its maximum
-            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(max(drain_s, 0.1))}
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": str(max(drain_s, 0.1)),
+            "RAY_SERVE_PORT_QUARANTINE_S": "0"}
 
 
 def replica_priority_env(ray_nice: int) -> dict:
