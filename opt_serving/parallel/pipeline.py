@@ -96,12 +96,10 @@ def load_stage_params(folder, cfg: OPTConfig, spec, dtype="float32", mesh=None) 
 
 def _node_name() -> str:
     import socket
-    try:
-        import ray
-        node = ray.get_runtime_context().get_node_id()[:12]
-    except Exception:
-        node = "?"
-    return f"{socket.gethostname()} (Ray node {node})"
+    import ray
+    if not ray.is_initialized():  # get_runtime_context() would start a Ray of its own
+        return socket.gethostname()
+    return f"{socket.gethostname()} (Ray node {ray.get_runtime_context().get_node_id()[:12]})"
 
 
 class StageActor:
