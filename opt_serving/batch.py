@@ -521,6 +521,11 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError, NotImplementedError) as e:  # missing folder, unknown name, alpa/ not ready
         print(f"batch: cannot load {args.model}: {e}", file=sys.stderr)
         return 2
+    # what is loaded (model, compiled steps, libraries) lives as long as the job: frozen, Python's full
+    # collections stop walking it between steps (as the Serve replica does; benchmark/README.md)
+    import gc
+    gc.collect()
+    gc.freeze()
     try:
         summary = run_file(args.input, args.output, gen, budget=args.budget, window=args.window,
                            progress=not args.no_progress)
