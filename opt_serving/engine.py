@@ -33,6 +33,7 @@ __all__ = ["Engine", "EngineClosed", "EngineOutput", "EngineRequest", "EngineSta
 
 log = logging.getLogger(__name__)
 
+
 class QueueFull(RuntimeError):
     """The engine's request queue is at capacity (the service answers 429 with Retry-After)."""
 
@@ -207,11 +208,7 @@ class Engine:
             self._cv.notify()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
-        with self._cv:
-            pending = list(self._queue) + [r for r in self._slots if r is not None]
-            self._queue.clear()
-        for req in pending:
-            self._fail(req, EngineClosed("the engine shut down before the request finished"))
+        self._fail_pending(EngineClosed("the engine shut down before the request finished"))
         close = getattr(self.model, "close", None)
         if close is not None:  # e.g. a pipeline's stage actors and placement group
             close()
@@ -259,10 +256,15 @@ class Engine:
             log.exception("engine thread died")
             with self._cv:
                 self._died = e
-                pending = list(self._queue) + [r for r in self._slots if r is not None]
-                self._queue.clear()
-            for req in pending:
-                self._fail(req, EngineClosed(f"the engine thread died: {e!r}"))
+            self._fail_pending(EngineClosed(f"the engine thread died: {e!r}"))
+
+    def _fail_pending(self, error: BaseException) -> None:
+        """Every queued and running request ends with `error`."""
+        with self._cv:
+            pending = list(self._queue) + [r for r in self._slots if r is not None]
+            self._queue.clear()
+        for req in pending:
+            self._fail(req, error)
 
     def _run(self) -> None:
         while True:

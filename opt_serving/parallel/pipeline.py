@@ -47,51 +47,33 @@ def stage_specs(cfg: OPTConfig, pp: int, layer_split: list[int] | None = None):
 
 def load_stage_params(folder, cfg: OPTConfig, spec, dtype="float32", mesh=None) -> dict:
     """One stage's tensors from a numpy folder, memory-mapped, into its Flax tree (layers numbered from
-    0). With a tp `mesh` each device reads only its own slice of each file. A node without the files
-    gets an error naming the node and the path."""
+    0), over `mesh` (default: this process's first device); each device reads only its own slice of each
+    file. A node without the files gets an error naming the node and the path."""
     import jax
-    import jax.numpy as jnp
-    from opt_serving.model.weights import flax_path, global_param_shapes, layer_param_shapes, load_checked
+    from opt_serving.model import opt
+    from opt_serving.parallel.sharding import load_sharded_params, make_mesh
     if not (Path(folder) / "decoder.embed_tokens.weight").exists() and not (Path(folder) / "config.json").exists():
         raise FileNotFoundError(f"node {_node_name()} has no numpy weights folder at {folder}: every node that "
                                 "runs a pipeline stage reads its layers from the same path (copy the folder "
                                 "there, or use a shared file system)")
-    shapes = dict(global_param_shapes(cfg))
-    names = []
-    if spec.first:
-        names += [n for n in ("decoder.embed_tokens.weight", "decoder.embed_positions.weight",
-                              "decoder.project_in_dim.weight") if n in shapes]
-    if spec.last:
-        names += [n for n in ("decoder.embed_tokens.weight", "decoder.layer_norm.weight", "decoder.layer_norm.bias",
-                              "decoder.project_out_dim.weight") if n in shapes and n not in names]
-    for i in range(spec.start, spec.stop):
-        layer = layer_param_shapes(cfg, i)
-        shapes.update(layer)
-        names += list(layer)
-    np_dtype = np.dtype(jnp.dtype(dtype))
+    mesh = mesh if mesh is not None else make_mesh(jax.devices()[:1], 1)
+    try:
+        tree = load_sharded_params(folder, cfg, mesh, dtype=dtype, names=stage_param_names(cfg, spec))
+    except FileNotFoundError as e:
+        raise FileNotFoundError(f"node {_node_name()}: {e}") from None
+    return opt.stage_params(tree, spec)
+
+
+def stage_param_names(cfg: OPTConfig, spec) -> set[str]:
+    """The checkpoint names a stage holds: opt.stage_params's cut of the model, applied to a tree of names."""
+    import jax
+    from opt_serving.model import opt
+    from opt_serving.model.weights import flax_path, param_shapes
+    from opt_serving.parallel.sharding import _tree_set
     tree: dict = {}
-    for name in names:
-        path, transpose = flax_path(name)
-        if path[0].startswith("layers_"):  # the stage numbers its layers from 0
-            path = (f"layers_{int(path[0][7:]) - spec.start}", *path[1:])
-        try:
-            a = load_checked(folder, name, shapes[name])
-        except FileNotFoundError:
-            raise FileNotFoundError(f"node {_node_name()}: weight file {Path(folder) / name} is missing") from None
-        view = a.T if transpose else a
-        if mesh is None:
-            arr = jnp.asarray(np.ascontiguousarray(view, dtype=np_dtype))
-        else:
-            from jax.sharding import NamedSharding
-            from opt_serving.parallel.sharding import TP_RULES, param_spec
-            arr = jax.make_array_from_callback(
-                view.shape, NamedSharding(mesh, param_spec(name, TP_RULES)),
-                lambda idx, v=view: np.ascontiguousarray(v[idx], dtype=np_dtype))
-        node = tree
-        for p in path[:-1]:
-            node = node.setdefault(p, {})
-        node[path[-1]] = arr
-    return tree
+    for name in param_shapes(cfg):
+        _tree_set(tree, flax_path(name)[0], name)
+    return set(jax.tree_util.tree_leaves(opt.stage_params(tree, spec)))
 
 
 def _node_name() -> str:
@@ -121,7 +103,7 @@ class StageActor:
         if params is None:
             params = load_stage_params(folder, cfg, spec, dtype, mesh)
         elif mesh is not None:
-            params = _shard_stage(params, spec, mesh)
+            params = _shard_stage(params, cfg, spec, mesh)
         else:
             params = jax.tree_util.tree_map(jax.numpy.asarray, params)
         self.slots = StageSlots(cfg, params, spec, rows, groups, max_seq_len)
@@ -194,24 +176,13 @@ def _host(out):
     return jax.tree_util.tree_map(lambda a: np.asarray(a) if isinstance(a, jax.Array) else a, out)
 
 
-def _shard_stage(params: dict, spec, mesh) -> dict:
-    """A stage's param tree (numbered from 0) on its tp mesh with the Megatron specs of sharding.py."""
+def _shard_stage(params: dict, cfg: OPTConfig, spec, mesh) -> dict:
+    """A stage's param tree (numbered from 0) on its tp mesh: the whole model's Megatron shardings
+    (sharding.py) cut to the stage the way its params were."""
     import jax
-    from jax.sharding import NamedSharding
-    from opt_serving.parallel.sharding import TP_RULES, param_spec
-    from opt_serving.model.weights import _GLOBAL_PATHS
-
-    def name_of(path) -> str:
-        keys = [p.key for p in path]
-        if keys[0].startswith("layers_"):
-            i = int(keys[0][7:]) + spec.start
-            sub = ".".join(k for k in keys[1:-1] if k != "ln")
-            leaf = {"kernel": "weight", "scale": "weight"}.get(keys[-1], keys[-1])
-            return f"decoder.layers.{i}.{sub}.{leaf}"
-        return next(n for n, (p, _) in _GLOBAL_PATHS.items() if tuple(p) == tuple(keys))
-
-    return jax.tree_util.tree_map_with_path(
-        lambda path, a: jax.device_put(a, NamedSharding(mesh, param_spec(name_of(path), TP_RULES))), params)
+    from opt_serving.model import opt
+    from opt_serving.parallel.sharding import param_shardings
+    return jax.device_put(params, opt.stage_params(param_shardings(cfg, mesh), spec))
 
 
 def stage_bundles(plan, gpus: bool, cpus_per_stage: float = 1, extra_cpus: float = 0) -> tuple[list[dict], str]:
@@ -257,26 +228,22 @@ class RayStages:
         env = {} if gpus else {"env_vars": {  # a CPU stage makes its tp host devices; its kernels use its CPUs
             "XLA_FLAGS": f"--xla_force_host_platform_device_count={plan.tp}", "JAX_PLATFORMS": "cpu",
             "OPT_SERVING_CPU_THREADS": str(max(1, int(cpus_per_stage)))}}
-        whole = None
-        if folder is None:  # random weights: drawn once here, as jax/ draws them, then cut per stage
-            import jax
-            from opt_serving.model import opt
-            whole = opt.init_params(cfg, seed, jax.numpy.dtype(dtype))
+        import jax
+        from opt_serving.model import opt
+        dtype = jax.numpy.dtype(dtype).name
+        # random weights: drawn once here, as jax/ draws them, then cut per stage
+        whole = opt.init_params(cfg, seed, dtype) if folder is None else None
         actor = ray.remote(StageActor)
         self.actors = []
         tag = os.urandom(4).hex()  # named (ray.util.list_named_actors finds them), owned by this process
         for i, spec in enumerate(self.specs):
-            part = None
-            if whole is not None:
-                import jax
-                from opt_serving.model import opt
-                part = jax.device_get(opt.stage_params(whole, spec))
+            part = None if whole is None else jax.device_get(opt.stage_params(whole, spec))
             self.actors.append(actor.options(
                 num_cpus=cpus_per_stage, num_gpus=plan.tp if gpus else 0, runtime_env=env, max_restarts=0,
                 name=f"{STAGE_NAME_PREFIX}{tag}-{i}",
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, i)).remote(
-                    cfg, spec, None if folder is None else str(folder), part, str(np.dtype(dtype)) if not
-                    isinstance(dtype, str) else dtype, plan.tp, rows, groups, max_seq_len, _describe(i, spec)))
+                    cfg, spec, None if folder is None else str(folder), part, dtype, plan.tp, rows, groups,
+                    max_seq_len, _describe(i, spec)))
         del whole
         # replies nobody waits for (insert, free, drop): their errors surface later. The engine thread and a
         # beam search's thread (generation_model) both call in: the list has a lock
@@ -309,24 +276,31 @@ class RayStages:
             ray.get(done)
             return ray.get(futures)
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
-            which = [self.describe(i) for i, a in enumerate(self.actors) if not _alive(a)]
+            which = [self.describe(i) for i in self._dead()]
             self.dead = (f"pipeline {', '.join(which) or 'stage'} died ({type(e).__name__}); "
                          "the model must be loaded again")
             raise StageDied(self.dead) from None
 
-    def check_health(self) -> None:
-        """Raises StageDied naming the stage when one is gone (a busy stage is healthy)."""
+    def _dead(self, timeout_s: float = 10) -> list[int]:
+        """The stages whose actor does not answer a ping because it is gone (a busy one is not dead)."""
         import ray
+        refs = [a.ready.remote() for a in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        dead = []
+        for i, ref in enumerate(refs):
+            if ref in ready:
+                try:
+                    ray.get(ref)
+                except Exception:
+                    dead.append(i)
+        return dead
+
+    def check_health(self) -> None:
+        """Raises StageDied naming the stages that are gone."""
         if self.dead is None:
-            refs = [a.ready.remote() for a in self.actors]
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=10)
-            for i, ref in enumerate(refs):
-                if ref in ready:
-                    try:
-                        ray.get(ref)
-                    except Exception as e:
-                        self.dead = f"pipeline {self.describe(i)} died ({type(e).__name__})"
-                        break
+            which = [self.describe(i) for i in self._dead()]
+            if which:
+                self.dead = f"pipeline {', '.join(which)} died; the model must be loaded again"
         if self.dead is not None:
             raise StageDied(self.dead)
 
@@ -381,15 +355,6 @@ def _shutdown(actors, pg) -> None:
             remove_placement_group(pg)
     except Exception:  # interpreter shutdown, Ray already gone: nothing left to free
         pass
-
-
-def _alive(actor) -> bool:
-    import ray
-    try:
-        ray.get(actor.ready.remote(), timeout=10)
-        return True
-    except Exception:
-        return False
 
 
 class _Echo:

@@ -151,7 +151,7 @@ def _stage_steps(cfg: OPTConfig, tp: int, depths: tuple[int, ...], batch: int, c
         part = opt.stage_params(params, spec)
         if mesh is not None:
             from opt_serving.parallel.pipeline import _shard_stage
-            part = _shard_stage(part, spec, mesh)
+            part = _shard_stage(part, cfg, spec, mesh)
         stage = StageSlots(cfg, part, spec, rows=batch, max_seq_len=context)
         stage.seq_open(0, batch, context)
         x = tokens if first else hidden

@@ -110,13 +110,16 @@ def cache_shardings(cfg: OPTConfig, mesh: Mesh, rules: Rules = TP_RULES) -> dict
 
 
 def load_sharded_params(folder: str | os.PathLike, cfg: OPTConfig, mesh: Mesh,
-                        rules: Rules = TP_RULES, dtype=jnp.float32) -> dict:
-    """The numpy folder -> Flax param tree sharded over `mesh`; each device reads its slice only."""
+                        rules: Rules = TP_RULES, dtype=jnp.float32, names=None) -> dict:
+    """The numpy folder -> Flax param tree sharded over `mesh`; each device reads its slice only.
+    `names`: only these checkpoint tensors (a pipeline stage's)."""
     folder = Path(folder)
     _check_divisible(cfg, mesh.devices.size)
     np_dtype = np.dtype(jnp.dtype(dtype))
     tree: dict = {}
     for name, shape in param_shapes(cfg).items():
+        if names is not None and name not in names:
+            continue
         path, transpose = flax_path(name)
         src = load_checked(folder, name, shape)          # memory-mapped
         view = src.T if transpose else src               # a view: nothing read yet

@@ -148,9 +148,13 @@ class Slots:
         return Prefix(length=len(tokens), first=TokenInfo(int(tok[j]), float(lp[j]), top), prompt=prompt,
                       state=handle, settings=s)
 
-    def discard(self, prefix: Prefix) -> None:
+    def _to_all(self, method: str, *args) -> None:
+        """The same call to every stage, in stage order (replies not awaited)."""
         for i in range(self.stages.n):
-            self.stages.call(i, "drop", prefix.state)
+            self.stages.call(i, method, *args)
+
+    def discard(self, prefix: Prefix) -> None:
+        self._to_all("drop", prefix.state)
 
     # ---- slots ----
     def _in_flight(self, g: int) -> bool:
@@ -161,8 +165,7 @@ class Slots:
         g, row = self.group_of(slot)
         if self._in_flight(g):
             self._stale.add(slot)
-        for i in range(self.stages.n):
-            self.stages.call(i, "insert", prefix.state, g, row, keep)
+        self._to_all("insert", prefix.state, g, row, keep)
         self._lengths[slot] = prefix.length + 1  # the prompt and the first token
         self._next[slot] = prefix.first.id
         self._want_top[slot] = prefix.settings.top_logprobs
@@ -172,11 +175,10 @@ class Slots:
         g, row = self.group_of(slot)
         if self._in_flight(g):
             self._stale.add(slot)
-        for i in range(self.stages.n):
-            self.stages.call(i, "free", g, row)
+        self._to_all("free", g, row)
         self._lengths[slot] = 0
 
-    def window_needed(self, g: int = 0) -> int:
+    def window_needed(self, g: int) -> int:
         """The cache window a group's next step needs: the bucket holding every active slot's tokens."""
         longest = int(self._lengths[self._group_slots(g)].max())
         return kv_cache.bucket_length(min(max(longest, 1), self.max_seq_len), self.max_seq_len)
@@ -188,10 +190,9 @@ class Slots:
         want_top = bool(self._want_top[slots][busy].any())
         want_scores = want_top or bool(self._want_lp[slots][busy].any())
         positions = np.where(busy, lengths - 1, 0).astype(np.int32)
-        x = self._next[slots]
+        x, window, read_len = self._next[slots], self.window_needed(g), int(lengths.max())
         for i in range(self.stages.n):
-            x = self.stages.call(i, "decode", g, x, positions, self.window_needed(g), int(lengths.max()),
-                                 want_scores, want_top)
+            x = self.stages.call(i, "decode", g, x, positions, window, read_len, want_scores, want_top)
         self._flights.append((g, x, slots[busy]))
 
     def step(self) -> StepResult:
@@ -231,8 +232,7 @@ class Slots:
             self.free(0)
         for prefix in prefixes:
             self.discard(prefix)
-        for i in range(self.stages.n):
-            self.stages.call(i, "end_warmup")
+        self._to_all("end_warmup")
         self.stages.get(self.stages.call(0, "ready"))
 
     @property

@@ -53,7 +53,8 @@ class StageSlots:
         self.windows = cache_windows(self.max_seq_len)
         dtype = opt.param_dtype(params)
         scfg = cfg.replace(num_hidden_layers=stage.num_layers)
-        self._empty_cache = lambda: kv_cache.init_cache(scfg, rows, self.windows[0], dtype)  # smallest window
+        self._new_cache = lambda batch, n: kv_cache.init_cache(scfg, batch, n, dtype)
+        self._empty_cache = lambda: self._new_cache(rows, self.windows[0])  # smallest window
         self.caches = [self._empty_cache() for _ in range(groups)]
         self.pending: dict[int, dict] = {}  # handle -> a prefilled request's batch-1 cache, until inserted
         # packed params on a CPU: the decode attention kernel reads only the entries written so far
@@ -64,7 +65,7 @@ class StageSlots:
             """k right-padded prompts (ids [k, n], or the previous stage's hidden states [k, n, D]) in one
             pass -> k batch-1 caches and the hidden states [k, n, D] (final ones on the last stage)."""
             k, n = mask.shape
-            cache = kv_cache.init_cache(scfg, k, n, dtype)
+            cache = self._new_cache(k, n)
             h, cache = opt._prefill(cfg, params, cache, x, mask, return_hidden=True, stage=stage)
             return split_rows(cache, k), h
 
@@ -80,7 +81,6 @@ class StageSlots:
             return opt._decode(cfg, params, cache, x, positions, write_index, stage=stage)
 
         self.seqs: dict = {}  # key -> a whole-sequence cache (generate() over a pipeline)
-        self._seq_cache = lambda batch, n: kv_cache.init_cache(scfg, batch, n, dtype)
         self._seq_prefill = jax.jit(seq_prefill, static_argnums=(4,), donate_argnums=(1,))
         self._seq_decode = jax.jit(seq_decode, donate_argnums=(1,))
         self._seq_reorder = jax.jit(kv_cache.reorder, donate_argnums=(0,))
@@ -158,7 +158,7 @@ class StageSlots:
 
     # ---- whole sequences: generate() over a pipeline (backend.PipelinedOPT), left-padded batches ----
     def seq_open(self, key, batch: int, max_len: int) -> None:
-        self.seqs[key] = self._seq_cache(batch, max_len)
+        self.seqs[key] = self._new_cache(batch, max_len)
 
     def seq_prefill(self, key, x, mask, all_logits: bool = False):
         """-> hidden states [B, S, D], or on the last stage logits [B, V] (all positions: [B, S, V])."""
