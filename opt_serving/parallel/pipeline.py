@@ -9,8 +9,9 @@ stage i+1's argument, so hidden states move between stages through Ray's object 
 coming back to the driver, and several micro-batches are in the stages at once.
 
 Placement: one placement-group bundle per stage (its tp GPUs and a CPU: a bundle always lies on one
-node). Under Ray Serve the replica's own placement group holds them (bundles 1..pp, after the
-replica's), so Serve starting, stopping or restarting a replica does the same to its stages; elsewhere
+node). Under Ray Serve the replica's own placement group holds them (bundle i is stage i's, the replica
+in bundle 0 with stage 0; `stage_bundles`), so Serve starting, stopping or restarting a replica does the
+same to its stages; elsewhere
 the pipeline makes its own group and removes it on `close()` (or when the object owning it is
 collected). Each stage reads only its slice of the numpy folder, from its own node's disk.
 """
