@@ -43,7 +43,7 @@ $(VENV)/.chromium: | $(STAMP)
 	fi
 	@touch $@
 
-opt_serving/_speedups.so.stamp: $(STAMP) $(GPU_STAMP) opt_serving/_speedups.pyx opt_serving/_cpu_kernels.cc build.sh
+opt_serving/_speedups.so.stamp: $(STAMP) $(GPU_STAMP) opt_serving/_speedups.pyx $(wildcard opt_serving/csrc/*) build.sh
 	PYTHON=$(PY) ./build.sh
 	@touch $@
 

@@ -2,8 +2,9 @@
 # Compile the native parts in place. The package works without them (pure-Python and
 # plain-XLA fallbacks, same results), only more slowly:
 #  - opt_serving/_speedups.pyx (Cython): host-side helpers;
-#  - opt_serving/_cpu_kernels.cc (C++): XLA FFI custom calls for the CPU, oneDNN matrix
-#    products on pre-packed weights, an argmax and a decode attention (opt_serving/model/cpu_kernels.py).
+#  - opt_serving/csrc/*.cc (C++) -> opt_serving/_cpu_kernels.so: XLA FFI custom calls for the CPU
+#    backend (opt_serving/backend/cpu/): oneDNN matrix products on pre-packed float32, bfloat16
+#    and int8 weights, an argmax, a decode attention and the screened greedy head.
 #    Needs a C++17 compiler and oneDNN's headers and library (the onednn-cpu-gomp and
 #    onednn-devel-cpu-gomp wheels in requirements.txt put them under the venv's include/, lib/).
 set -euo pipefail
@@ -15,9 +16,9 @@ CXX="${CXX:-g++}"
 
 read -r JAX_INCLUDE PREFIX < <("$PYTHON" -c "import jax, sys; print(jax.ffi.include_dir(), sys.prefix)")
 if [ -f "$PREFIX/include/dnnl.hpp" ] && command -v "$CXX" >/dev/null; then
-  "$CXX" -O3 -fopenmp -std=c++17 -shared -fPIC -w opt_serving/_cpu_kernels.cc -o opt_serving/_cpu_kernels.so \
+  "$CXX" -O3 -fopenmp -std=c++17 -shared -fPIC -w opt_serving/csrc/*.cc -o opt_serving/_cpu_kernels.so \
     -I"$JAX_INCLUDE" -I"$PREFIX/include" -L"$PREFIX/lib" -ldnnl -Wl,-rpath,"$PREFIX/lib"
-  "$PYTHON" -c "from opt_serving.model import cpu_kernels as k; assert k.available(), 'not loadable'; print('built', k.LIBRARY)"
+  "$PYTHON" -c "import ctypes; ctypes.CDLL('opt_serving/_cpu_kernels.so').OptOnednnMatmulLowp; print('built opt_serving/_cpu_kernels.so')"
 else
   echo "not building opt_serving/_cpu_kernels.so (no oneDNN headers under $PREFIX/include or no $CXX):" \
        "CPU matrix products run on XLA's own kernels"

@@ -1,4 +1,4 @@
-"""Cython vs pure Python for the host-side hot paths in opt_serving/packing.py.
+"""Cython vs pure Python for the host-side hot path in opt_serving/packing.py (stop strings).
 
     .venv/bin/python benchmark/bench_packing.py [--repeat 5]
 
@@ -11,8 +11,6 @@ import argparse
 import random
 import sys
 import time
-
-import numpy as np
 
 from opt_serving import packing
 
@@ -54,22 +52,11 @@ def scan_stream(find_stop, pieces, stops, incremental: bool):
     return safe
 
 
-def scan_ids(find_stop_ids, slots, stops):
-    for ids in slots:
-        grown, safe = [], 0
-        for t in ids:
-            grown.append(t)
-            cut, safe = find_stop_ids(grown, stops, safe)
-            if cut >= 0:
-                break
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
     rng = random.Random(0)
-    nrng = np.random.default_rng(0)
     rows = []
 
     def add(name, make_call, number):
@@ -77,28 +64,12 @@ def main() -> None:
         t_c = best_time(make_call(C), args.repeat, number)
         rows.append((name, t_py * 1e6, t_c * 1e6, t_py / t_c))
 
-    # prompts as the generator hands them over: Python lists of ints
-    prompts64 = [nrng.integers(4, 50272, size=nrng.integers(1, 513)).tolist() for _ in range(64)]
-    add("pack 64 prompts of 1-512 tokens -> [64, 512]",
-        lambda m: lambda: m.pack_left_padded(prompts64, 512, 1), 20)
-    prompts8 = [nrng.integers(4, 50272, size=nrng.integers(1, 65)).tolist() for _ in range(8)]
-    add("pack 8 prompts of 1-64 tokens -> [8, 64]",
-        lambda m: lambda: m.pack_left_padded(prompts8, 64, 1), 2000)
-
     stops = ["\n\nUser:", "###", "</s>"]   # none occurs: the whole stream is scanned
     pieces = stream_text(rng, 512)
     add("find_stop: 512-step stream, 3 stops, start=prev safe (whole stream)",
         lambda m: lambda: scan_stream(m.find_stop, pieces, stops, True), 5)
     add("find_stop: 512-step stream, 3 stops, rescans from 0 (whole stream)",
         lambda m: lambda: scan_stream(m.find_stop, pieces, stops, False), 3)
-
-    slots = [nrng.integers(4, 50272, size=256).tolist() for _ in range(16)]
-    id_stops = [[2], [50118, 50118], [48134, 35, 1437]]
-    add("find_stop_ids: 16 slots x 256 steps, 3 stop seqs, start=prev safe",
-        lambda m: lambda: scan_ids(m.find_stop_ids, slots, id_stops), 3)
-    long_ids = nrng.integers(4, 50272, size=2048).tolist()
-    add("find_stop_ids: one 2048-token list scanned from 0",
-        lambda m: lambda: m.find_stop_ids(long_ids, id_stops, 0), 200)
 
     width = max(len(r[0]) for r in rows)
     print(f"{'case':<{width}}  {'python us':>11}  {'cython us':>11}  {'speedup':>7}")

@@ -47,7 +47,7 @@ def main() -> int:
     from tqdm import tqdm
 
     from opt_serving.config import get_config
-    from opt_serving.model import opt
+    from opt_serving.model import param_tree
     from opt_serving.parallel.backend import TensorParallelOPT
     from opt_serving.parallel.cluster import calibrate, cluster_from_jax
     from opt_serving.parallel.pipeline import RayStages, measure_handoff_latency
@@ -80,7 +80,7 @@ def main() -> int:
                   f"{t.spread:>7.0%}")
     result = search(cfg, cluster, model=args.model, batch_size=1, max_seq_len=L, dtype="float32")
     plans = [p for p in result.plans if p.pp <= args.max_pp]
-    params = opt.init_params(cfg, 0, jnp.float32)
+    params = param_tree.init_params(cfg, 0, jnp.float32)
     ids = np.arange(3, 3 + 16, dtype=np.int32)[None]
     mask = np.ones_like(ids)
 

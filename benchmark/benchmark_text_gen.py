@@ -50,6 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--max-length", type=int, help="prompt + new tokens per row (Hugging Face's max_length)")
     p.add_argument("--num-beams", type=int, default=1)
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--quantize", choices=["int8"], default=None, help="ours: int8 weights (get_model(quantize=))")
     p.add_argument("--n-warmup", type=int, default=1, help="untimed calls first (the first one compiles)")
     p.add_argument("--n-iter", type=int, default=3, help="timed calls")
     p.add_argument("--debug", action="store_true", help="print the generated text")
@@ -119,7 +120,7 @@ def load_ours(name: str, path: str | None, dummy: bool, dtype: str, args):
     if name.startswith("alpa/"):
         kwargs = dict(tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel,
                       device_memory=args.device_memory, batch_size=args.batch_size)
-    return get_model(name, path=path, dtype=dtype, dummy=dummy, **kwargs)
+    return get_model(name, path=path, dtype=dtype, dummy=dummy, quantize=args.quantize, **kwargs)
 
 
 class Runner:

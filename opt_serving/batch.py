@@ -5,7 +5,9 @@ Input: one request per line in the seed "FM inference" format (`prompt` as text 
 other fields such as `engine` are kept but ignored; an optional `custom_id`/`request_id`/`id`).
 Output: one line per request, `{"request": <the input line>, "result": {"choices": [...],
 "request_time": {"batch_time", "batch_size"}}}`, or `{"request": ..., "error": {"message": ...}}` for a
-malformed line or an impossible request. Lines are appended in the order requests finish.
+malformed line or an impossible request. Lines are appended in the order requests finish. A line's
+fields map onto the generator's `SamplingParams` (batch_io.py) and are checked as the generator checks any
+request (request.py), so a request the service would refuse is refused here with the same message.
 
 Batching choice: the continuous-batching engine does the packing and the token budget limits
 admission. Requests are read in windows (`--window` lines) and sorted longest first; each is handed to
@@ -31,225 +33,21 @@ import argparse
 import asyncio
 import collections
 import dataclasses
-import json
 import os
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
 
-ID_FIELDS = ("custom_id", "request_id", "id")
-MAX_LOGPROBS = 5
-MAX_STOP = 4
-# OpenAI's defaults for fields a line leaves out
-DEFAULTS = dict(max_tokens=16, temperature=1.0, top_p=1.0, n=1, best_of=None, logprobs=None,
-                echo=False, stop=None, seed=None)
-FSYNC_EVERY_S = 1.0  # each line is flushed at once (a kill loses nothing written); fsync is for power loss
+from opt_serving.batch_io import (Output, Request, RequestError, error_record, parse_request, read_done,
+                                  read_pending, request_key, to_choices)
+from opt_serving.admission import PREFILL_CHUNK
+from opt_serving.errors import InvalidRequest
+from opt_serving.loading import load_generator
 
-
-class RequestError(ValueError):
-    """A line that cannot be run; its message goes into the error record."""
-
-
-@dataclasses.dataclass
-class Request:
-    line_no: int          # 1-based, for messages
-    request: Any          # the input line as given (parsed), echoed in the output
-    key: str              # resume key
-    prompt: str | list[int]
-    params: dict          # validated settings, DEFAULTS filled in
-    prompt_len: int = 0   # tokens, set once tokenised
-
-    @property
-    def rows(self) -> int:  # sequences this request decodes
-        return self.params["best_of"]
-
-    @property
-    def length(self) -> int:
-        return self.prompt_len + self.params["max_tokens"]
-
-    @property
-    def cost(self) -> int:  # tokens it holds while in flight
-        return self.rows * self.length
-
-
-# ---- parsing and validation -------------------------------------------------------------------
-
-def request_key(request: Any) -> str:
-    if isinstance(request, dict):
-        for f in ID_FIELDS:
-            if request.get(f) is not None:
-                return f"id:{request[f]}"
-        return "body:" + json.dumps(request, sort_keys=True)
-    return "raw:" + str(request)
-
-
-def _int(p: dict, name: str, lo: int, hi: int | None = None) -> int:
-    v = p[name]
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise RequestError(f"{name} must be an integer, got {v!r}")
-    if v < lo or (hi is not None and v > hi):
-        raise RequestError(f"{name} must be in [{lo}, {hi if hi is not None else 'inf'}], got {v}")
-    return v
-
-
-def _float(p: dict, name: str, lo: float, hi: float) -> float:
-    v = p[name]
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise RequestError(f"{name} must be a number, got {v!r}")
-    if not lo <= v <= hi:
-        raise RequestError(f"{name} must be in [{lo}, {hi}], got {v}")
-    return float(v)
-
-
-def _err(request: Any, message: str) -> RequestError:
-    e = RequestError(message)
-    e.request = request
-    return e
-
-
-def parse_request(line_no: int, text: str) -> Request:
-    """Parse and check one line; raises RequestError (with `.request` set) when it cannot run."""
-    try:
-        req = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise _err(text.strip(), f"line {line_no}: not valid JSON: {e}") from None
-    if not isinstance(req, dict):
-        raise _err(req, f"line {line_no}: a request must be a JSON object, got {type(req).__name__}")
-    try:
-        return _check(line_no, req)
-    except RequestError as e:
-        raise _err(req, f"line {line_no}: {e}") from None
-
-
-def _check(line_no: int, req: dict) -> Request:
-    if "prompt" not in req:
-        raise RequestError("missing field 'prompt'")
-    prompt = req["prompt"]
-    # OpenAI allows a one-element list of prompts; a file has one prompt per line
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, list):
-        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
-            raise RequestError("prompt must be a string or a non-empty list of token ids "
-                               "(one prompt per line)")
-    elif not isinstance(prompt, str) or not prompt:
-        raise RequestError(f"prompt must be a non-empty string or a list of token ids, got {prompt!r:.60}")
-    p = {k: req.get(k) if req.get(k) is not None else d for k, d in DEFAULTS.items()}
-    p["max_tokens"] = _int(p, "max_tokens", 0)
-    p["temperature"] = _float(p, "temperature", 0.0, 100.0)
-    p["top_p"] = _float(p, "top_p", 0.0, 1.0)
-    if p["top_p"] == 0.0:
-        raise RequestError("top_p must be > 0")
-    p["n"] = _int(p, "n", 1, 128)
-    p["best_of"] = p["n"] if p["best_of"] is None else _int(p, "best_of", 1, 128)
-    if p["best_of"] < p["n"]:
-        raise RequestError(f"best_of ({p['best_of']}) must be >= n ({p['n']})")
-    if p["logprobs"] is not None:
-        p["logprobs"] = _int(p, "logprobs", 0, MAX_LOGPROBS)
-    if not isinstance(p["echo"], bool):
-        raise RequestError(f"echo must be true or false, got {p['echo']!r}")
-    stop = [p["stop"]] if isinstance(p["stop"], str) else p["stop"]
-    if stop is not None and (not isinstance(stop, list) or len(stop) > MAX_STOP
-                             or not all(isinstance(s, str) and s for s in stop)):
-        raise RequestError(f"stop must be a string or a list of up to {MAX_STOP} non-empty strings, "
-                           f"got {p['stop']!r}")
-    p["stop"] = stop or []
-    if p["seed"] is not None:
-        p["seed"] = _int(p, "seed", 0)
-    if p["max_tokens"] == 0 and not p["echo"]:
-        raise RequestError("max_tokens 0 only makes sense with echo (scoring the prompt)")
-    return Request(line_no, req, request_key(req), prompt, p)
-
-
-# ---- resume ----------------------------------------------------------------------------------
-
-def read_done(output: Path) -> collections.Counter:
-    """Keys already answered in `output`, counted; cuts a torn last line off the file."""
-    done: collections.Counter = collections.Counter()
-    if not output.exists():
-        return done
-    with open(output, "rb+") as f:
-        lines = f.read().split(b"\n")
-        good_end = 0
-        for i, raw in enumerate(lines):
-            last = i == len(lines) - 1
-            if last and raw == b"":
-                break
-            try:
-                rec = json.loads(raw)
-                if not (isinstance(rec, dict) and "request" in rec and ("result" in rec or "error" in rec)):
-                    raise ValueError("not a result record")
-            except ValueError as e:
-                # only the end of the file can be torn by a kill; anything else is someone else's file
-                if not all(not x.strip() for x in lines[i + 1:]):
-                    raise SystemExit(f"batch: {output} line {i + 1} is not a result record ({e}); "
-                                     "refusing to append to it") from None
-                print(f"batch: {output}: dropping a torn last line ({len(raw)} bytes); "
-                      "its request will be redone", file=sys.stderr)
-                f.truncate(good_end)
-                break
-            if last:  # complete JSON but no newline: finish the line
-                f.write(b"\n")
-            done[request_key(rec["request"])] += 1
-            good_end += len(raw) + 1
-    return done
-
-
-# ---- reading the input -----------------------------------------------------------------------
-
-def read_pending(path: Path, done: collections.Counter, window: int, skipped: list[int]
-                 ) -> Iterator[tuple[list[Request], list[dict]]]:
-    """Requests not yet in the output, a window at a time, with error records for lines that cannot
-    run. Decrements `done` as it matches; counts matches in skipped[0]."""
-    reqs: list[Request] = []
-    errors: list[dict] = []
-    seen_ids: set[str] = set()
-    with open(path, encoding="utf-8") as f:
-        for line_no, text in enumerate(f, 1):
-            if not text.strip():
-                continue
-            try:
-                r = parse_request(line_no, text)
-                request, key, error = r.request, r.key, None
-            except RequestError as e:
-                r, request, key, error = None, e.request, request_key(e.request), str(e)
-            if done[key] > 0:
-                done[key] -= 1
-                skipped[0] += 1
-                continue
-            if key.startswith("id:"):
-                if key in seen_ids:
-                    r, error = None, f"line {line_no}: duplicate request id {key[3:]}"
-                seen_ids.add(key)
-            if r is None:
-                errors.append({"request": request, "error": {"message": error}})
-            else:
-                reqs.append(r)
-            if len(reqs) >= window:
-                yield reqs, errors
-                reqs, errors = [], []
-    if reqs or errors:
-        yield reqs, errors
-
-
-# ---- one request through the generator -------------------------------------------------------
-
-def to_choices(completions) -> list[dict]:
-    """generator.Completion objects -> the seed's / OpenAI's choice dicts."""
-    return [{"text": c.text, "index": i,
-             "logprobs": {"tokens": c.tokens, "token_logprobs": c.token_logprobs,
-                          "top_logprobs": c.top_logprobs, "text_offset": c.text_offset},
-             "finish_reason": c.finish_reason}
-            for i, c in enumerate(completions)]
-
-
-def sampling_params(r: Request):
-    from opt_serving.generator import SamplingParams
-    p = r.params
-    return SamplingParams(max_tokens=p["max_tokens"], temperature=p["temperature"], top_p=p["top_p"],
-                          seed=p["seed"], stop=list(p["stop"]), logprobs=p["logprobs"], echo=p["echo"])
+# what the CLI, tests and benchmarks reach through this module
+__all__ = ["Request", "RequestError", "Summary", "add_arguments", "load_generator", "parse_request", "read_done",
+           "read_pending", "request_key", "run", "run_file", "to_choices"]
 
 
 @dataclasses.dataclass
@@ -272,28 +70,6 @@ class Summary:
                 f"at most {self.peak_requests} requests ({self.peak_tokens} budget tokens) in flight")
 
 
-class _Output:
-    """Appends complete lines, flushed one by one, fsynced now and then."""
-
-    def __init__(self, path: Path):
-        self.f = open(path, "a", encoding="utf-8")
-        self.synced = time.monotonic()
-
-    def write(self, records: list[dict]) -> None:
-        if not records:
-            return
-        self.f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-        self.f.flush()
-        if time.monotonic() - self.synced > FSYNC_EVERY_S:
-            os.fsync(self.f.fileno())
-            self.synced = time.monotonic()
-
-    def close(self) -> None:
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        self.f.close()
-
-
 # ---- the run ---------------------------------------------------------------------------------
 
 def run_file(input_path: str | os.PathLike, output_path: str | os.PathLike, generator,
@@ -310,135 +86,142 @@ def run_file(input_path: str | os.PathLike, output_path: str | os.PathLike, gene
     if window <= 0:
         raise ValueError(f"batch: window must be positive, got {window}")
     done = read_done(output_path)
-    out = _Output(output_path)
+    out = Output(output_path)
     try:
         return asyncio.run(_run(input_path, done, out, generator, budget, window, progress))
     finally:
         out.close()
 
 
-async def _run(input_path: Path, done: collections.Counter, out: _Output, gen, budget: int, window: int,
+async def _run(input_path: Path, done: collections.Counter, out: Output, gen, budget: int, window: int,
                progress: bool) -> Summary:
     from tqdm import tqdm
-
-    from opt_serving.engine import QueueFull
-
-    summary, skipped = Summary(), [0]
+    skipped = [0]
     with open(input_path, "rb") as f:
         total = sum(1 for line in f if line.strip())
     bar = tqdm(total=total, unit="req", disable=not progress, desc="batch", dynamic_ncols=True)
-    t0 = time.perf_counter()
-    # the queue never overflows if no more sequences are in flight than slots + queue places
-    max_rows = gen.engine.num_slots + getattr(gen.engine, "max_queue", 0)
-    room = asyncio.Condition()
-    flight = {"tokens": 0, "rows": 0, "requests": 0}
-    failure: list[BaseException] = []
+    run = _Run(gen, out, budget, bar)
+    try:
+        for reqs, errors in read_pending(input_path, done, window, skipped):
+            run.skip(skipped[0])
+            runnable = run.screen(reqs, errors)
+            runnable.sort(key=lambda r: (r.length, r.prompt_len), reverse=True)
+            for r in runnable:
+                if not await run.admit(r):
+                    break
+            if run.failure:
+                break
+        run.skip(skipped[0])
+        await run.wait()
+    finally:
+        run.close()
+    if run.failure:
+        e, summary = run.failure[0], run.summary
+        raise RuntimeError(f"batch: the engine failed ({type(e).__name__}: {e}); "
+                           f"{summary.done + summary.failed} lines written, re-run to finish") from e
+    return run.summary
 
-    def record(records: list[dict], tokens: int = 0) -> None:
-        out.write(records)
-        summary.done += sum("result" in r for r in records)
-        summary.failed += sum("error" in r for r in records)
-        summary.tokens += tokens
-        bar.update(len(records))
-        bar.set_postfix(tok_s=f"{summary.tokens / (time.perf_counter() - t0):.1f}", refresh=False)
 
-    async def one(r: Request, in_flight: int) -> None:
+class _Run:
+    """One run's admission: requests start as the ones in flight, counted as best_of x (prompt + max_tokens)
+    tokens, leave room under the budget; each is written as it finishes. An engine failure stops admission
+    and leaves the requests in flight undone."""
+
+    def __init__(self, gen, out: Output, budget: int, bar):
+        self.gen, self.out, self.budget, self.bar = gen, out, budget, bar
+        self.summary = Summary()
+        self.t0 = time.perf_counter()
+        # the queue never overflows if no more sequences are in flight than slots + queue places
+        self.max_rows = gen.engine.num_slots + getattr(gen.engine, "max_queue", 0)
+        self.room = asyncio.Condition()
+        self.tokens = self.rows = self.requests = 0  # in flight
+        self.failure: list[BaseException] = []
+        self.tasks: set[asyncio.Task] = set()
+
+    def record(self, records: list[dict], tokens: int = 0) -> None:
+        self.out.write(records)
+        s = self.summary
+        s.done += sum("result" in r for r in records)
+        s.failed += sum("error" in r for r in records)
+        s.tokens += tokens
+        self.bar.update(len(records))
+        self.bar.set_postfix(tok_s=f"{s.tokens / (time.perf_counter() - self.t0):.1f}", refresh=False)
+
+    def skip(self, skipped: int) -> None:
+        self.bar.update(skipped - self.summary.skipped)
+        self.summary.skipped = skipped
+
+    def screen(self, reqs: list[Request], errors: list[dict]) -> list[Request]:
+        """Check a window's requests against the model (the generator's own checks, its texts tokenised
+        in one call) before they take budget; what cannot run is written as an error record."""
+        runnable = []
+        prepared = self.gen.prepare_many([r.prompt for r in reqs], [r.sampling for r in reqs])
+        for r, ids in zip(reqs, prepared):
+            if isinstance(ids, InvalidRequest):
+                errors.append(error_record(r.request, f"line {r.line_no}: {ids}"))
+            else:
+                r.ids, r.prompt_len = ids, len(ids)
+                runnable.append(r)
+        self.record(errors)
+        return runnable
+
+    def fits(self, r: Request) -> bool:
+        if self.failure:
+            return True  # wake up to stop
+        if self.requests == 0:
+            return True  # over the budget alone: runs alone
+        return self.tokens + r.cost <= self.budget and self.rows + r.rows <= self.max_rows
+
+    async def admit(self, r: Request) -> bool:
+        """Wait for room and start `r`; False once the engine has failed."""
+        async with self.room:
+            await self.room.wait_for(lambda: self.fits(r))
+            if self.failure:
+                return False
+            self.tokens += r.cost
+            self.rows += r.rows
+            self.requests += 1
+            self.summary.peak_tokens = max(self.summary.peak_tokens, self.tokens)
+            self.summary.peak_requests = max(self.summary.peak_requests, self.requests)
+            task = asyncio.create_task(self.one(r, self.requests))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return True
+
+    async def one(self, r: Request, in_flight: int) -> None:
+        from opt_serving.engine import QueueFull
         start = time.perf_counter()
         try:
             while True:
                 try:
-                    completions = await gen.complete_n(r.prompt, sampling_params(r), n=r.params["n"],
-                                                       best_of=r.params["best_of"])
+                    completions = await self.gen.complete_n(r.prompt, r.sampling, n=r.params["n"],
+                                                            best_of=r.params["best_of"], ids=r.ids)
                     break
                 except QueueFull:  # someone else shares the engine: wait for a place
                     await asyncio.sleep(0.05)
             result = {"choices": to_choices(completions),
                       "request_time": {"batch_time": time.perf_counter() - start, "batch_size": in_flight}}
-            record([{"request": r.request, "result": result}], sum(c.completion_tokens for c in completions))
-        except ValueError as e:  # the request's own fault (the generator's checks)
-            record([{"request": r.request, "error": {"message": f"line {r.line_no}: {e}"}}])
+            self.record([{"request": r.request, "result": result}], sum(c.completion_tokens for c in completions))
+        except ValueError as e:  # the request's own fault
+            self.record([error_record(r.request, f"line {r.line_no}: {e}")])
         except Exception as e:  # noqa: BLE001 - the engine's fault: stop, leave the request undone
-            failure.append(e)
+            self.failure.append(e)
         finally:
-            async with room:
-                flight["tokens"] -= r.cost
-                flight["rows"] -= r.rows
-                flight["requests"] -= 1
-                room.notify_all()
+            async with self.room:
+                self.tokens -= r.cost
+                self.rows -= r.rows
+                self.requests -= 1
+                self.room.notify_all()
 
-    def fits(r: Request) -> bool:
-        if failure:
-            return True  # wake up to stop
-        if flight["requests"] == 0:
-            return True  # over the budget alone: runs alone
-        return flight["tokens"] + r.cost <= budget and flight["rows"] + r.rows <= max_rows
+    async def wait(self) -> None:
+        if self.tasks:
+            await asyncio.gather(*self.tasks)
 
-    tasks: set[asyncio.Task] = set()
-    try:
-        for reqs, errors in read_pending(input_path, done, window, skipped):
-            bar.update(skipped[0] - summary.skipped)
-            summary.skipped = skipped[0]
-            runnable = []
-            for r, ids in zip(reqs, _encode(gen, [r.prompt for r in reqs])):
-                r.prompt_len = len(ids)
-                bad = _impossible(gen, r)
-                if bad:
-                    errors.append({"request": r.request, "error": {"message": f"line {r.line_no}: {bad}"}})
-                else:
-                    runnable.append(r)
-            record(errors)
-            runnable.sort(key=lambda r: (r.length, r.prompt_len), reverse=True)
-            for r in runnable:
-                async with room:
-                    await room.wait_for(lambda: fits(r))
-                    if failure:
-                        break
-                    flight["tokens"] += r.cost
-                    flight["rows"] += r.rows
-                    flight["requests"] += 1
-                    summary.peak_tokens = max(summary.peak_tokens, flight["tokens"])
-                    summary.peak_requests = max(summary.peak_requests, flight["requests"])
-                    task = asyncio.create_task(one(r, flight["requests"]))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-            if failure:
-                break
-        bar.update(skipped[0] - summary.skipped)
-        summary.skipped = skipped[0]
-        if tasks:
-            await asyncio.gather(*tasks)
-    finally:
-        for t in tasks:
+    def close(self) -> None:
+        for t in self.tasks:
             t.cancel()
-        bar.close()
-        summary.seconds = time.perf_counter() - t0
-    if failure:
-        raise RuntimeError(f"batch: the engine failed ({type(failure[0]).__name__}: {failure[0]}); "
-                           f"{summary.done + summary.failed} lines written, re-run to finish") from failure[0]
-    return summary
-
-
-def _encode(gen, prompts: list) -> list[list[int]]:
-    """Token ids of every prompt, the texts in one tokenizer call."""
-    encoded = iter(gen.encode_batch([p for p in prompts if isinstance(p, str)]))
-    return [list(p) if isinstance(p, list) else next(encoded) for p in prompts]
-
-
-def _impossible(gen, r: Request) -> str | None:
-    """Why the model cannot run this request (checked before it takes budget), or None."""
-    try:
-        sampling_params(r).validate()
-    except ValueError as e:
-        return str(e)
-    if isinstance(r.prompt, list):
-        vocab = gen.vocab_size
-        bad = [t for t in r.prompt if t >= vocab]
-        if bad:
-            return f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})"
-    if r.length > gen.max_seq_len:
-        return (f"prompt ({r.prompt_len} tokens) + max_tokens ({r.params['max_tokens']}) = {r.length} "
-                f"exceeds the model's maximum context length of {gen.max_seq_len} tokens")
-    return None
+        self.bar.close()
+        self.summary.seconds = time.perf_counter() - self.t0
 
 
 # ---- CLI -------------------------------------------------------------------------------------
@@ -462,8 +245,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-seq-len", type=int, default=None,
                         help="prompt + generated tokens per request (default: the model's positions); "
                              "smaller means a smaller KV cache and fewer prompt buckets to compile")
+    parser.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="N",
+                        help=f"prompts longer than N tokens are prefilled N at a time, between decode steps "
+                             f"(default {PREFILL_CHUNK}; 0: whole)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto (default): float16 on GPUs, float32 on CPUs")
+    parser.add_argument("--quantize", choices=["int8"], default=None,
+                        help="int8 weights with a scale per output channel (jax/ models)")
     parser.add_argument("--window", type=int, default=4096,
                         help="requests read and sorted together (bounds memory on huge files)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -473,28 +261,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="alpa/ models: pipeline stages on the Ray cluster (default: the planner's)")
     parser.add_argument("--device-memory", default=None, metavar="BYTES",
                         help="alpa/ models: what each device may hold, e.g. 16GB")
-
-
-def load_generator(model: str | None, path: str | None, dtype: str = "float32", max_batch_size: int = 16,
-                   max_seq_len: int | None = None, dummy: bool = False, seed: int = 0,
-                   tokenizer: str | None = None, **plan):
-    """The named model from `path` (random weights of its size with `dummy`), or the embedded tiny one,
-    as the service loads it."""
-    from opt_serving.generator import Generator
-    if dummy:
-        if model is None or path is not None:
-            raise SystemExit("batch: --dummy needs --model (e.g. --model jax/opt-125m) and no --path")
-        return Generator.from_pretrained(model, None, dtype=dtype, max_batch_size=max_batch_size,
-                                         max_seq_len=max_seq_len, dummy=True, seed=seed, tokenizer=tokenizer, **plan)
-    if path is None:
-        if model is not None:
-            raise SystemExit("batch: --model needs --path (the numpy weights folder)")
-        from opt_serving.embedded import ensure_embedded_model
-        path, model = str(ensure_embedded_model()), "jax/opt-tiny"
-    elif model is None:
-        raise SystemExit("batch: --path needs --model (e.g. --model jax/opt-125m)")
-    return Generator.from_pretrained(model, path, dtype=dtype, max_batch_size=max_batch_size,
-                                     max_seq_len=max_seq_len, tokenizer=tokenizer, **plan)
 
 
 def _interrupt(*_):
@@ -510,6 +276,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"batch: --{name.replace('_', '-')} must be positive, got {getattr(args, name)}",
                   file=sys.stderr)
             return 2
+    if args.prefill_chunk < 0:
+        print(f"batch: --prefill-chunk must be 0 (off) or positive, got {args.prefill_chunk}", file=sys.stderr)
+        return 2
     # SIGTERM ends like Ctrl-C: every finished line is already flushed, requests in flight are redone
     signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -517,7 +286,8 @@ def run(args: argparse.Namespace) -> int:
             tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel,
             device_memory=args.device_memory)
         gen = load_generator(args.model, args.path, args.dtype, args.max_batch_size, args.max_seq_len,
-                             dummy=args.dummy, seed=args.seed, tokenizer=args.tokenizer, **plan)
+                             dummy=args.dummy, seed=args.seed, tokenizer=args.tokenizer, quantize=args.quantize,
+                             prefill_chunk=args.prefill_chunk, **plan)
     except (OSError, ValueError, NotImplementedError) as e:  # missing folder, unknown name, alpa/ not ready
         print(f"batch: cannot load {args.model}: {e}", file=sys.stderr)
         return 2

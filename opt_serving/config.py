@@ -54,14 +54,19 @@ class OPTConfig:
             raise ValueError(f"only relu OPT models are supported, got {self.activation_function!r}")
 
     def num_params(self) -> int:
-        """Parameter count, from the per-tensor shapes of the numpy folder."""
-        from opt_serving.model.weights import param_shapes
-        total = 0
-        for shape in param_shapes(self).values():
-            n = 1
-            for d in shape:
-                n *= d
-            total += n
+        """Parameter count: the tensors of the numpy folder (model/weights.py `param_shapes`),
+        counted here from the fields because config imports nothing of ours (it is the bottom
+        layer); tests/test_config.py checks the two agree for every preset."""
+        h, f, e = self.hidden_size, self.ffn_dim, self.word_embed_proj_dim
+        # q, k, v, out_proj [h, h] + bias; fc1 [f, h] + bias; fc2 [h, f] + bias; two layer norms
+        per_layer = 4 * (h * h + h) + (f * h + f) + (h * f + h) + 2 * 2 * h
+        total = self.num_hidden_layers * per_layer
+        total += self.vocab_size * e                                     # embed_tokens
+        total += (self.max_position_embeddings + self.position_offset) * h  # embed_positions
+        if self.has_final_layer_norm:
+            total += 2 * h
+        if self.has_project_in_out:
+            total += 2 * h * e                                           # project_in / project_out
         return total
 
     def replace(self, **changes: Any) -> "OPTConfig":

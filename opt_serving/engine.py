@@ -6,7 +6,8 @@
     pipeline, over one micro-batch group of them: `StepResult.rows`), `free(slot)`. Sampling settings are
     per-slot arrays, so requests with different settings share a step.
   * `Engine`, this module, the scheduler: a bounded queue and a background thread that admits queued requests into free
-    slots (prefilled together when the slot model has `prefill_batch`), steps, and hands each request its
+    slots (prefilled together when the slot model has `prefill_batch`; a prompt longer than `prefill_chunk`
+    a chunk per iteration, between decode steps: admission.py), steps, and hands each request its
     tokens through a callback (called on the engine thread; the
     generator forwards them to asyncio with `loop.call_soon_threadsafe`). EOS, max_tokens, the context limit,
     a callback asking to stop (stop strings) and `cancel()` (client disconnects) free the slot before the next
@@ -17,86 +18,21 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import logging
 import threading
 import time
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Optional, Sequence
 
-from opt_serving.runner.types import (MAX_BAD_WORD_LEN, MAX_BAD_WORDS, MAX_TOP_LOGPROBS, EngineOutput, Prefix,
-                                      SlotSettings, StepResult, TokenInfo)
+from opt_serving import admission
+from opt_serving.engine_types import Callback, EngineClosed, EngineRequest, EngineStats, QueueFull, SlotModel
+from opt_serving.request import check_bad_words, check_prompt
+from opt_serving.runner.types import MAX_TOP_LOGPROBS, EngineOutput, Prefix, SlotSettings, StepResult, TokenInfo
 
-# the engine's vocabulary, re-exported for the generator and the service
-__all__ = ["Engine", "EngineClosed", "EngineOutput", "EngineRequest", "EngineStats", "MAX_BAD_WORDS",
-           "MAX_BAD_WORD_LEN", "MAX_TOP_LOGPROBS", "OPTSlots", "Prefix", "QueueFull", "SlotModel", "SlotSettings",
-           "StepResult", "TokenInfo", "load_engine"]
+# the engine's vocabulary (engine_types.py, runner/types.py), re-exported for the generator and the service
+__all__ = ["Engine", "EngineClosed", "EngineOutput", "EngineRequest", "EngineStats", "MAX_TOP_LOGPROBS", "OPTSlots",
+           "Prefix", "QueueFull", "SlotModel", "SlotSettings", "StepResult", "TokenInfo"]
 
 log = logging.getLogger(__name__)
-
-
-class QueueFull(RuntimeError):
-    """The engine's request queue is at capacity (the service answers 429 with Retry-After)."""
-
-
-class EngineClosed(RuntimeError):
-    """The engine was closed (shutdown) before or while serving the request."""
-
-
-class SlotModel(Protocol):
-    num_slots: int
-    max_seq_len: int
-    vocab_size: int
-
-    def warmup(self) -> None: ...
-    def prefill(self, tokens: Sequence[int], settings: SlotSettings) -> Prefix: ...
-    # optional: `prefill_batch(prompts, settings) -> list[Prefix]`, several requests at once (see Engine._prefill)
-    def insert(self, prefix: Prefix, slot: int) -> None: ...
-    def step(self) -> StepResult: ...
-    def free(self, slot: int) -> None: ...
-    # optional: `discard(prefix)`, a prefix that will never be inserted (its rows are let go);
-    # `check_health()`, raising when the model cannot serve (e.g. a dead pipeline stage)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The scheduler
-# ---------------------------------------------------------------------------------------------------------
-
-Callback = Callable[[EngineOutput], Optional[bool]]
-
-
-class EngineRequest:
-    """A handle on a submitted request; `Engine.cancel(handle)` stops it."""
-    _ids = itertools.count()
-
-    def __init__(self, prompt: list[int], settings: SlotSettings, on_output: Callback):
-        self.id = next(self._ids)
-        self.prompt = prompt
-        self.settings = settings
-        self.on_output = on_output
-        self.slot: Optional[int] = None
-        self.generated = 0
-        self.cancelled = False
-        self.done = False
-        self.submitted_at = time.monotonic()
-
-
-@dataclasses.dataclass
-class EngineStats:
-    queue_length: int
-    running: int              # occupied slots
-    num_slots: int
-    steps: int                # decode steps run
-    step_tokens: int          # tokens produced by decode steps (sum of active slots per step)
-    prefills: int
-    generated_tokens: int     # all generated tokens, prefill's first tokens included
-    prompt_tokens: int
-    last_step_batch: int      # active slots in the latest step
-    active_per_step: dict[int, int]  # {active slots: number of steps with that many}
-
-    @property
-    def tokens_per_step(self) -> float:
-        return self.step_tokens / self.steps if self.steps else 0.0
-
 
 # longest a busy engine may go without finishing a prefill or a decode step before check_health() calls it stuck
 # (a step of OPT-175B is well under a second; compiling an unseen shape takes tens of seconds on a CPU)
@@ -107,8 +43,12 @@ class Engine:
     """Scheduler thread over a slot model: bounded queue, admission into free slots, one step for all."""
 
     def __init__(self, model: SlotModel, max_queue: int = 256, start: bool = True,
-                 health_stall_s: float = HEALTH_STALL_S):
+                 health_stall_s: float = HEALTH_STALL_S, prefill_chunk: Optional[int] = admission.PREFILL_CHUNK):
+        """`prefill_chunk`: prompts longer than this many tokens are prefilled a chunk of it per iteration,
+        between decode steps (where the slot model can; 0 or None: every prompt whole)."""
         self.model = model
+        self._chunked = admission.ChunkedPrefill(model, prefill_chunk)
+        self.prefill_chunk = self._chunked.chunk
         self.max_queue = max_queue
         self.health_stall_s = health_stall_s
         self._clock = time.monotonic   # (tests move time on by hand)
@@ -144,8 +84,12 @@ class Engine:
         return getattr(self.model, "max_top_logprobs", MAX_TOP_LOGPROBS)
 
     def warmup(self) -> None:
-        """Compile every prefill bucket and the decode step now, not at the first request."""
-        self.model.warmup()
+        """Compile every prefill bucket, the decode step and the chunked prefill's step now, not at the first
+        request."""
+        if self.prefill_chunk:
+            self.model.warmup(prefill_chunk=self.prefill_chunk)
+        else:
+            self.model.warmup()
 
     def start(self) -> None:
         if self._thread is None:
@@ -155,20 +99,13 @@ class Engine:
     def submit(self, prompt: Sequence[int], settings: SlotSettings, on_output: Callback) -> EngineRequest:
         """Queue a request. `on_output` runs on the engine thread for the prompt scores (if asked), every
         new token and the finish; it returns True to stop the request (its slot is freed at once).
-        Raises QueueFull, EngineClosed, or ValueError for a prompt that cannot fit."""
+        Raises QueueFull, EngineClosed, or InvalidRequest (a ValueError) for a request the slot model cannot
+        hold. The request was checked before it got here (request.py, through Generator.prepare); only the
+        slot model's invariants are asserted again, cheaply (len, min, max): a KV cache that holds the
+        request, embedding rows that exist, bad words that fit their fixed-shape arrays."""
         prompt = [int(t) for t in prompt]
-        if not prompt:
-            raise ValueError("prompt is empty")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        need = len(prompt) + max(settings.max_tokens, 0)
-        if need > self.max_seq_len:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({settings.max_tokens}) = {need} "
-                             f"exceeds the maximum context length of {self.max_seq_len} tokens")
-        words = settings.bad_words_ids
-        if len(words) > MAX_BAD_WORDS or any(not 0 < len(w) <= MAX_BAD_WORD_LEN for w in words):
-            raise ValueError(f"bad_words_ids: at most {MAX_BAD_WORDS} words of 1 to {MAX_BAD_WORD_LEN} tokens each")
+        check_prompt(prompt, settings.max_tokens, self.vocab_size, self.max_seq_len)
+        check_bad_words(settings.bad_words_ids)
         req = EngineRequest(prompt, settings, on_output)
         with self._cv:
             if self._closing:
@@ -195,7 +132,7 @@ class Engine:
     def stats(self) -> EngineStats:
         with self._cv:
             return EngineStats(
-                queue_length=len(self._queue), running=sum(r is not None for r in self._slots),
+                queue_length=len(self._queue), running=self._running(),
                 num_slots=self.num_slots, steps=self._steps, step_tokens=self._step_tokens,
                 prefills=self._prefills, generated_tokens=self._generated,
                 prompt_tokens=self._prompt_tokens, last_step_batch=self._last_batch,
@@ -220,7 +157,7 @@ class Engine:
         health check calls this (through Generator.check_health) and replaces a replica that fails it."""
         with self._cv:
             died, busy, waited = self._died, self._busy(), self._clock() - self._progress_at
-            queued, running = len(self._queue), sum(r is not None for r in self._slots)
+            queued, running = len(self._queue), self._running()
         if died is not None:
             raise RuntimeError(f"engine thread died: {died!r}")
         if self._thread is None or not self._thread.is_alive():
@@ -240,8 +177,11 @@ class Engine:
         self.close()
 
     # ---- engine thread ----
+    def _running(self) -> int:  # (under self._cv) occupied slots, the one kept for a chunked prefill included
+        return sum(r is not None for r in self._slots) + (self._chunked.req is not None)
+
     def _busy(self) -> bool:  # (under self._cv)
-        return bool(self._queue) or any(r is not None for r in self._slots)
+        return bool(self._queue) or self._running() > 0
 
     def _progressed(self) -> None:
         with self._cv:
@@ -262,6 +202,7 @@ class Engine:
         """Every queued and running request ends with `error`."""
         with self._cv:
             pending = list(self._queue) + [r for r in self._slots if r is not None]
+            pending += [self._chunked.req] if self._chunked.req is not None else []
             self._queue.clear()
         for req in pending:
             self._fail(req, error)
@@ -269,7 +210,7 @@ class Engine:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not (self._closing or self._queue or any(self._slots)):
+                while not (self._closing or self._busy()):
                     self._cv.wait()
                 if self._closing:
                     return
@@ -277,14 +218,10 @@ class Engine:
             for req in self._slots:
                 if req is not None and req.cancelled:
                     self._release(req)
-            with self._cv:
-                admit = []
-                free = self._slots.count(None)
-                while self._queue and len(admit) < free:
-                    req = self._queue.popleft()
-                    if not req.cancelled:
-                        admit.append(req)
-            for req, prefix in zip(admit, self._prefill(admit)):
+            with self._cv:  # a slot is kept for the prompt being prefilled in chunks
+                free = self._slots.count(None) - (self._chunked.req is not None)
+                admit = admission.take(self._queue, free, self._chunked)
+            for req, prefix in zip(admit, admission.prefill_whole(self.model, admit)):
                 try:
                     if isinstance(prefix, BaseException):
                         raise prefix
@@ -294,6 +231,8 @@ class Engine:
                     self._fail(req, e)
             if admit:
                 self._progressed()
+            if self._chunked.req is not None:  # one chunk an iteration: a decode step comes between chunks
+                self._prefill_chunk(self._chunked.req)
             if any(self._slots):
                 try:
                     self._step()
@@ -303,22 +242,23 @@ class Engine:
                         self._fail(req, e)
                 self._progressed()
 
-    def _prefill(self, reqs: list[EngineRequest]) -> list:
-        """A Prefix (or the exception that stopped it) per request: together where the slot model has
-        `prefill_batch`, and one by one if that fails, so only the request that caused it fails."""
-        batched = getattr(self.model, "prefill_batch", None)
-        if batched is not None and len(reqs) > 1:
-            try:
-                return batched([r.prompt for r in reqs], [r.settings for r in reqs])
-            except Exception:
-                log.exception("prefilling %d requests together failed; prefilling them one by one", len(reqs))
-        out = []
-        for req in reqs:
-            try:
-                out.append(self.model.prefill(req.prompt, req.settings))
-            except Exception as e:
-                out.append(e)
-        return out
+    def _prefill_chunk(self, req: EngineRequest) -> None:
+        """The next chunk of the prompt prefilled in chunks; after the last, the request takes the slot kept
+        for it. A cancelled one is let go, with the cache rows its chunks filled."""
+        if req.cancelled:
+            self._chunked.drop()
+            req.done = True
+            return
+        try:
+            prefix = self._chunked.advance()
+            if prefix is not None:
+                self._admit(req, self._slots.index(None), prefix)
+        except Exception as e:  # this request fails, the others carry on
+            log.exception("request %d: chunked prefill failed", req.id)
+            if self._chunked.req is req:
+                self._chunked.drop()
+            self._fail(req, e)
+        self._progressed()
 
     def _admit(self, req: EngineRequest, slot: int, prefix: Prefix) -> None:
         with self._cv:
@@ -422,20 +362,3 @@ def OPTSlots(cfg, params, num_slots: int = 8, max_seq_len: Optional[int] = None)
     """The slot model over a whole model's params in this process (`runner.load.local_slots`)."""
     from opt_serving.runner.load import local_slots
     return local_slots(cfg, params, num_slots, max_seq_len)
-
-
-def load_engine(model_name: str, path=None, dtype: str = "float32", num_slots: int = 16,
-                max_seq_len: Optional[int] = None, max_queue: int = 256, warmup: bool = True,
-                **plan) -> Engine:
-    """An engine over `runner.load.load_slots(model_name, path, ...)` (every plan: one device, a
-    tensor-parallel mesh, pipeline stages on a Ray cluster; `plan` takes dummy, seed, tensor_parallel,
-    pipeline_parallel, device_memory, micro_batches), compiled before it returns when `warmup`."""
-    from opt_serving.runner.load import load_slots
-    slots = load_slots(model_name, path, dtype=dtype, num_slots=num_slots, max_seq_len=max_seq_len, **plan)
-    try:
-        if warmup:
-            slots.warmup()
-    except BaseException:
-        slots.close()
-        raise
-    return Engine(slots, max_queue=max_queue)

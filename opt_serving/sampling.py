@@ -15,14 +15,12 @@ samples the same tokens whatever else shares its batch.
 from __future__ import annotations
 
 from functools import partial
-from typing import Sequence
+from typing import Callable, Sequence
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from opt_serving.model import cpu_kernels
 
 NEG_INF = -jnp.inf
 MAX_NGRAM = 8  # longest no_repeat_ngram_size supported (a static unroll bound)
@@ -135,19 +133,6 @@ def update_state(state: State, tokens, active=None) -> State:
         length=state.length + step,
         seen=state.seen.at[rows, tokens].set(True, mode="drop"),
         counts=state.counts.at[rows, tokens].add(1, mode="drop"))
-
-
-@jax.jit
-def insert_state(state: State, row: State, slot) -> State:
-    """Put a batch-1 state (same history length and vocab) into row `slot` (traced) of `state`."""
-    slot = jnp.asarray(slot, jnp.int32)
-    put = lambda a, r: jax.lax.dynamic_update_slice(a, r.astype(a.dtype),
-                                                    (slot,) + (jnp.int32(0),) * (a.ndim - 1))
-    return jax.tree_util.tree_map(put, state, row)
-
-
-def reorder_state(state: State, index) -> State:
-    return jax.tree_util.tree_map(lambda a: jnp.take(a, index, axis=0), state)
 
 
 # ---- processors (HF order) ----
@@ -276,7 +261,7 @@ def warp(logits, s: Settings, min_tokens_to_keep: int = 1):
 def plain_argmax(state: State, s: Settings, active=None):
     """True (a traced scalar) when every row (every `active` one) takes the plain argmax of its raw
     logits, leaving out at most its held_back token: greedy, and no other processor changes a logit at
-    this step. The logits then need not be made at all (opt.lm_argmax(params, h, held_back(state, s)))."""
+    this step. The logits then need not be made at all (Backend.greedy(params, h, held_back(state, s)))."""
     plain = ((s.temperature <= 0) & (s.repetition_penalty == 1.0) & (s.presence_penalty == 0)
              & (s.frequency_penalty == 0) & (s.no_repeat_ngram_size <= 0))
     if s.bad_words.shape[1]:
@@ -292,32 +277,31 @@ def row_keys(s: Settings, step):
         s.seed, jnp.broadcast_to(step, s.seed.shape))
 
 
-@jax.jit
-def sample(logits, state: State, s: Settings):
+def argmax(x):
+    """jnp.argmax over the last axis (first index of the maximum, NaN wins as in argmax) -> int32: plain XLA,
+    the default of the functions here that take an `argmax` (a Backend's is faster on a CPU)."""
+    return jnp.argmax(x, axis=-1).astype(jnp.int32)
+
+
+@partial(jax.jit, static_argnames=("argmax",))
+def sample(logits, state: State, s: Settings, argmax: Callable = argmax):
     """Next token per row -> (tokens int32 [B], logprobs float32 [B, V]).
 
     logprobs are of the distribution the token was chosen from (processed, and
     warped for sampled rows)."""
     scores = warp(process_logits(logits, state, s), s)
-    return choose(scores, state, s), jax.nn.log_softmax(scores, axis=-1)
+    return choose(scores, state, s, argmax), jax.nn.log_softmax(scores, axis=-1)
 
 
-def choose(scores, state: State, s: Settings):
+def choose(scores, state: State, s: Settings, argmax: Callable = argmax):
     """Argmax for greedy rows, a seeded categorical draw for sampled rows -> int32 [B]."""
     greedy = argmax(scores)
 
     def draw():
         keys = row_keys(s, state.length)
-        # jax.random.categorical's Gumbel-max draw, with the faster argmax
+        # jax.random.categorical's Gumbel-max draw, through the given argmax
         gumbel = jax.vmap(lambda k: jax.random.gumbel(k, scores.shape[1:], scores.dtype))(keys)
         return jnp.where(s.temperature > 0, argmax(scores + gumbel), greedy)
 
     # drawing [B, V] random numbers is costly on a CPU: only when some row samples
     return jax.lax.cond(jnp.any(s.temperature > 0), draw, lambda: greedy)
-
-
-def argmax(x):
-    """jnp.argmax over the last axis (first index of the maximum, NaN wins as in argmax) -> int32.
-
-    On a CPU a kernel of ours (cpu_kernels.argmax): XLA's argmax, and its TopK with k=1, are slow there."""
-    return cpu_kernels.argmax(x)

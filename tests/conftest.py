@@ -1,10 +1,36 @@
-"""Fixtures shared by several test files."""
+"""Fixtures and model configs shared by several test files (`from conftest import TINY`:
+pytest puts tests/ on sys.path)."""
 import shutil
 from pathlib import Path
 
 import pytest
 
+from opt_serving.config import OPTConfig
+
 ASSETS = Path(__file__).resolve().parents[1] / ".." / "shared" / "opt-assets"
+
+# The tiny pre-LN model most unit tests build: two layers of four heads, milliseconds to run.
+TINY = OPTConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                 ffn_dim=64, max_position_embeddings=64)
+# OPT-350m's shape at TINY's size: 16-wide embeddings projected in/out, post-LN, no final layer norm
+TINY_POST_LN = TINY.replace(word_embed_proj_dim=16, do_layer_norm_before=False)
+# Four layers to slice into pipeline stages, 64 wide to split over tensor-parallel devices.
+SMALL = OPTConfig(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  ffn_dim=256, max_position_embeddings=64, word_embed_proj_dim=64)
+
+
+def hf_model(cfg, seed=0):
+    """Hugging Face's OPTForCausalLM for `cfg`, randomly initialised from `seed`, with the 1-D
+    parameters (biases, norms) moved off their 0 / 1 init so a wrong bias or norm path shows."""
+    import torch
+    import transformers
+    torch.manual_seed(seed)
+    model = transformers.OPTForCausalLM(transformers.OPTConfig(**cfg.to_hf_dict())).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
 
 
 @pytest.fixture(scope="session")

@@ -41,7 +41,7 @@ def test_parse_uses_the_id_field_as_key():
     ('{"prompt": [1, -2]}', "token ids"),
     ('{"prompt": "a", "max_tokens": "5"}', "max_tokens must be an integer"),
     ('{"prompt": "a", "max_tokens": true}', "max_tokens must be an integer"),
-    ('{"prompt": "a", "max_tokens": -1}', "max_tokens must be in"),
+    ('{"prompt": "a", "max_tokens": -1}', "max_tokens must be >= 0"),
     ('{"prompt": "a", "temperature": "hot"}', "temperature must be a number"),
     ('{"prompt": "a", "top_p": 1.5}', "top_p must be in"),
     ('{"prompt": "a", "n": 3, "best_of": 2}', "best_of (2) must be >= n (3)"),
@@ -49,7 +49,7 @@ def test_parse_uses_the_id_field_as_key():
     ('{"prompt": "a", "echo": "yes"}', "echo must be true or false"),
     ('{"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}', "stop must be"),
     ('{"prompt": "a", "stop": [3]}', "stop must be"),
-    ('{"prompt": "a", "max_tokens": 0}', "max_tokens 0"),
+    ('{"prompt": "a", "max_tokens": 0}', "0 only with echo"),
 ])
 def test_parse_rejects_bad_lines_with_a_message(line, words):
     with pytest.raises(B.RequestError) as e:
@@ -173,7 +173,7 @@ def test_bad_lines_become_error_records_and_the_run_goes_on(tmp_path, fake):
     assert [m.split(":")[0] for m in msgs] == ["line 2", "line 3", "line 4", "line 5", "line 7"]
     assert "not valid JSON" in errors[json.dumps('{"prompt": "a", "max_tokens":')]
     assert "max_tokens must be an integer" in errors[json.dumps(lines[2])]
-    assert "exceeds the model's maximum context length of 64" in errors[json.dumps(lines[3])]
+    assert "maximum context length is 64 tokens" in errors[json.dumps(lines[3])]
     assert "999 is outside the vocabulary" in errors[json.dumps(lines[4])]
     assert "duplicate request id 1" in errors[json.dumps(lines[6])]
     # a re-run finds everything answered, errors included, and adds nothing

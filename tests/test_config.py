@@ -1,4 +1,7 @@
 """Model names -> configs: the presets (OPT and OPT-IML), and a folder's own config.json for any name."""
+from pathlib import Path
+
+import numpy as np
 import pytest
 
 from opt_serving.config import OPT_CONFIGS, OPTConfig, config_for, get_config, size_from_name
@@ -22,3 +25,22 @@ def test_any_name_works_with_a_folder_that_has_config_json(tmp_path):
     with pytest.raises(ValueError, match="unknown OPT model 'jax/my-finetune'.*opt-iml-max-30b"):
         config_for("jax/my-finetune", tmp_path / "elsewhere")
     assert isinstance(own, OPTConfig)
+
+
+@pytest.mark.parametrize("cfg", list(OPT_CONFIGS.values()) + [
+    OPT_CONFIGS["tiny"].replace(word_embed_proj_dim=64, do_layer_norm_before=False),
+], ids=list(OPT_CONFIGS) + ["tiny-post-ln-projected"])
+def test_num_params_counts_the_numpy_folder_tensors(cfg):
+    from opt_serving.model.weights import param_shapes
+    assert cfg.num_params() == sum(int(np.prod(s)) for s in param_shapes(cfg).values())
+
+
+def test_config_imports_nothing_of_ours():
+    """config is the bottom layer (issue 20): every other module may import it, it imports none."""
+    import ast
+    import opt_serving.config as config
+    tree = ast.parse(Path(config.__file__).read_text())
+    ours = [n for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and (n.level or (n.module or "").startswith("opt_serving"))
+            or isinstance(n, ast.Import) and any(a.name.startswith("opt_serving") for a in n.names)]
+    assert not ours, [ast.unparse(n) for n in ours]

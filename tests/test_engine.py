@@ -8,7 +8,8 @@ import transformers
 
 from opt_serving.config import OPTConfig
 from opt_serving.engine import MAX_TOP_LOGPROBS, Engine, EngineClosed, OPTSlots, QueueFull, SlotSettings
-from opt_serving.model import cpu_kernels, weights
+from opt_serving.backend.cpu import head
+from opt_serving.model import weights
 
 CFG = OPTConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
                 max_position_embeddings=64)
@@ -138,15 +139,16 @@ def test_unscored_requests_get_the_same_tokens_and_no_logprobs(engine, hf):
         [lp[len(PROMPTS[4]) - 1 + i, t.id] for i, t in enumerate(scored.tokens)], abs=1e-4)
 
 
-@pytest.mark.skipif(not cpu_kernels.head_available(), reason="no screened greedy head on this CPU")
+@pytest.mark.skipif(not head.supported(), reason="no screened greedy head on this CPU")
 def test_a_step_skips_the_logits_only_when_every_active_row_is_plainly_greedy(model):
     import jax.numpy as jnp
     from opt_serving import sampling
     from opt_serving.model import opt
-    assert cpu_kernels.has_head(model.params)
+    backend = model.stages.stages[0].backend
+    assert backend.greedy_head
     # what project_out gives
     h = jnp.asarray(np.random.default_rng(0).standard_normal((3, CFG.word_embed_proj_dim)), jnp.float32)
-    expect = np.asarray(opt.lm_logits(model.params, h)).argmax(-1)
+    expect = np.asarray(opt.lm_logits(model.params, h, backend)).argmax(-1)
     ids = jnp.asarray([[2, 5, 6]] * 3, jnp.int32)
 
     def choose(settings, active, want_scores=False):
@@ -286,7 +288,7 @@ def test_the_cache_window_only_grows_where_steps_read_just_the_written_entries(m
         e.close()
     assert (c.ids, d.ids) == (hf_greedy(hf, long, 4), hf_greedy(hf, short, 4))
     stage = model.stages.stages[0]
-    assert cache_max_len(stage.caches[0]) == (32 if stage.read_written else 16)
+    assert cache_max_len(stage.caches[0]) == (32 if stage.backend.attention else 16)
 
 
 @pytest.fixture(scope="module")
@@ -340,9 +342,10 @@ def test_batched_prefill_gives_exactly_the_prefixes_of_one_by_one(model8, monkey
         assert a.state not in stage.pending and b.state not in stage.sampler.pending
 
 
-def run_queued(model, jobs, collect=Collect):
-    """`run_all` on a new engine whose scheduler starts only once every job is queued: it admits them at once."""
-    e = Engine(model, start=False)
+def run_queued(model, jobs, collect=Collect, chunk=256):
+    """`run_all` on a new engine whose scheduler starts only once every job is queued: it admits them at once.
+    `chunk`: the engine's prefill_chunk."""
+    e = Engine(model, start=False, prefill_chunk=chunk)
     cols = []
     for prompt, settings in jobs:
         cols.append(collect(e))
@@ -425,7 +428,7 @@ def test_queue_full_too_long_and_close(model):
     e.submit([2, 5], SlotSettings(max_tokens=2), waiting)
     with pytest.raises(QueueFull):
         e.submit([2, 6], SlotSettings(max_tokens=2), Collect())
-    with pytest.raises(ValueError, match="maximum context length of 32"):
+    with pytest.raises(ValueError, match="maximum context length is 32"):
         e.submit([2] * 30, SlotSettings(max_tokens=5), Collect())
     with pytest.raises(ValueError, match="vocabulary"):
         e.submit([2, 500], SlotSettings(), Collect())
@@ -458,3 +461,136 @@ def test_generator_from_pretrained_matches_hf_greedy():
             assert c.finish_reason == ("length" if len(ref) == 8 else "stop")
     finally:
         gen.close()
+
+
+LONG = [[2] + list(range(3 + 5 * i, 3 + 5 * i + n)) for i, n in enumerate([16, 21, 27, 19])]  # 17-28 tokens
+
+
+def test_chunked_prefill_gives_the_whole_prefill_tokens(model, hf):
+    """Prompts longer than the chunk (prefilled 16 tokens an iteration, the last chunk padded) get the
+    tokens and scores of whole prefills, greedy and sampled, with short prompts prefilled beside them."""
+    jobs = [(p, SlotSettings(max_tokens=32 - len(p), temperature=t, seed=i, top_p=0.9 if t else 1.0,
+                             repetition_penalty=1.3 if i == 2 else 1.0))
+            for i, p in enumerate(LONG) for t in (0.0, 1.5)] + [(PROMPTS[0], SlotSettings(max_tokens=9))]
+    chunks = []
+    real = model.prefill_chunk
+    model.prefill_chunk = lambda job: (chunks.append(job.done), real(job))[1]
+    try:
+        whole = run_queued(model, jobs, chunk=None)
+        assert chunks == []
+        chunked = run_queued(model, jobs, chunk=16)
+    finally:
+        del model.prefill_chunk
+    assert chunks == [0, 16] * len(LONG) * 2
+    for (p, s), a, b in zip(jobs, whole, chunked):
+        assert (b.ids, b.finish) == (a.ids, a.finish)
+        assert [t.logprob for t in b.tokens] == pytest.approx([t.logprob for t in a.tokens], abs=1e-4)
+        if s.temperature == 0 and s.repetition_penalty == 1.0:
+            assert b.ids == hf_greedy(hf, p, s.max_tokens)
+    assert whole[1].ids != whole[0].ids  # sampling changed something, so the test means something
+
+
+def test_running_requests_get_tokens_between_the_chunks_of_a_long_prompt(model, hf):
+    """A request already decoding gets a token between every two chunks of a long prompt's prefill (one
+    chunk an iteration, then a decode step); the long one then joins the running ones."""
+    events = []
+
+    class Log(Collect):
+        def __call__(self, out):
+            events.extend([("token", self.name)] * len(out.tokens))
+            super().__call__(out)
+
+    real = model.prefill_chunk
+    model.prefill_chunk = lambda job: (events.append(("chunk", job.done)), real(job))[1]
+    try:
+        e = Engine(model, start=False, prefill_chunk=8)
+        short, long = Log(e), Log(e)
+        short.name, long.name = "short", "long"
+        short.req = e.submit(PROMPTS[2], SlotSettings(max_tokens=20), short)
+        long.req = e.submit(LONG[1], SlotSettings(max_tokens=6), long)
+        e.start()
+        assert short.done.wait(120) and long.done.wait(120)
+        e.close()
+    finally:
+        del model.prefill_chunk
+    first_long = events.index(("token", "long"))
+    assert events[:first_long] == [("token", "short"), ("chunk", 0), ("token", "short"), ("chunk", 8),
+                                   ("token", "short"), ("chunk", 16)]  # 22 tokens: three chunks
+    assert events[first_long + 1] == ("token", "short")  # then both decode together
+    assert (short.ids, long.ids) == (hf_greedy(hf, PROMPTS[2], 20), hf_greedy(hf, LONG[1], 6))
+
+
+def test_a_request_cancelled_mid_prefill_lets_its_rows_go(model, hf):
+    """Cancelled between two chunks: no output follows, the rows its chunks filled are let go (cache and
+    sampling row), and the engine serves the next request."""
+    stage = model.stages.stages[0]
+    e = Engine(model, start=False, prefill_chunk=8)
+    long, after = Collect(e), Collect(e)
+    real = model.prefill_chunk
+
+    def chunk(job):
+        out = real(job)
+        if job.done == 8:  # the first chunk is in the cache: cancel now
+            assert job.state in stage.pending
+            e.cancel(long.req)
+            long.handle = job.state
+        return out
+
+    model.prefill_chunk = chunk
+    try:
+        long.req = e.submit(LONG[2], SlotSettings(max_tokens=4), long)
+        after.req = e.submit(LONG[0], SlotSettings(max_tokens=4), after)
+        e.start()
+        assert after.done.wait(120)
+        e.close()
+    finally:
+        del model.prefill_chunk
+    assert long.tokens == [] and long.finish is None and long.req.done
+    assert long.handle not in stage.pending and long.handle not in stage.sampler.pending
+    assert not stage.pending and not stage.sampler.pending
+    assert after.ids == hf_greedy(hf, LONG[0], 4)
+
+
+def test_warmup_compiles_the_chunked_prefill(model):
+    """Every shape a chunked prefill uses (its step at every cache size a longer prompt has, its first
+    token, its cache into every window), beside whole prefills, is compiled by the engine's warm-up."""
+    stage = model.stages.stages[0]
+    s = stage.sampler
+    e = Engine(model, start=False, prefill_chunk=8)
+    e.warmup()
+    compiled = (stage._prefill, stage._chunk, s._first, s._chunked_first, s._split_rows, s._choose, s._insert,
+                s._free, stage._insert_cache, stage._resize, stage._step, stage._free)
+    sizes = [f._cache_size() for f in compiled]
+    e.start()
+    try:
+        run_all(e, [(p, SlotSettings(max_tokens=32 - len(p), temperature=0.5, seed=1))
+                    for p in LONG + [[2] * 9, [2, 5, 6], [2] * 12]])
+    finally:
+        e.close()
+    assert [f._cache_size() for f in compiled] == sizes
+
+
+def test_the_prefill_chunk_option_reaches_the_engine(monkeypatch):
+    """load_engine / load_generator (`opt-serving batch --prefill-chunk`, ServeArgs.prefill_chunk) set it:
+    256 by default, 0 for whole prefills; a slot model without chunked prefill gets whole ones."""
+    import argparse
+    from opt_serving import batch, loading
+    from opt_serving.embedded import ensure_embedded_model
+    from opt_serving.service.deployment import ServeArgs, build_generator
+    from opt_serving.testing.fake_engine import FakeSlots
+    folder = ensure_embedded_model()
+    for chunk, want in ((None, 256), (0, None), (64, 64)):
+        kw = {} if chunk is None else {"prefill_chunk": chunk}
+        e = loading.load_engine("jax/opt-tiny", folder, num_slots=2, max_seq_len=16, warmup=False, **kw)
+        e.close()
+        assert e.prefill_chunk == want
+    parser = argparse.ArgumentParser()
+    batch.add_arguments(parser)
+    files = ["--input", "in.jsonl", "--output", "out.jsonl"]
+    assert parser.parse_args(files).prefill_chunk == 256
+    assert parser.parse_args(files + ["--prefill-chunk", "0"]).prefill_chunk == 0
+    seen = {}
+    monkeypatch.setattr(loading, "load_generator", lambda *a, **kw: seen.update(kw))
+    build_generator(ServeArgs(prefill_chunk="32"))
+    assert seen["prefill_chunk"] == 32
+    assert Engine(FakeSlots(), start=False, prefill_chunk=8).prefill_chunk is None

@@ -12,7 +12,7 @@ import textwrap
 CHILD = textwrap.dedent("""
     import json, sys
     import numpy as np, jax
-    from opt_serving.engine import load_engine
+    from opt_serving.loading import load_engine
     from opt_serving.generator import Generator, SamplingParams
     from opt_serving.model.wrapper import get_model
     from opt_serving.tokenizer import load_tokenizer

@@ -135,7 +135,7 @@ def test_serves_replica_check_fails_with_the_engine():
     """The deployment's own health check (what Serve polls to replace a replica) asks the generator."""
     import types
 
-    from opt_serving.service.app import build_app
+    from opt_serving.service.deployment import build_app
     replica_class = build_app({})._bound_deployment.func_or_class
     eng = gated_engine(stall_s=10)
     gen = Generator(eng, byte_tokenizer(), model_name="opt-fake", model=FakeBeamModel())

@@ -11,7 +11,8 @@ import threading
 import pytest
 
 from opt_serving.engine import Engine, QueueFull
-from opt_serving.generator import Completion, Generator, SamplingParams, _Detokenizer
+from opt_serving.completion import Detokenizer
+from opt_serving.generator import Completion, Generator, SamplingParams
 from opt_serving.testing.fake_engine import (GatedSlots, byte_tokenizer, fake_generator,
                                               fake_logprob)
 
@@ -35,7 +36,7 @@ async def collect(gen, prompt, params):
 
 
 def test_greedy_completion(gen):
-    c = run(gen.complete("a", greedy(max_tokens=5)))
+    c = run(gen.complete("a", greedy(max_tokens=5, score_tokens=True)))
     assert c.text == "bcdef"
     assert c.token_ids == [102, 103, 104, 105, 106]
     assert c.tokens == ["b", "c", "d", "e", "f"]
@@ -123,6 +124,8 @@ def test_eos_min_tokens_and_ignore_eos(gen):
 def test_unscored_tokens_carry_no_logprobs_unless_something_needs_them(gen):
     c = run(gen.complete("a", greedy(max_tokens=3, score_tokens=False)))
     assert (c.text, c.token_logprobs, c.cumulative_logprob) == ("bcd", [None] * 3, None)
+    c = run(gen.complete("a", greedy(max_tokens=3)))  # the default: nothing asks for them
+    assert (c.text, c.token_logprobs, c.cumulative_logprob) == ("bcd", [None] * 3, None)
     c = run(gen.complete("a", greedy(max_tokens=3, score_tokens=False, logprobs=1)))  # asked for: scored
     assert c.token_logprobs == pytest.approx([-LN2] * 3) and c.cumulative_logprob == pytest.approx(-3 * LN2)
     # best_of ranks by the scores, so its samples are scored whatever score_tokens says
@@ -136,10 +139,10 @@ def test_unscored_tokens_carry_no_logprobs_unless_something_needs_them(gen):
 
 def test_seeded_sampling_and_best_of(gen):
     # seed 0: steps j = 1, 2, 3, 1 from "a" (101): 102 104 107 108
-    c = run(gen.complete("a", SamplingParams(max_tokens=4, temperature=1.0, seed=0)))
+    c = run(gen.complete("a", SamplingParams(max_tokens=4, temperature=1.0, seed=0, score_tokens=True)))
     assert c.text == "bdgh"
     assert c.cumulative_logprob == pytest.approx(-7 * LN2)
-    params = SamplingParams(max_tokens=4, temperature=1.0, seed=5)
+    params = SamplingParams(max_tokens=4, temperature=1.0, seed=5, score_tokens=True)
     seeds = [p.seed for p in gen.choice_params(params, 3)]
     assert seeds[0] == 5 and len(set(seeds)) == 3
     [all3] = gen.complete_many(["a"], params, n=3)
@@ -312,7 +315,7 @@ def test_beam_search_needs_a_model():
 
 def test_detokenizer_holds_partial_characters():
     tok = byte_tokenizer()
-    d = _Detokenizer(tok)
+    d = Detokenizer(tok)
     e_acute = [4 + b for b in "é".encode()]  # two bytes, two tokens
     assert d.add(4 + ord("x")) == "x"
     assert d.add(e_acute[0]) == ""   # half a character is held
@@ -331,14 +334,13 @@ def opt_gen(opt_tokenizer):
 
 def test_real_tokenizer_encodes_and_round_trips(opt_gen):
     assert opt_gen.encode("Hello world") == [2, 31414, 232]
-    assert opt_gen.token_str(232) == "\u0120world"
     for text in ["Hello world", " leading space", "naïve café ☕ 😀\nnew line\ttab", "a  b   c"]:
         assert opt_gen.decode(opt_gen.encode(text)) == text
 
 
 def test_real_tokenizer_streams_whole_characters(opt_tokenizer):
     ids = opt_tokenizer.encode(" 😀 ok")[1:]
-    d = _Detokenizer(opt_tokenizer)
+    d = Detokenizer(opt_tokenizer)
     pieces = [d.add(i) for i in ids]
     assert "".join(pieces) == " 😀 ok"
     assert all("\ufffd" not in p for p in pieces)

@@ -3,11 +3,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from opt_serving.config import OPTConfig
-from opt_serving.model import kv_cache, opt
+from opt_serving.model import kv_cache, opt, param_tree
 
-CFG = OPTConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                ffn_dim=64, max_position_embeddings=64)
+from conftest import TINY
+
+CFG = TINY
 
 
 def test_init_cache_layout():
@@ -37,7 +37,7 @@ def _prefilled(params, tokens, bucket):
 
 
 def test_insert_into_slot_then_decode_matches_full_forward():
-    params = opt.init_params(CFG, seed=0)
+    params = param_tree.init_params(CFG, seed=0)
     rng = np.random.RandomState(0)
     prompts = [rng.randint(3, CFG.vocab_size, n).astype(np.int32) for n in (5, 11, 3)]
     nxt = rng.randint(3, CFG.vocab_size, 3).astype(np.int32)

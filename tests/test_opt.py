@@ -4,25 +4,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-import transformers
 
-from opt_serving.config import OPTConfig
-from opt_serving.model import cpu_kernels, kv_cache, opt, weights, wrapper
+from opt_serving.backend import Backend
+from opt_serving.model import kv_cache, layout, opt, param_tree, weights, wrapper
 
-PRE_LN = OPTConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                   ffn_dim=64, max_position_embeddings=64)
-# OPT-350m's shape: 16-wide embeddings projected in/out, post-LN, no final layer norm
-POST_LN = PRE_LN.replace(word_embed_proj_dim=16, do_layer_norm_before=False)
-
-
-def hf_model(cfg, seed=0):
-    torch.manual_seed(seed)
-    model = transformers.OPTForCausalLM(transformers.OPTConfig(**cfg.to_hf_dict())).eval()
-    with torch.no_grad():  # nonzero biases/norms so a wrong bias or norm path shows
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.add_(0.1 * torch.randn_like(p))
-    return model
+from conftest import TINY as PRE_LN, TINY_POST_LN as POST_LN, hf_model
 
 
 def left_padded(rng, lengths, width, vocab, pad=1):
@@ -39,26 +25,27 @@ def left_padded(rng, lengths, width, vocab, pad=1):
 def test_prefill_and_decode_match_hf(cfg, fused):
     hf = hf_model(cfg)
     params = weights.params_from_hf_state_dict(cfg, hf.state_dict())
+    backend = Backend.xla()
     if fused == "packed":  # what runs on a CPU: fused, and every dense weight packed for oneDNN
-        if not cpu_kernels.available():
+        backend, params = layout.runtime_params(params)
+        if not backend.products:
             pytest.skip("opt_serving/_cpu_kernels.so not built")
-        params = opt.runtime_params(params)
-        assert cpu_kernels.is_packed(params) and "packed" in params["layers_1"]["fc2"]
+        assert "packed" in params["layers_1"]["fc2"]
     elif fused:  # the single-device layout generate() and the engine run: one [D, 3D] q/k/v matmul
         split = params
-        params = opt.fuse_qkv(params)
-        back = opt.unfuse_qkv(params)  # what OPTModel.params shows: the checkpoint's layout again
+        params = layout.fuse_qkv(params)
+        back = layout.unfuse_qkv(params)  # what OPTModel.params shows: the checkpoint's layout again
         assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(split)
         assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(back),
                                                          jax.tree_util.tree_leaves(split)))
         attn = params["layers_1"]["self_attn"]
         assert sorted(attn) == ["out_proj", "qkv_proj"] and attn["qkv_proj"]["kernel"].shape == (32, 96)
-        assert opt.fuse_qkv(params) == params  # already fused: unchanged
+        assert layout.fuse_qkv(params) == params  # already fused: unchanged
     rng = np.random.RandomState(0)
     ids, mask = left_padded(rng, [8, 5, 2], 8, cfg.vocab_size)
     steps = 5
     cache = kv_cache.init_cache(cfg, 3, 16)
-    logits, cache = opt.prefill(cfg, params, cache, jnp.asarray(ids), jnp.asarray(mask))
+    logits, cache = opt.prefill(cfg, params, cache, jnp.asarray(ids), jnp.asarray(mask), backend=backend)
     with torch.no_grad():
         out = hf(torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask), use_cache=True)
     real = mask == 1
@@ -68,7 +55,8 @@ def test_prefill_and_decode_match_hf(cfg, fused):
     for t in range(steps):
         tok = rng.randint(3, cfg.vocab_size, 3).astype(np.int32)
         logits, cache = opt.decode(cfg, params, cache, jnp.asarray(tok),
-                                   jnp.asarray(n_real + t, jnp.int32), jnp.full((3,), 8 + t, jnp.int32))
+                                   jnp.asarray(n_real + t, jnp.int32), jnp.full((3,), 8 + t, jnp.int32),
+                                   backend=backend)
         hf_mask = torch.cat([hf_mask, torch.ones((3, 1), dtype=hf_mask.dtype)], 1)
         with torch.no_grad():
             out = hf(torch.tensor(tok[:, None], dtype=torch.long), attention_mask=hf_mask,
@@ -79,7 +67,7 @@ def test_prefill_and_decode_match_hf(cfg, fused):
 
 def test_cached_decoding_equals_full_forward():
     cfg = PRE_LN
-    params = opt.init_params(cfg, seed=1)
+    params = param_tree.init_params(cfg, seed=1)
     rng = np.random.RandomState(1)
     seq = rng.randint(3, cfg.vocab_size, (2, 12)).astype(np.int32)
     full = np.asarray(opt.forward(cfg, params, seq))
@@ -96,7 +84,7 @@ def test_cached_decoding_equals_full_forward():
 def test_rows_decode_at_their_own_cache_index():
     """Two rows at different lengths in one decode batch each match their own single-row run."""
     cfg = PRE_LN
-    params = opt.init_params(cfg, seed=2)
+    params = param_tree.init_params(cfg, seed=2)
     rng = np.random.RandomState(2)
     a = rng.randint(3, cfg.vocab_size, 9).astype(np.int32)
     b = rng.randint(3, cfg.vocab_size, 5).astype(np.int32)
@@ -143,3 +131,39 @@ def test_half_precision_close_to_float32(dtype):
           f"greedy generation agreement {gen_agree:.3f} over {g32.size} tokens")
     assert diff < 0.05 * (l32.max() - l32.min())
     assert agree >= 0.9 and gen_agree >= 0.75
+
+
+@pytest.mark.parametrize("per_row", [False, True], ids=["start_scalar", "start_per_row"])
+@pytest.mark.parametrize("cfg", [PRE_LN, POST_LN], ids=["pre_ln", "post_ln_350m"])
+def test_a_prefill_in_chunks_gives_the_whole_prefill(cfg, per_row):
+    """Chunks of 8 over a 21-token prompt (the last one padded, and with a cache of 22 entries running
+    past it): the last position's logits, every stage's hidden states and the cache's valid entries are
+    the whole prefill's; two stages chained chunk by chunk give the same."""
+    params = weights.params_from_hf_state_dict(cfg, hf_model(cfg).state_dict())
+    n, c, size = 21, 8, 22 if per_row else 32
+    ids = np.random.RandomState(4).randint(3, cfg.vocab_size, n).astype(np.int32)
+    whole_ids, whole_mask = np.ones((1, size), np.int32), (np.arange(size) < n).astype(np.int32)[None]
+    whole_ids[0, :n] = ids
+    want, want_cache = opt._prefill(cfg, params, kv_cache.init_cache(cfg, 1, size), whole_ids, whole_mask)
+    specs = [opt.StageSpec(0, 1, True, False), opt.StageSpec(1, 2, False, True)]
+    parts = [param_tree.stage_params(params, s) for s in specs]
+    cache = kv_cache.init_cache(cfg, 1, size)
+    staged = [kv_cache.init_cache(cfg.replace(num_hidden_layers=1), 1, size) for _ in specs]
+    for start in range(0, n, c):
+        x, mask = np.ones((1, c), np.int32), (np.arange(c) < n - start).astype(np.int32)[None]
+        x[0, :mask.sum()] = ids[start:start + c]
+        at = np.array([start], np.int32) if per_row else np.int32(start)
+        logits, cache = opt._extend(cfg, params, cache, x, at, mask)
+        h = x
+        for i, (s, p) in enumerate(zip(specs, parts)):
+            h, staged[i] = opt._extend(cfg, p, staged[i], h, at, mask, stage=s)
+    last = (n - 1) % c
+    np.testing.assert_allclose(np.asarray(logits[0, last]), np.asarray(want[0, n - 1]), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(h[0, last]), np.asarray(want[0, n - 1]), atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(cache["mask"]), np.asarray(want_cache["mask"]))
+    np.testing.assert_array_equal(np.asarray(staged[1]["mask"]), np.asarray(want_cache["mask"]))
+    got_k = list(cache["k"]) + list(cache["v"])
+    staged_k = [staged[0]["k"][0], staged[1]["k"][0], staged[0]["v"][0], staged[1]["v"][0]]
+    for a, b, s in zip(got_k, list(want_cache["k"]) + list(want_cache["v"]), staged_k):
+        np.testing.assert_allclose(np.asarray(a)[:, :, :n], np.asarray(b)[:, :, :n], atol=1e-5)
+        np.testing.assert_allclose(np.asarray(s)[:, :, :n], np.asarray(b)[:, :, :n], atol=1e-5)

@@ -8,25 +8,25 @@ import time
 import numpy as np
 import pytest
 
-from opt_serving.config import OPTConfig
 from opt_serving.testing.multidevice import IN_CHILD as MULTI, rerun_with_8_devices
+
+from conftest import SMALL
 
 needs8 = pytest.mark.skipif(not MULTI, reason="runs in the 8-device child process")
 no_ray_in_child = pytest.mark.skipif(MULTI, reason="Ray tests run in the parent process")
 
-CFG = OPTConfig(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-                ffn_dim=256, max_position_embeddings=64, word_embed_proj_dim=64)
+CFG = SMALL
 IDS = np.array([[1, 1, 5, 9, 17, 3], [4, 8, 15, 16, 23, 42], [7, 7, 7, 2, 9, 11]], np.int32)
 MASK = np.array([[0, 0, 1, 1, 1, 1], [1] * 6, [0, 1, 1, 1, 1, 1]], np.int32)
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    from opt_serving.model import opt
+    from opt_serving.model import param_tree
     from opt_serving.model.weights import params_to_arrays, save_numpy_folder
     path = tmp_path_factory.mktemp("opt-tiny")
     # large weights so that logits differ clearly between tokens (greedy is not a tie-break test)
-    save_numpy_folder(path, CFG, params_to_arrays(CFG, opt.init_params(CFG, seed=7, std=0.3)))
+    save_numpy_folder(path, CFG, params_to_arrays(CFG, param_tree.init_params(CFG, seed=7, std=0.3)))
     return path
 
 

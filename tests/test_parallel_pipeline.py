@@ -2,10 +2,9 @@
 import numpy as np
 import pytest
 
-from opt_serving.config import OPTConfig
+from conftest import SMALL
 
-CFG = OPTConfig(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-                ffn_dim=256, max_position_embeddings=64, word_embed_proj_dim=64)
+CFG = SMALL
 IDS = np.array([[1, 1, 5, 9, 17, 3], [4, 8, 15, 16, 23, 42]], np.int32)   # row 0 left-padded
 MASK = np.array([[0, 0, 1, 1, 1, 1], [1] * 6], np.int32)
 
@@ -25,9 +24,9 @@ def _run(prefill, decode, steps=5):
 
 @pytest.fixture(scope="module")
 def reference():
-    from opt_serving.model import opt
+    from opt_serving.model import opt, param_tree
     from opt_serving.model.kv_cache import init_cache
-    params = opt.init_params(CFG, seed=5, std=0.2)
+    params = param_tree.init_params(CFG, seed=5, std=0.2)
     state = {"cache": init_cache(CFG, 2, 32)}
 
     def prefill(ids, mask):
@@ -49,13 +48,13 @@ def _check(got, ref):
 @pytest.mark.parametrize("split", [[2, 2], [1, 3], [1, 1, 1, 1]])
 def test_local_stages_equal_the_model(reference, split):
     """The model's own modules over each stage's layers (opt.StageSpec), as the stage actors run them."""
-    from opt_serving.model import opt
+    from opt_serving.model import param_tree
     from opt_serving.parallel.pipeline import stage_specs
     from opt_serving.runner.stage import StageSlots
     params, ref = reference
     specs = stage_specs(CFG, len(split), split)
     assert [(s.start, s.stop, s.first, s.last) for s in specs][-1] == (4 - split[-1], 4, len(split) == 1, True)
-    stages = [StageSlots(CFG, opt.stage_params(params, s), s, rows=1) for s in specs]
+    stages = [StageSlots(CFG, param_tree.stage_params(params, s), s, rows=1) for s in specs]
     for s in stages:
         s.seq_open(0, 2, 32)
 

@@ -42,9 +42,9 @@ def test_specs_agree_with_the_cost_model():
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    from opt_serving.model import opt
+    from opt_serving.model import param_tree
     from opt_serving.model.weights import params_to_arrays, save_numpy_folder
-    params = opt.init_params(CFG, seed=3, std=0.2)
+    params = param_tree.init_params(CFG, seed=3, std=0.2)
     path = tmp_path_factory.mktemp("tiny")
     save_numpy_folder(path, CFG, params_to_arrays(CFG, params))
     return path

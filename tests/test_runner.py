@@ -5,11 +5,11 @@ import threading
 
 import pytest
 
-from opt_serving.config import OPTConfig
 from opt_serving.engine import Engine, SlotSettings
 
-CFG = OPTConfig(vocab_size=128, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-                ffn_dim=256, max_position_embeddings=64, word_embed_proj_dim=64)
+from conftest import SMALL
+
+CFG = SMALL
 
 
 class Collect:
@@ -28,24 +28,24 @@ class Collect:
 
 @pytest.fixture(scope="module")
 def params():
-    from opt_serving.model import opt
-    return opt.init_params(CFG, seed=3, std=0.3)  # large weights: clear argmaxes
+    from opt_serving.model import param_tree
+    return param_tree.init_params(CFG, seed=3, std=0.3)  # large weights: clear argmaxes
 
 
 def two_stage_slots(params, num_slots=4, groups=2):
-    from opt_serving.model import opt
+    from opt_serving.model import param_tree
     from opt_serving.parallel.pipeline import stage_specs
     from opt_serving.runner.slots import LocalStages, Slots
     from opt_serving.runner.stage import StageSlots
-    stages = [StageSlots(CFG, opt.stage_params(params, s), s, num_slots // groups, groups, 64)
+    stages = [StageSlots(CFG, param_tree.stage_params(params, s), s, num_slots // groups, groups, 64)
               for s in stage_specs(CFG, 2)]
     return Slots(CFG, LocalStages(stages), num_slots, groups, 64)
 
 
-def run(model, jobs, hooks=None):
+def run(model, jobs, hooks=None, chunk=None):
     """Every job queued before the scheduler starts (it admits them at once); hooks[i](collector, engine,
-    collectors) runs after each of job i's outputs, on the engine thread."""
-    e = Engine(model, start=False)
+    collectors) runs after each of job i's outputs, on the engine thread. `chunk`: the engine's prefill_chunk."""
+    e = Engine(model, start=False, prefill_chunk=chunk)
     hooks = hooks or {}
     cols = []
     cols += [Collect(None if i not in hooks else (lambda c, h=hooks[i]: h(c, e, cols))) for i in range(len(jobs))]
@@ -98,3 +98,24 @@ def test_a_slot_cancelled_and_refilled_while_its_group_is_in_flight_gets_no_stal
     assert got[0].finish is None and got[0].ids == want[0][:len(got[0].ids)] and len(got[0].ids) < 6
     assert [c.ids for c in got[1:]] == want[1:]  # job 4 took job 0's slot: its tokens are its own
     assert freed_in_flight[0]  # the case under test: job 0's slot was freed with its group in the stages
+
+
+def test_chunked_prefill_through_two_stages_gives_the_whole_prefill_tokens(params):
+    """Prompts longer than the chunk go through both stages a chunk at a time (one chunk per engine
+    iteration) and get the one-device engine's tokens with whole prefills; the long prompts' chunked
+    prefills leave no rows behind in either stage."""
+    from opt_serving.engine import OPTSlots
+    long_jobs = [([2] + list(range(10, 40)), SlotSettings(max_tokens=6)),
+                 ([2] + list(range(60, 81)), SlotSettings(max_tokens=5, temperature=0.9, top_p=0.8, seed=4)),
+                 ([2] + list(range(90, 99)), SlotSettings(max_tokens=4, repetition_penalty=1.4))]
+    jobs = JOBS[:3] + long_jobs
+    want = [c.ids for c in run(OPTSlots(CFG, params, num_slots=4, max_seq_len=64), jobs, chunk=None)]
+    piped = two_stage_slots(params)
+    piped.warmup(prefill_chunk=8)
+    chunks = []
+    real = piped.prefill_chunk
+    piped.prefill_chunk = lambda job: (chunks.append((job.state, job.done)), real(job))[1]
+    got = run(piped, jobs, chunk=8)
+    assert [c.ids for c in got] == want
+    assert len(chunks) == 3 + 4 + 3 + 2  # 21, 31, 22 and 10 tokens in chunks of 8
+    assert all(not s.pending and (s.sampler is None or not s.sampler.pending) for s in piped.stages.stages)

@@ -1,5 +1,4 @@
 """Batched processors and samplers with per-row settings, checked against HF's processors."""
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -156,14 +155,3 @@ def test_bad_settings_are_rejected():
         sampling.make_settings(1, no_repeat_ngram_size=sampling.MAX_NGRAM + 1)
     with pytest.raises(ValueError, match="non-empty lists of token ids"):
         sampling.make_settings(1, bad_words_ids=[[]])
-
-
-def test_insert_state_into_slot():
-    ids, mask, _ = _case()
-    state = _state(ids, mask)
-    row = sampling.update_state(sampling.init_state(ids[1:, 3:], mask[1:, 3:], V, 16), jnp.asarray([4]))
-    out = sampling.insert_state(state, row, jnp.int32(0))
-    np.testing.assert_array_equal(np.asarray(out.history[0]), np.asarray(row.history[0]))
-    np.testing.assert_array_equal(np.asarray(out.history[1]), np.asarray(state.history[1]))
-    assert int(out.length[0]) == 6 and int(out.prompt_length[0]) == 5 and int(out.counts[0, 4]) == 1
-    assert bool(out.seen[0, 3]) and not bool(out.seen[0, 5])

@@ -217,8 +217,8 @@ def test_gptj_beam_search_without_sampling(client):
 
 def test_gptj_bad_words_become_token_ids_with_and_without_a_leading_space(client):
     # (the fake engine has no logits to mask; banning itself is the engine's, tested there)
-    from opt_serving.service.app import _bad_words_ids
-    ids = _bad_words_ids(client.app.state.service.g, ["b"])
+    from opt_serving.service.routes_gptj import bad_words_ids
+    ids = bad_words_ids(client.app.state.service.g, ["b"])
     assert ids == [[4 + ord("b")], [4 + ord(" "), 4 + ord("b")]]
 
 
@@ -328,7 +328,7 @@ def test_openapi_schema_lists_the_three_apis(client):
 
 # ---------------------------------------------------------------- Ray Serve builder and config (no Ray started)
 def test_serve_args_from_command_line_strings():
-    from opt_serving.service.app import ServeArgs
+    from opt_serving.service.deployment import ServeArgs
     a = ServeArgs(**{"model": "facebook/opt-125m", "path": "/w", "max_batch_size": "8", "api_keys": "k1, k2,"})
     assert a.max_batch_size == 8 and a.key_list() == ["k1", "k2"]
     assert ServeArgs(api_keys=["x"]).key_list() == ["x"]
@@ -339,9 +339,9 @@ def test_builder_makes_a_deployment_sized_for_the_engine_queue():
     from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 
     from opt_serving.service import app as builder
-    # what `serve run opt_serving.service:app model=opt-fake max_queue=100 max_batch_size=4` does with the args
+    # what `serve run opt_serving.service:app engine=fake max_queue=100 max_batch_size=4` does with the args
     application = call_user_app_builder_with_args_if_necessary(
-        builder, {"model": "opt-fake", "max_queue": "100", "max_batch_size": "4"})
+        builder, {"engine": "fake", "max_queue": "100", "max_batch_size": "4"})
     deployment = application._bound_deployment
     assert deployment.name == "OPTServer"
     assert deployment.max_ongoing_requests == 104
@@ -359,7 +359,7 @@ def test_serve_config_yaml_is_a_valid_serve_config():
         else ServeDeploySchema.parse_obj(config)
     [app] = schema.applications
     assert app.import_path == "opt_serving.service:app" and app.args["max_queue"] == 256
-    from opt_serving.service.app import ServeArgs
+    from opt_serving.service.deployment import ServeArgs
     ServeArgs(**app.args)  # the builder accepts every argument the example gives
 
 
@@ -413,19 +413,19 @@ def test_alpa_deployment_reserves_the_plans_gpus_on_one_node(monkeypatch):
     import ray
 
     from opt_serving.parallel import cluster
-    from opt_serving.service.app import ServeArgs, _placement
+    from opt_serving.service.deployment import ServeArgs, placement
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 8.0})
     monkeypatch.setattr(cluster, "cluster_from_ray", lambda *a, **k: cluster.parse_cluster("1x8x16GB"))
-    opts = _placement(ServeArgs(model="alpa/opt-13b", dtype="float16", max_batch_size=4, max_seq_len=512,
-                                num_cpus=2))
+    opts = placement(ServeArgs(model="alpa/opt-13b", dtype="float16", max_batch_size=4, max_seq_len=512,
+                               num_cpus=2))
     tp = opts["ray_actor_options"]["num_gpus"]
     # 13b in fp16 (~26 GB) cannot fit one 16 GB GPU, so the plan must split it, within the node
     assert tp in (2, 4, 8)
     assert opts["placement_group_bundles"] == [{"CPU": 2, "GPU": float(tp)}]
     assert opts["placement_group_strategy"] == "STRICT_PACK"
     # a jax/ model reserves only the replica's CPUs
-    assert _placement(ServeArgs(model="jax/opt-125m", num_cpus=2)) == {"ray_actor_options": {"num_cpus": 2}}
+    assert placement(ServeArgs(model="jax/opt-125m", num_cpus=2)) == {"ray_actor_options": {"num_cpus": 2}}
 
 
 def test_a_pipelined_deployment_holds_a_bundle_per_stage(monkeypatch):
@@ -434,12 +434,12 @@ def test_a_pipelined_deployment_holds_a_bundle_per_stage(monkeypatch):
     import ray
 
     from opt_serving.parallel import cluster
-    from opt_serving.service.app import ServeArgs, _placement
+    from opt_serving.service.deployment import ServeArgs, placement
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 128.0, "GPU": 32.0})
     monkeypatch.setattr(cluster, "cluster_from_ray", lambda *a, **k: cluster.parse_cluster("4x8x16GB"))
     args = ServeArgs(model="alpa/opt-175b", max_batch_size=8, max_seq_len=1024, num_cpus=2)
-    opts = _placement(args)
+    opts = placement(args)
     assert args.dtype == "float16"  # "auto" on a GPU cluster
     assert args.pipeline_parallel > 1 and args.pipeline_parallel * args.tensor_parallel <= 32
     bundles = opts["placement_group_bundles"]

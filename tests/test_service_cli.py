@@ -17,7 +17,7 @@ import pytest
 from opt_serving.cli import build_parser, main
 from opt_serving.config import get_config
 from opt_serving.embedded import ensure_embedded_model
-from opt_serving.service.app import build_generator
+from opt_serving.service.deployment import build_generator
 from opt_serving.service.cli import check_args, serve_args_from
 from opt_serving.tokenizer import load_tokenizer
 
@@ -63,8 +63,9 @@ def test_dummy_large_vocab_without_tokenizer_exits_2_naming_the_flag():
     (["--tokenizer", "."], "--tokenizer"),
     (["--model", "jax/opt-tiny", "--dummy", "--tokenizer", "no/such/folder"], "no such folder"),
     (["--ray-nice", "20"], "--ray-nice"),
+    (["--engine", "fake", "--dummy"], "--engine fake"),
 ], ids=["dummy-without-model", "dummy-and-path", "model-without-weights", "unknown-size",
-        "tokenizer-for-embedded", "missing-tokenizer-folder", "niceness-out-of-range"])
+        "tokenizer-for-embedded", "missing-tokenizer-folder", "niceness-out-of-range", "fake-with-weights"])
 def test_bad_model_arguments_exit_2(argv, message, capsys):
     assert main(["serve", *argv]) == 2
     err = capsys.readouterr().err
@@ -86,6 +87,16 @@ def test_tokenizer_larger_than_the_dummy_vocabulary_exits_2(capsys):
     assert check_args(fits) is None
 
 
+def test_engine_fake_builds_the_fake_engine():
+    args = serve_args_from(parse("--engine", "fake", "--max-batch-size", "2"))
+    assert (args.engine, check_args(args)) == ("fake", None)
+    gen = build_generator(args)
+    try:
+        assert (gen.model_name, gen.engine.num_slots) == ("opt-fake", 2)
+    finally:
+        gen.close()
+
+
 def test_dummy_tiny_needs_no_tokenizer():
     assert check_args(serve_args_from(parse("--model", "jax/opt-tiny", "--dummy"))) is None
 
@@ -98,13 +109,13 @@ def test_dummy_serve_arguments_build_a_working_generator(metaseq_dir, monkeypatc
     assert check_args(args) is None
     gen = build_generator(args)
     try:
-        # the seeded random weights opt.init_params draws (seed 3, not 0), not the embedded model's; compared
+        # the seeded random weights param_tree.init_params draws (seed 3, not 0), not the embedded model's; compared
         # on the embeddings, which the engine keeps as drawn (it may regroup the layers' projections)
-        from opt_serving.model import opt
+        from opt_serving.model import param_tree
         cfg = get_config("jax/opt-tiny")
         got = gen.engine.model.params
         for seed, same in ((3, True), (0, False)):
-            want = opt.init_params(cfg, seed, jnp.float32)
+            want = param_tree.init_params(cfg, seed, jnp.float32)
             for name in ("embed_tokens", "embed_positions"):
                 assert np.array_equal(got[name]["embedding"], want[name]["embedding"]) is same, (seed, name)
         # the tokenizer read from the metaseq-named folder, not the embedded one

@@ -62,7 +62,7 @@ def cluster():
 def deploy(folder, **plan):
     """The app for alpa/opt-tiny with `plan`, replacing whatever ran before; returns its plan."""
     from ray import serve
-    from opt_serving.service.app import ServeArgs, build_app
+    from opt_serving.service.deployment import ServeArgs, build_app
     args = ServeArgs(model="alpa/opt-tiny", path=str(folder), max_batch_size=8, max_seq_len=64, **plan)
     serve.run(build_app(args), name="opt", route_prefix="/")
     return args
@@ -155,6 +155,6 @@ def test_pp2_by_tp2_serves_the_same_tokens(cluster, folder, reference):
 
 def test_an_unknown_builder_argument_is_an_error_naming_it():
     from pydantic import ValidationError
-    from opt_serving.service.app import build_app
+    from opt_serving.service.deployment import build_app
     with pytest.raises(ValidationError, match="pipeline_paralel"):
         build_app({"model": "alpa/opt-tiny", "pipeline_paralel": 2})

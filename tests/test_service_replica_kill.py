@@ -4,7 +4,7 @@ in-flight requests must end (an error or a dropped connection) within 60 s, and 
 on the same port within 90 s.
 
 Before, new requests were refused for 150-190 s, for two reasons in Ray Serve's direct ingress, both fixed
-on our side (opt_serving/service/cli.py direct_ingress_env, app.py reuse_replica_port_after_crash):
+on our side (opt_serving/service/cli.py direct_ingress_env, deployment.py reuse_replica_port_after_crash):
 - a released replica port is quarantined for 150 s (RAY_SERVE_PORT_QUARANTINE_S, for HAProxy's stale
   workers; there is no HAProxy here), and our port range is that one port: every replacement loaded the model,
   found no port (NoAvailablePortError) and was retried until the quarantine ended;
@@ -136,7 +136,7 @@ def test_replica_port_binds_past_time_wait(monkeypatch):
     killed process's sockets do) refuses a plain bind and takes one with Serve's socket, once adjusted."""
     from ray.serve._private import http_util
 
-    from opt_serving.service.app import reuse_replica_port_after_crash
+    from opt_serving.service.deployment import reuse_replica_port_after_crash
 
     monkeypatch.setattr(http_util, "socket", http_util.socket)  # undone after the test
     listener = socket.socket()

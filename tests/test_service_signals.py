@@ -43,7 +43,7 @@ def test_serve_answers_through_ray_and_a_signal_leaves_no_processes(sig, ingress
     port = free_port()
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "opt_serving", "serve", "--model", "opt-fake", "--port", str(port),
+        [sys.executable, "-m", "opt_serving", "serve", "--engine", "fake", "--port", str(port),
          "--num-cpus", "2", "--ray-address", "local", "--drain-timeout", "2", "--ingress", ingress],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

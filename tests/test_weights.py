@@ -5,12 +5,11 @@ import pytest
 import torch
 import transformers
 
-from opt_serving.config import OPTConfig
-from opt_serving.model import opt, weights, wrapper
+from opt_serving.model import param_tree, weights, wrapper
 
-CFG = OPTConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                ffn_dim=64, max_position_embeddings=64)
-CFG_350M = CFG.replace(word_embed_proj_dim=16, do_layer_norm_before=False)
+from conftest import TINY, TINY_POST_LN
+
+CFG, CFG_350M = TINY, TINY_POST_LN
 
 
 def hf_model(cfg):
@@ -26,7 +25,7 @@ def save_hf_as_numpy(model, cfg, folder):
 
 @pytest.mark.parametrize("cfg", [CFG, CFG_350M], ids=["pre_ln", "350m"])
 def test_every_metaseq_key_maps_into_the_flax_tree(cfg):
-    tree = opt.param_tree_shapes(cfg)
+    tree = param_tree.param_tree_shapes(cfg)
     hf_keys = set(hf_model(cfg).state_dict()) - {"lm_head.weight"}
     assert {weights.metaseq_key_to_hf(n) for n in weights.param_shapes(cfg)} == hf_keys
     seen = set()

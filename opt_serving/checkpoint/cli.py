@@ -20,6 +20,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="copy tokenizer files (vocab.json/merges.txt or gpt2-vocab.json/gpt2-merges.txt)")
     parser.add_argument("--config", help="preset name (e.g. 175b) or config.json, where the checkpoint "
                                          "lacks a usable cfg")
+    parser.add_argument("--quantize", choices=("int8",), default=None,
+                        help="store every weight matrix as int8 with a scale per output channel "
+                             "(a quarter of float32's bytes; the model loads them as they are)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -28,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     from opt_serving.checkpoint.convert import convert  # torch import only when converting
     try:
         convert(args.input, args.output, format=args.format, dtype=args.dtype, md5_csv=args.md5,
-                tokenizer=args.tokenizer, config=args.config, overwrite=args.overwrite,
+                tokenizer=args.tokenizer, config=args.config, overwrite=args.overwrite, quantize=args.quantize,
                 log=lambda msg: print(msg, file=sys.stderr), progress=not args.no_progress)
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)

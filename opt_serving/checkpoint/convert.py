@@ -20,6 +20,7 @@ from opt_serving.checkpoint.hf import HfReader
 from opt_serving.checkpoint.metaseq import FsdpReader, UnflattenedReader
 from opt_serving.checkpoint.tokenizer import copy_tokenizer, tokenizer_files
 from opt_serving.checkpoint.writer import DTYPES, OutputFolder, UnitWriter
+from opt_serving.model import quantize as quantization
 
 READERS = {"metaseq-fsdp": FsdpReader, "metaseq-mp-parts": UnflattenedReader,
            "metaseq-singleton": UnflattenedReader, "hf": HfReader}
@@ -54,11 +55,17 @@ def _override(config: str | None) -> OPTConfig | None:
 
 def convert(input: str | Path, output: str | Path, format: str = "auto", dtype: str = "float16",
             md5_csv: str | Path | None = None, tokenizer: str | Path | None = None,
-            config: str | None = None, overwrite: bool = False,
+            config: str | None = None, overwrite: bool = False, quantize: str | None = None,
             log: Callable[[str], None] = print, progress: bool = True) -> ConvertResult:
-    """Convert a checkpoint to the numpy folder at `output`; raises CheckpointError on bad input."""
+    """Convert a checkpoint to the numpy folder at `output`; raises CheckpointError on bad input.
+    `quantize="int8"`: every weight matrix stored as int8 with a scale per output channel
+    (model/quantize.py), each unit quantized before it counts as done."""
     if dtype not in DTYPES:
         raise CheckpointError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    try:
+        quantize = quantization.check_choice(quantize)
+    except ValueError as e:
+        raise CheckpointError(f"--quantize: {e}") from None
     t0 = time.perf_counter()
     detected = detect(str(input), format)
     log(f"found {detected.describe()}")
@@ -73,7 +80,7 @@ def convert(input: str | Path, output: str | Path, format: str = "auto", dtype: 
     cfg = reader.config
     log(f"model: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads, "
         f"ffn {cfg.ffn_dim}, vocab {cfg.vocab_size}, {cfg.num_params() / 1e6:.1f}M parameters -> {dtype}")
-    fingerprint = {"format": detected.format, "dtype": dtype, "config": cfg.to_hf_dict(),
+    fingerprint = {"format": detected.format, "dtype": dtype, "quantize": quantize, "config": cfg.to_hf_dict(),
                    "files": [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns]
                              for f in detected.all_files]}
     folder = OutputFolder(Path(output), fingerprint, overwrite)
@@ -81,6 +88,7 @@ def convert(input: str | Path, output: str | Path, format: str = "auto", dtype: 
     if folder.resumed:
         log(f"resuming {folder.tmp}: {len(layout.units(cfg)) - len(todo)} unit(s) already done")
     written = 0
+    quantized = set(quantization.quantized_names(cfg)) if quantize else set()
     for unit in tqdm(todo, desc="convert", unit="layer", disable=not progress):
         writer = UnitWriter(folder.tmp, cfg, unit, reader.num_parts, dtype)
         try:
@@ -89,10 +97,15 @@ def convert(input: str | Path, output: str | Path, format: str = "auto", dtype: 
             reader.release()
             writer.close()
         writer.finish()
+        if quantize:
+            for name in sorted(set(layout.unit_shapes(cfg, unit)) & quantized):
+                quantization.quantize_file(folder.tmp, name)
         folder.mark_done(unit)
         written += writer.bytes
     if tokenizer is not None:
         copy_tokenizer(tokenizer, folder.tmp)
+    if quantize:
+        quantization.write_marker(folder.tmp)
     folder.commit(cfg)
     seconds = time.perf_counter() - t0
     log(f"wrote {folder.output} ({written / 1e6:.1f} MB in {seconds:.1f} s)")

@@ -1,9 +1,8 @@
-"""get_model(name, path, ...) and a Hugging Face style generate() for the Flax OPT.
+"""A Hugging Face style generate() for the Flax OPT (OPTModel, on one device; parallel/backend.py's
+PipelinedOPT shares its front, `Generation`). `get_model` (model/loader.py) is re-exported here, where
+notebooks have always imported it.
 
-Names: `facebook/opt-*` -> HF PyTorch OPTForCausalLM (the reference and baseline),
-`jax/opt-*` -> the Flax model on one device, `alpa/opt-*` -> the parallel backend.
-
-generate() mirrors transformers 5.23 (`_sample` and the vectorised `_beam_search`)
+generate() mirrors transformers 5.23 (`_sample` and the vectorised `_beam_search`, in beam_search.py)
 so tokens match HF's; the whole decoding loop is one jitted `lax.while_loop`,
 so there is no host round trip per token, and beam search reorders the cache on device.
 """
@@ -11,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -19,101 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from opt_serving import sampling
-from opt_serving.config import OPTConfig, config_for, get_config, size_from_name
-from opt_serving.model import cpu_kernels, kv_cache, opt, weights
-
-PREFIXES = ("facebook/", "jax/", "alpa/")
-
-
-def resolve_numpy_folder(path: str | Path, model_name: str) -> Path:
-    """`path` itself, or Alpa's `<path>/<name>-np` (also accepting `<path>/<size>-np`)."""
-    path = Path(path)
-    try:
-        size = size_from_name(model_name)
-        candidates = [path, path / f"opt-{size}-np", path / f"{size}-np"]
-    except ValueError:  # not a preset: the name is a label for the folder itself ("jax/my-finetune")
-        candidates = [path]
-    for c in candidates:
-        if (c / "config.json").exists() or (c / "decoder.embed_tokens.weight").exists():
-            return c
-    raise FileNotFoundError(f"no numpy weights folder for {model_name!r}: tried "
-                            + ", ".join(str(c) for c in candidates))
-
-
-def _dtype(dtype) -> jnp.dtype:
-    if isinstance(dtype, str) and dtype == "auto":  # float16 on a GPU, float32 on a CPU
-        dtype = "float16" if jax.default_backend() == "gpu" else "float32"
-    if isinstance(dtype, str):
-        dtype = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}.get(dtype, dtype)
-    return jnp.dtype(dtype)
-
-
-def get_model(model_name: str, path: str | Path | None = None, dtype=jnp.float32,
-              tensor_parallel: int | None = None, pipeline_parallel: int | None = None,
-              dummy: bool = False, seed: int = 0, **kwargs):
-    """Load an OPT model by name (see the module docstring for the prefixes)."""
-    if not model_name.startswith(PREFIXES):
-        raise ValueError(f"unknown model {model_name!r}: the name must start with one of "
-                         f"{', '.join(PREFIXES)} (e.g. 'jax/opt-125m')")
-    if path is None or not (Path(path) / "config.json").is_file():
-        try:  # unknown sizes fail here, naming the known ones (a folder's config.json wins)
-            size_from_name(model_name)
-        except ValueError as e:
-            if path is None:
-                raise
-            raise ValueError(f"{e}; any name works with a folder that has a config.json, and {path} has none") \
-                from None
-    if model_name.startswith("alpa/"):
-        try:
-            from opt_serving.parallel import backend
-        except ImportError:
-            raise NotImplementedError(
-                f"{model_name}: the alpa/ backend (opt_serving.parallel.backend) is not available "
-                "in this build; use jax/ for one device") from None
-        return backend.get_alpa_model(model_name, path, dtype=dtype, tensor_parallel=tensor_parallel,
-                                      pipeline_parallel=pipeline_parallel, dummy=dummy, seed=seed, **kwargs)
-    if tensor_parallel not in (None, 1) or pipeline_parallel not in (None, 1):
-        raise ValueError(f"{model_name} runs on one device; use alpa/ for parallelism")
-    if model_name.startswith("facebook/"):
-        return _get_hf_model(model_name, path, dtype, dummy, seed)
-    dtype = _dtype(dtype)
-    if dummy:
-        cfg = get_config(model_name)
-        return OPTModel(cfg, opt.init_params(cfg, seed, dtype))
-    if path is None:
-        raise ValueError(f"{model_name}: give path= (the numpy weights folder) or dummy=True")
-    folder = resolve_numpy_folder(path, model_name)
-    cfg, params = weights.load_params(folder, config_for(model_name, folder), dtype, progress=kwargs.get("progress", False))
-    return OPTModel(cfg, params)
-
-
-def _get_hf_model(model_name, path, dtype, dummy, seed):
-    import torch
-    import transformers
-    torch_dtype = {"float32": torch.float32, "float16": torch.float16,
-                   "bfloat16": torch.bfloat16}[str(_dtype(dtype))]
-    if dummy or path is None:
-        if not dummy:
-            raise ValueError(f"{model_name}: give path= (an HF folder or numpy folder) or dummy=True")
-        torch.manual_seed(seed)
-        hf_cfg = transformers.OPTConfig(**get_config(model_name).to_hf_dict())
-        return transformers.OPTForCausalLM(hf_cfg).to(torch_dtype).eval()
-    path = Path(path)
-    if (path / "config.json").exists() and (any(path.glob("*.safetensors"))
-                                            or any(path.glob("pytorch_model*.bin"))):
-        return transformers.OPTForCausalLM.from_pretrained(path, dtype=torch_dtype).eval()
-    folder = resolve_numpy_folder(path, model_name)
-    cfg, arrays = weights.load_numpy_folder(folder)
-    model = transformers.OPTForCausalLM(transformers.OPTConfig(**cfg.to_hf_dict()))
-    state = {weights.metaseq_key_to_hf(k): torch.from_numpy(np.array(v, np.float32))
-             for k, v in arrays.items()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if k != "lm_head.weight"]
-    if missing or unexpected:
-        raise ValueError(f"numpy folder {folder} does not fit OPTForCausalLM: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
-    model.tie_weights()
-    return model.to(torch_dtype).eval()
+from opt_serving.backend import Backend
+from opt_serving.config import OPTConfig
+from opt_serving.model import beam_search, kv_cache, layout, opt
 
 
 @dataclasses.dataclass
@@ -158,7 +64,7 @@ class Generation:
     """Hugging Face's generate() over a model's own decode loops: arguments, sampling settings and the
     returned shapes are this code for every plan; a subclass gives `_sample` and `_beams` (OPTModel:
     one compiled on-device loop; backend.PipelinedOPT: a host loop over the stage actors, picking
-    tokens with the same jitted `pick_tokens` and `beam_step`)."""
+    tokens with the same jitted `pick_tokens` and `beam_search.beam_step`)."""
     config: OPTConfig
 
     def _sample(self, ids, mask, st, max_new: int, new_bucket: int, pad: int, output_scores: bool):
@@ -197,73 +103,87 @@ class Generation:
         if num_beams > 1:
             if do_sample:
                 raise NotImplementedError("beam sampling (num_beams > 1 with do_sample) is not supported")
-            if num_return_sequences > num_beams:
-                raise ValueError(f"num_return_sequences ({num_return_sequences}) > num_beams ({num_beams})")
-            ids, mask = np.repeat(ids, num_beams, 0), np.repeat(mask, num_beams, 0)
-            st = sampling.make_settings(b * num_beams, seed=seed, **settings)
-            seqs, scores, seq_scores = self._beams(
-                ids, mask, st, max_new_tokens, num_beams, num_return_sequences, float(length_penalty),
-                bool(early_stopping is True), eos, pad, output_scores)
-            seqs, beam_idx = np.asarray(seqs[0]), np.asarray(seqs[1])
-            out_len = s + int(((beam_idx + 1) != 0).sum(1).max())
-            seqs = seqs[:, :out_len]
-            n_steps = out_len - s
+            seqs, scores, seq_scores, n_steps = self._generate_beams(
+                ids, mask, settings, seed, max_new_tokens, num_beams, num_return_sequences, length_penalty,
+                early_stopping, eos, pad, output_scores)
         else:
-            if num_return_sequences > 1:
-                if not do_sample:
-                    raise ValueError("greedy search returns one sequence per prompt; "
-                                     "use do_sample or num_beams for num_return_sequences > 1")
-                ids, mask = np.repeat(ids, num_return_sequences, 0), np.repeat(mask, num_return_sequences, 0)
-            rows = ids.shape[0]
-            # bucket the prompt width (extra left pads) and the new-token budget so that
-            # prompts of nearby lengths share one compiled loop
-            sb = kv_cache.bucket_length(s, cfg.max_position_embeddings, min_bucket=8)
-            extra = sb - s
-            ids = np.concatenate([np.full((rows, extra), pad, np.int32), ids], 1)
-            mask = np.concatenate([np.zeros((rows, extra), np.int32), mask], 1)
-            if settings["min_length"]:
-                settings["min_length"] += extra  # HF's min_length counts the history we lengthened
-            st = sampling.make_settings(rows, seed=np.asarray(seed) + np.arange(rows), **settings)
-            new_bucket = kv_cache.bucket_length(max_new_tokens, 1 << 30)
-            seqs, steps, scores = self._sample(ids, mask, st, max_new_tokens, new_bucket, pad, output_scores)
-            n_steps = int(steps)
-            seqs = np.asarray(seqs)[:, extra:sb + n_steps]
+            if num_return_sequences > 1 and not do_sample:
+                raise ValueError("greedy search returns one sequence per prompt; "
+                                 "use do_sample or num_beams for num_return_sequences > 1")
+            seqs, scores, n_steps = self._generate_samples(ids, mask, settings, seed, max_new_tokens,
+                                                           num_return_sequences, pad, output_scores)
             seq_scores = None
-        if is_torch:
-            import torch
-            seqs = torch.from_numpy(np.array(seqs, np.int64))
-        if not return_dict_in_generate:
-            return seqs
-        score_steps = None
-        if output_scores:
-            sc = np.asarray(scores)[:n_steps]
-            score_steps = tuple(sc)
-            if is_torch:
-                import torch
-                score_steps = tuple(torch.from_numpy(np.array(x)) for x in score_steps)
-        if seq_scores is not None:
-            seq_scores = np.asarray(seq_scores)
-            if is_torch:
-                import torch
-                seq_scores = torch.from_numpy(np.array(seq_scores))
-        return GenerateOutput(sequences=seqs, scores=score_steps, sequences_scores=seq_scores)
+        return _outputs(seqs, scores, seq_scores, n_steps, is_torch, output_scores, return_dict_in_generate)
+
+    def _generate_beams(self, ids, mask, settings, seed, max_new_tokens, num_beams, num_return_sequences,
+                        length_penalty, early_stopping, eos, pad, output_scores):
+        """generate()'s beam search -> (sequences [B * n, S + steps], per-step scores, sequence scores, steps)."""
+        b, s = ids.shape
+        if num_return_sequences > num_beams:
+            raise ValueError(f"num_return_sequences ({num_return_sequences}) > num_beams ({num_beams})")
+        ids, mask = np.repeat(ids, num_beams, 0), np.repeat(mask, num_beams, 0)
+        st = sampling.make_settings(b * num_beams, seed=seed, **settings)
+        seqs, scores, seq_scores = self._beams(
+            ids, mask, st, max_new_tokens, num_beams, num_return_sequences, float(length_penalty),
+            bool(early_stopping is True), eos, pad, output_scores)
+        seqs, beam_idx = np.asarray(seqs[0]), np.asarray(seqs[1])
+        out_len = s + int(((beam_idx + 1) != 0).sum(1).max())
+        return seqs[:, :out_len], scores, seq_scores, out_len - s
+
+    def _generate_samples(self, ids, mask, settings, seed, max_new_tokens, n, pad, output_scores):
+        """generate()'s greedy / sampled rows (n per prompt) -> (sequences, per-step scores, steps)."""
+        cfg = self.config
+        if n > 1:
+            ids, mask = np.repeat(ids, n, 0), np.repeat(mask, n, 0)
+        rows, s = ids.shape
+        # bucket the prompt width (extra left pads) and the new-token budget so that
+        # prompts of nearby lengths share one compiled loop
+        sb = kv_cache.bucket_length(s, cfg.max_position_embeddings, min_bucket=8)
+        extra = sb - s
+        ids = np.concatenate([np.full((rows, extra), pad, np.int32), ids], 1)
+        mask = np.concatenate([np.zeros((rows, extra), np.int32), mask], 1)
+        if settings["min_length"]:
+            settings = dict(settings, min_length=settings["min_length"] + extra)  # HF's counts the history we lengthened
+        st = sampling.make_settings(rows, seed=np.asarray(seed) + np.arange(rows), **settings)
+        new_bucket = kv_cache.bucket_length(max_new_tokens, 1 << 30)
+        seqs, steps, scores = self._sample(ids, mask, st, max_new_tokens, new_bucket, pad, output_scores)
+        n_steps = int(steps)
+        return np.asarray(seqs)[:, extra:sb + n_steps], scores, n_steps
+
+def _outputs(seqs, scores, seq_scores, n_steps, is_torch, output_scores, return_dict_in_generate):
+    """generate()'s return value in HF's shapes (torch tensors for torch inputs)."""
+    def out(x, dtype=None):
+        if not is_torch:
+            return x
+        import torch
+        return torch.from_numpy(np.array(x, dtype))
+    seqs = out(seqs, np.int64)
+    if not return_dict_in_generate:
+        return seqs
+    score_steps = tuple(out(x) for x in np.asarray(scores)[:n_steps]) if output_scores else None
+    seq_scores = None if seq_scores is None else out(np.asarray(seq_scores))
+    return GenerateOutput(sequences=seqs, scores=score_steps, sequences_scores=seq_scores)
 
 
 class OPTModel(Generation):
     """The Flax OPT on one device: params + config, the jitted steps, and generate()."""
 
-    def __init__(self, cfg: OPTConfig, params):
+    def __init__(self, cfg: OPTConfig, params, backend: Backend | None = None, weights: str = "float32"):
+        """`params` in the checkpoint's layout; or, with the `backend` they were prepared for, already in
+        its runtime layout (a slot runner's, shared: runner/slots.py). `weights`: how the dense layers run
+        (Backend.weights): "int8" for model/quantize.py's params, "bfloat16" for float32 params whose
+        products run in bfloat16 (get_model decides)."""
         self.config = cfg
-        # kept in the layout the steps run fastest (opt.runtime_params: q/k/v fused into one matmul,
-        # on a CPU pre-packed for oneDNN; a sharded tree, e.g. a tensor-parallel engine's, stays as
-        # it is): the steps and generate() run these
         self.dtype = opt.param_dtype(params)
-        self.fused_params = opt.runtime_params(params)
+        if backend is None:  # q/k/v fused on one device, packed where the backend chosen for them packs
+            backend, params = layout.runtime_params(params, weights=weights)
+        # the steps and generate() run these
+        self.backend, self.fused_params = backend, params
 
     @property
     def params(self):
         """The params in the checkpoint's layout (q_proj / k_proj / v_proj, plain kernels), as a new tree."""
-        return opt.checkpoint_params(self.fused_params)
+        return layout.checkpoint_params(self.config, self.backend, self.fused_params)
 
     # engine-facing pass-throughs
     def init_cache(self, batch: int, max_len: int):
@@ -271,37 +191,29 @@ class OPTModel(Generation):
 
     def prefill(self, cache, input_ids, attention_mask, all_logits=True):
         return opt.prefill(self.config, self.fused_params, cache, input_ids, attention_mask,
-                           all_logits=all_logits)
+                           all_logits=all_logits, backend=self.backend)
 
     def decode(self, cache, tokens, positions, write_index):
-        return opt.decode(self.config, self.fused_params, cache, tokens, positions, write_index)
+        return opt.decode(self.config, self.fused_params, cache, tokens, positions, write_index,
+                          backend=self.backend)
 
     def __call__(self, input_ids, attention_mask=None):
-        return opt.forward(self.config, self.fused_params, input_ids, attention_mask)
+        return opt.forward(self.config, self.fused_params, input_ids, attention_mask, self.backend)
 
     def _sample(self, ids, mask, st, max_new, new_bucket, pad, output_scores):
         return _sample_loop(self.config, self.fused_params, jnp.asarray(ids), jnp.asarray(mask), st,
-                            jnp.int32(max_new), new_bucket, pad, output_scores,
-                            cpu_kernels.is_packed(self.fused_params))
+                            jnp.int32(max_new), new_bucket, pad, output_scores, self.backend)
 
     def _beams(self, ids, mask, st, max_new, k, n_return, length_penalty, early_stop, eos, pad, output_scores):
-        return _beam_search(self.config, self.fused_params, jnp.asarray(ids), jnp.asarray(mask), st, max_new, k,
-                            n_return, length_penalty, early_stop, eos, pad, output_scores)
+        return beam_search.search(self.config, self.fused_params, jnp.asarray(ids), jnp.asarray(mask), st, max_new,
+                                  k, n_return, length_penalty, early_stop, eos, pad, output_scores, self.backend)
 
 
-def _start(cfg, params, ids, mask, max_new, return_hidden=False):
-    """Prefill a cache of `max_new` more entries than the prompt; next-token logits [B, V] (or the
-    final hidden states [B, D])."""
-    b, s = ids.shape
-    cache = kv_cache.init_cache(cfg, b, s + max_new, opt.param_dtype(params))
-    return opt._prefill(cfg, params, cache, ids, mask, all_logits=False, return_hidden=return_hidden)
-
-
-def processed_choice(logits, state, st):
+def processed_choice(logits, state, st, argmax=sampling.argmax):
     """HF's logits processors and warpers over logits [B, V], then each row's greedy or sampled token ->
     (tokens [B], the processed scores [B, V]: what output_scores returns)."""
     scores = sampling.warp(sampling.process_logits(logits, state, st), st)
-    return sampling.choose(scores, state, st), scores
+    return sampling.choose(scores, state, st, argmax), scores
 
 
 def append_tokens(tok, state, st, unfinished, pad):
@@ -311,11 +223,11 @@ def append_tokens(tok, state, st, unfinished, pad):
     return tok, state, unfinished & (tok != st.eos_token_id)
 
 
-@jax.jit
-def pick_tokens(logits, state, st, unfinished, pad):
+@partial(jax.jit, static_argnames=("argmax",))
+def pick_tokens(logits, state, st, unfinished, pad, argmax=sampling.argmax):
     """One generate() step's choice from the next-token logits [B, V], as a jitted function of its own
     (a host loop's, e.g. over pipeline stages) -> (tokens, state, unfinished, processed scores)."""
-    tok, scores = processed_choice(logits, state, st)
+    tok, scores = processed_choice(logits, state, st, argmax)
     return (*append_tokens(tok, state, st, unfinished, pad), scores)
 
 
@@ -331,33 +243,36 @@ def decode_windows(prompt_len: int, total: int) -> list[int]:
 
 
 @partial(jax.jit, static_argnums=(0, 6, 7, 8, 9))
-def _sample_loop(cfg, params, ids, mask, st, max_new, new_bucket, pad, output_scores, read_written=False):
+def _sample_loop(cfg, params, ids, mask, st, max_new, new_bucket, pad, output_scores, backend: Backend):
     """HF `_sample`: greedy or sampled rows, finished rows filled with pad; stops when all are done.
 
     `max_new` is traced; buffers are sized by the static `new_bucket` >= max_new. The cache
     starts at the smallest window holding the prompt and grows a window at a time
-    (decode_windows): one decode loop per window. With `read_written` (packed params on a CPU,
-    where cpu_kernels.decode_attention reads only the entries written so far) the cache is
-    full-size from the start and there is one loop.
+    (decode_windows): one decode loop per window. With the backend's attention kernel, which
+    reads only the entries written so far, the cache is full-size from the start and there is
+    one loop.
 
     Steps where every row takes the plain argmax (sampling.plain_argmax) go through opt.lm_argmax,
-    which on a CPU with the screened greedy head never makes the logits."""
+    which with the backend's screened greedy head never makes the logits."""
     b, s = ids.shape
     total = s + new_bucket
-    windows = [total] if read_written else decode_windows(s, total)
+    windows = [total] if backend.attention else decode_windows(s, total)
     n_real = jnp.sum(mask, axis=1).astype(jnp.int32)
-    h, cache = _start(cfg, params, ids, mask, windows[0] - s, return_hidden=True)
+    h, cache = opt.start(cfg, params, ids, mask, windows[0] - s, backend, return_hidden=True)
     state = sampling.init_state(ids, mask, cfg.vocab_size, total)
     scores_buf = jnp.zeros((new_bucket if output_scores else 0, b, cfg.vocab_size), jnp.float32)
-    screened = cpu_kernels.has_head(params) and not output_scores
+    screened = backend.greedy_head and not output_scores
+
+    def choice(h, state):
+        return processed_choice(opt.lm_logits(params, h, backend), state, st, backend.argmax)
 
     def pick(h, state, unfinished, scores_buf, i):  # h: final hidden states [B, D]
         if screened:
             tok = jax.lax.cond(sampling.plain_argmax(state, st),
-                               lambda: opt.lm_argmax(params, h, sampling.held_back(state, st)),
-                               lambda: processed_choice(opt.lm_logits(params, h), state, st)[0])
+                               lambda: opt.lm_argmax(params, h, sampling.held_back(state, st), backend),
+                               lambda: choice(h, state)[0])
         else:
-            tok, scores = processed_choice(opt.lm_logits(params, h), state, st)
+            tok, scores = choice(h, state)
             if output_scores:
                 scores_buf = scores_buf.at[i].set(scores)
         tok, state, unfinished = append_tokens(tok, state, st, unfinished, pad)
@@ -370,7 +285,7 @@ def _sample_loop(cfg, params, ids, mask, st, max_new, new_bucket, pad, output_sc
         # one write index for all rows (a scalar): an in-place slice update, where a per-row
         # scatter makes XLA copy the loop-carried cache every step
         h, cache = opt._decode(cfg, params, cache, tok, n_real + i - 1, s + i - 1,
-                               read_len=s + i if read_written else None, return_hidden=True)
+                               read_len=s + i, return_hidden=True, backend=backend)
         tok, state, unfinished, scores_buf = pick(h, state, unfinished, scores_buf, i)
         return i + 1, tok, cache, state, unfinished, scores_buf
 
@@ -385,111 +300,5 @@ def _sample_loop(cfg, params, ids, mask, st, max_new, new_bucket, pad, output_sc
     return state.history, steps, scores_buf
 
 
-def _gather_beams(x, idx):
-    """x [B, K, ...], idx [B, K'] -> [B, K', ...]"""
-    return jax.vmap(lambda a, i: jnp.take(a, i, axis=0))(x, idx)
-
-
-def beam_init(ids, mask, k: int, max_length: int, fill: int) -> dict:
-    """Beam state for prompts already repeated k times (rows [B*K])."""
-    bk, s = ids.shape
-    b = bk // k
-    running = jnp.full((b, k, max_length), fill, jnp.int32).at[:, :, :s].set(ids.reshape(b, k, s))
-    idx = jnp.full((b, k, max_length - s), -1, jnp.int32)
-    return dict(cur=jnp.int32(s), running=running, running_scores=jnp.zeros((b, k), jnp.float32)
-                .at[:, 1:].set(-1e9), running_idx=idx, seqs=running,
-                beam_scores=jnp.full((b, k), -1e9, jnp.float32), beam_idx=idx,
-                finished=jnp.zeros((b, k), jnp.bool_), unsat=jnp.ones((b, 1), jnp.bool_))
-
-
-def beam_step(k, s, length_penalty, early_stop, eos, logits, c, prompt_seen, st):
-    """One step of transformers 5.23 `_beam_search` (vectorised, one EOS token) given the next-token
-    logits [B*K, V] -> (new state, the parent row of every beam [B*K] (reorder the cache by it), the
-    token each beam feeds next [B*K], whether to go on, the processed log-probs [B*K, V]).
-    Pure: the on-device loop below and the pipelined host loop (parallel/backend.py) both run it."""
-    bk, v = logits.shape
-    b = bk // k
-    cur, running, running_scores, running_idx = (c["cur"], c["running"], c["running_scores"],
-                                                 c["running_idx"])
-    max_length = running.shape[2]
-    keep = 2 * k  # beams_to_keep = max(2, 1 + n_eos) * num_beams
-    top_mask = jnp.arange(keep) < k
-    g = _gather_beams
-    state = _state_from_history(prompt_seen, running.reshape(bk, max_length), cur, v)
-    log_probs = sampling.process_logits(jax.nn.log_softmax(logits.astype(jnp.float32), -1), state, st)
-    acc = (log_probs.reshape(b, k, v) + running_scores[:, :, None]).reshape(b, k * v)
-    topk_lp, topk_i = jax.lax.top_k(acc, keep)
-    cur_beam, topk_ids = topk_i // v, (topk_i % v).astype(jnp.int32)
-    t_idx = g(running_idx, cur_beam)
-    t_seq = jax.lax.dynamic_update_slice(g(running, cur_beam), topk_ids[:, :, None], (0, 0, cur))
-    flat_parent = (cur_beam + jnp.arange(b)[:, None] * k).astype(jnp.int32)
-    t_idx = jax.lax.dynamic_update_slice(t_idx, flat_parent[:, :, None], (0, 0, cur - s))
-    hits = (cur + 1 >= max_length) | (topk_ids == eos)
-    # the best unfinished beams continue
-    t_run_lp = topk_lp + hits.astype(jnp.float32) * -1.0e9
-    nxt = jax.lax.top_k(t_run_lp, k)[1]
-    running, running_scores, running_idx = g(t_seq, nxt), g(t_run_lp, nxt), g(t_idx, nxt)
-    # finished hypotheses merge into the kept ones by length-normalised score
-    did = hits & top_mask[None, :]
-    t_lp = topk_lp / ((cur + 1 - s).astype(jnp.float32) ** length_penalty)
-    full = jnp.all(c["finished"], axis=-1, keepdims=True) & early_stop
-    t_lp = t_lp + full * -1.0e9 + (~c["unsat"]) * -1.0e9 + (~did) * -1.0e9
-    top = jax.lax.top_k(jnp.concatenate([c["beam_scores"], t_lp], 1), k)[1]
-    merged = lambda a, t: g(jnp.concatenate([a, t], 1), top)  # noqa: E731
-    seqs, beam_scores = merged(c["seqs"], t_seq), merged(c["beam_scores"], t_lp)
-    beam_idx, finished = merged(c["beam_idx"], t_idx), merged(c["finished"], did)
-    # the cache follows the surviving beams
-    parents = jax.lax.dynamic_slice_in_dim(running_idx, cur - s, 1, axis=2).reshape(bk)
-    cur = cur + 1
-    best = running_scores[:, :1] / ((cur - s).astype(jnp.float32) ** length_penalty)
-    worst = jnp.where(finished, jnp.min(beam_scores, axis=1, keepdims=True), -1.0e9)
-    unsat = c["unsat"] & jnp.any(best > worst, axis=-1, keepdims=True)
-    go = jnp.any(unsat) & ~(jnp.all(finished) & early_stop) & ~jnp.all(hits) & (cur < max_length)
-    # next: feed each surviving beam's newest token
-    last = jax.lax.dynamic_slice_in_dim(running, cur - 1, 1, axis=2).reshape(bk)
-    c = dict(cur=cur, running=running, running_scores=running_scores, running_idx=running_idx,
-             seqs=seqs, beam_scores=beam_scores, beam_idx=beam_idx, finished=finished, unsat=unsat)
-    return c, parents, last, go, log_probs
-
-
-@partial(jax.jit, static_argnums=(0, 5, 6, 7, 8, 9, 10, 11, 12))
-def _beam_search(cfg, params, ids, mask, st, max_new, k, n_return, length_penalty, early_stop,
-                 eos, pad, output_scores):
-    """A port of transformers 5.23 `_beam_search` (vectorised, one EOS token), on device."""
-    bk, s = ids.shape
-    b = bk // k
-    n_real = jnp.sum(mask, axis=1).astype(jnp.int32)  # [B*K]; equal within a batch item
-    prompt_seen = sampling.init_state(ids, mask, cfg.vocab_size, s + max_new)
-    scores_buf = jnp.zeros((max_new if output_scores else 0, bk, cfg.vocab_size), jnp.float32)
-    logits, cache = _start(cfg, params, ids, mask, max_new)
-
-    def step(carry):
-        c, logits, cache, _, scores_buf = carry
-        cur = c["cur"]
-        c, parents, last, go, log_probs = beam_step(k, s, length_penalty, early_stop, eos, logits, c,
-                                                    prompt_seen, st)
-        if output_scores:
-            scores_buf = scores_buf.at[cur - s].set(log_probs)
-        cache = kv_cache.reorder(cache, parents)
-        logits, cache = jax.lax.cond(
-            go,
-            lambda: opt._decode(cfg, params, cache, last, n_real + (cur - s), cur),  # a scalar: see _sample_loop
-            lambda: (logits, cache))
-        return c, logits, cache, go, scores_buf
-
-    c = beam_init(ids, mask, k, s + max_new, pad if pad else eos)
-    c, *_, scores_buf = jax.lax.while_loop(lambda carry: carry[3], step,
-                                           (c, logits, cache, jnp.bool_(True), scores_buf))
-    flat = lambda x: x[:, :n_return].reshape((b * n_return,) + x.shape[2:])  # noqa: E731
-    return (flat(c["seqs"]), flat(c["beam_idx"])), scores_buf, flat(c["beam_scores"])
-
-
-def _state_from_history(prompt_state, hist, cur, v):
-    """A sampling.State for beams whose history was just reordered (seen = prompt + generated)."""
-    bk, L = hist.shape
-    gen = (jnp.arange(L)[None, :] >= prompt_state.prompt_length[:, None]) & (jnp.arange(L) < cur)
-    rows = jnp.broadcast_to(jnp.arange(bk)[:, None], (bk, L))
-    seen = prompt_state.seen.at[rows, jnp.where(gen, hist, v)].set(True, mode="drop")
-    counts = jnp.zeros((bk, v), jnp.int32).at[rows, jnp.where(gen, hist, v)].add(1, mode="drop")
-    return sampling.State(history=hist, length=jnp.full((bk,), cur, jnp.int32),
-                          prompt_length=prompt_state.prompt_length, seen=seen, counts=counts)
+# the notebook API's entry point, defined with the loaders (model/loader.py)
+from opt_serving.model.loader import PREFIXES, get_model, resolve_numpy_folder  # noqa: E402,F401

@@ -15,7 +15,7 @@ jitted loop as jax/ (GSPMD partitions it). With pp > 1 generate() is the same `w
 front (every argument, scores, return_dict_in_generate) over a host loop across the stage actors
 (pipeline.py), with the rows (beam search: the prompts, each with its beams) split into micro-batches
 that are in flight together; the tokens are chosen by the same jitted `wrapper.pick_tokens` and
-`wrapper.beam_step`, and every stage reorders its cache rows after a beam step.
+`beam_search.beam_step`, and every stage reorders its cache rows after a beam step.
 """
 from __future__ import annotations
 
@@ -27,8 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from opt_serving import sampling
+from opt_serving.backend import choose
 from opt_serving.config import OPTConfig, config_for, get_config
-from opt_serving.model import opt, wrapper
+from opt_serving.model import beam_search, loader, param_tree, wrapper
 from opt_serving.parallel import cluster as clusters
 from opt_serving.parallel.cluster import Cluster, parse_bytes
 from opt_serving.parallel.planner import Plan, search
@@ -84,14 +85,14 @@ def plan_model(model_name: str, path=None, dtype="float32", dummy: bool = False,
                cluster: Cluster | None = None):
     """(plan, config, weights folder or None) of an alpa/ model: the planner's best plan with the given
     degrees fixed. Raises planner.NoFeasiblePlan with `opt-serving plan`'s message when nothing fits."""
-    dtype = wrapper._dtype(dtype)
+    dtype = loader.model_dtype(dtype)
     folder = None
     if dummy:
         cfg = get_config(model_name)
     else:
         if path is None:
             raise ValueError(f"{model_name}: give path= (the numpy weights folder) or dummy=True")
-        folder = wrapper.resolve_numpy_folder(path, model_name)
+        folder = loader.resolve_numpy_folder(path, model_name)
         cfg = config_for(model_name, folder)
     cluster = cluster or plan_cluster(tensor_parallel, pipeline_parallel, device_memory)
     plan = search(cfg, cluster, model=model_name.rsplit("/", 1)[-1], batch_size=batch_size,
@@ -107,8 +108,8 @@ def tensor_parallel_model(cfg: OPTConfig, plan: Plan, folder, dtype, seed: int =
         raise ValueError(f"the plan {plan.name} needs {plan.tp} devices in this process, it sees "
                          f"{len(jax.devices())} (on a CPU: XLA_FLAGS=--xla_force_host_platform_device_count)")
     mesh = make_mesh(jax.devices()[:plan.tp], plan.tp)
-    dtype = wrapper._dtype(dtype)
-    params = (shard_params(opt.init_params(cfg, seed, dtype), cfg, mesh) if folder is None
+    dtype = loader.model_dtype(dtype)
+    params = (shard_params(param_tree.init_params(cfg, seed, dtype), cfg, mesh) if folder is None
               else load_sharded_params(folder, cfg, mesh, dtype=dtype))
     return TensorParallelOPT(cfg, params, mesh, plan)
 
@@ -120,7 +121,7 @@ class TensorParallelOPT(wrapper.OPTModel):
         from opt_serving.parallel.sharding import ShardedOPT
         super().__init__(cfg, params)
         self.plan, self.mesh = plan, mesh
-        self._sharded = ShardedOPT(cfg, params, mesh)
+        self._sharded = ShardedOPT(cfg, self.fused_params, mesh, backend=self.backend)
 
     def init_cache(self, batch: int, max_len: int):
         return self._sharded.init_cache(batch, max_len)
@@ -134,8 +135,8 @@ class TensorParallelOPT(wrapper.OPTModel):
 
 @partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
 def _beam_step(k, s, length_penalty, early_stop, eos, logits, c, prompt_seen, st):
-    """wrapper.beam_step, jitted on its own: the driver runs it between pipelined decodes."""
-    return wrapper.beam_step(k, s, length_penalty, early_stop, eos, logits, c, prompt_seen, st)
+    """beam_search.beam_step, jitted on its own: the driver runs it between pipelined decodes."""
+    return beam_search.beam_step(k, s, length_penalty, early_stop, eos, logits, c, prompt_seen, st)
 
 
 def _rows(tree, rows):
@@ -149,6 +150,8 @@ class PipelinedOPT(wrapper.Generation):
     def __init__(self, cfg: OPTConfig, stages, plan: Plan | None = None, micro_batches: int | None = None):
         self.config, self.stages, self.plan = cfg, stages, plan
         self.micro_batches = micro_batches or stages.n
+        # this process picks the tokens from the logits the last stage sends back
+        self.argmax = choose(jax.devices()[:1], jnp.float32).argmax
         self._keys = itertools.count()
 
     @property
@@ -208,7 +211,7 @@ class PipelinedOPT(wrapper.Generation):
                         continue
                     logits = self.stages.get(r["ref"])
                     tok, r["state"], r["unfinished"], sc = wrapper.pick_tokens(
-                        jnp.asarray(logits), r["state"], r["st"], r["unfinished"], pad)
+                        jnp.asarray(logits), r["state"], r["st"], r["unfinished"], pad, self.argmax)
                     r["steps"], r["ref"] = i + 1, None
                     if output_scores:
                         scores[i, r["rows"]] = np.asarray(sc)
@@ -224,7 +227,7 @@ class PipelinedOPT(wrapper.Generation):
         return out, steps, scores
 
     def _beams(self, ids, mask, st, max_new, k, n_return, length_penalty, early_stop, eos, pad, output_scores):
-        """wrapper._beam_search's contract over the stages: prompts in micro-batches, each with its K
+        """beam_search.search's contract over the stages: prompts in micro-batches, each with its K
         beams; per step the logits come to the driver, `beam_step` picks the beams, every stage reorders
         its cache rows to follow them (Ray runs one caller's calls to an actor in order, so the next
         decode sees the reordered cache), and the next decode goes out."""
@@ -236,7 +239,7 @@ class PipelinedOPT(wrapper.Generation):
             for items in self._groups(b):
                 rows = (items[:, None] * k + np.arange(k)).reshape(-1)
                 key = self._open(len(rows), total)
-                runs.append(dict(items=items, rows=rows, key=key, c=wrapper.beam_init(
+                runs.append(dict(items=items, rows=rows, key=key, c=beam_search.beam_init(
                     jnp.asarray(ids[rows]), jnp.asarray(mask[rows]), k, total, fill),
                     seen=sampling.init_state(ids[rows], mask[rows], v, total), st=_rows(st, rows),
                     n_real=mask[rows].sum(1).astype(np.int32),
@@ -287,5 +290,5 @@ def get_alpa_model(model_name: str, path=None, dtype=jnp.float32, tensor_paralle
         return tensor_parallel_model(cfg, plan, folder, dtype, seed)
     from opt_serving.parallel.pipeline import RayStages
     connect_ray()
-    return PipelinedOPT(cfg, RayStages(cfg, plan, folder, dtype=jnp.dtype(wrapper._dtype(dtype)).name, seed=seed),
+    return PipelinedOPT(cfg, RayStages(cfg, plan, folder, dtype=jnp.dtype(loader.model_dtype(dtype)).name, seed=seed),
                         plan, micro_batches)

@@ -287,12 +287,12 @@ def _layer_overhead(device, layers=(2, 10)) -> float:
     import jax
     import jax.numpy as jnp
     from opt_serving.config import OPTConfig
-    from opt_serving.model import kv_cache, opt
+    from opt_serving.model import kv_cache, opt, param_tree
     times = []
     for n in layers:
         cfg = OPTConfig(vocab_size=128, hidden_size=64, num_hidden_layers=n, num_attention_heads=4,
                         ffn_dim=256, max_position_embeddings=64, word_embed_proj_dim=64)
-        params = jax.device_put(opt.init_params(cfg), device)
+        params = jax.device_put(param_tree.init_params(cfg), device)
         state = {"cache": jax.device_put(kv_cache.init_cache(cfg, 1, 32), device)}
         tok = jax.device_put(jnp.zeros((1,), jnp.int32), device)
 
@@ -301,6 +301,62 @@ def _layer_overhead(device, layers=(2, 10)) -> float:
             return out
         times.append(_best_time(step, repeat=20))
     return max(0.0, (times[1] - times[0]) / (layers[1] - layers[0]))
+
+
+def _single_device_rates(dev, size: int) -> tuple[dict, tuple]:
+    """FLOP/s, memory bandwidth, dispatch and per-layer overhead of one device. Also returns
+    the matrix-vector product and its timing, which the host-pool measurement reruns split."""
+    import jax
+    import jax.numpy as jnp
+    a = jax.device_put(jnp.ones((size, size), jnp.float32), dev)
+    matmul = jax.jit(lambda x: x @ x)
+    flops = 2 * size ** 3 / _best_time(matmul, a)
+    # a decode step's product: one token's row [1, 1, d] times a weight [d, f] reads the
+    # weight once, memory bound; shaped as the model's Dense layers are
+    big = jax.device_put(jnp.ones((4 * size, 4 * size), jnp.float32), dev)
+    vec = jax.device_put(jnp.ones((1, 1, 4 * size), jnp.float32), dev)
+    rowvec = jax.jit(lambda v, w: jnp.einsum("bsd,df->bsf", v, w))
+    t1 = _best_time(rowvec, vec, big, repeat=20)
+    mem_bw = big.size * 4 / t1
+    tiny = jax.device_put(jnp.ones((8,), jnp.float32), dev)
+    launch = _best_time(jax.jit(lambda x: x + 1), tiny, repeat=50)
+    changes = dict(flops=flops, mem_bw=mem_bw, flops_eff=1.0, mem_bw_eff=1.0,
+                   launch_overhead_s=launch, layer_overhead_s=_layer_overhead(dev))
+    return changes, (big, vec, rowvec, t1)
+
+
+def _multi_device_rates(devices, matvec: tuple) -> dict:
+    """All-reduce latency and bandwidth over `devices` and, on host devices, `pool`."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    big, vec, rowvec, t1 = matvec
+    changes = {}
+    mesh = Mesh(np.array(devices), ("x",))
+    n = len(devices)
+    if devices[0].platform == "cpu":
+        # the same product column-split over k host devices at once (what tp does): how
+        # many devices' worth of speed the shared cores give
+        speedups = []
+        for k in sorted({2, n} & set(range(2, n + 1))):
+            sub = Mesh(np.array(devices[:k]), ("x",))
+            w = jax.device_put(big, NamedSharding(sub, P(None, "x")))
+            v = jax.device_put(vec, NamedSharding(sub, P()))
+            speedups.append(t1 / _best_time(rowvec, v, w, repeat=20))
+        changes["pool"] = float(min(n, max(1.0, *speedups)))
+
+    def allreduce_time(elems: int) -> float:
+        x = jax.device_put(jnp.ones((n, elems), jnp.float32), NamedSharding(mesh, P("x")))
+        f = jax.jit(lambda v: jnp.broadcast_to(v.sum(0), v.shape),
+                    out_shardings=NamedSharding(mesh, P("x")))
+        return _best_time(f, x)
+    small, large = allreduce_time(8), allreduce_time(1 << 20)
+    # ring all-reduce moves 2(n-1)/n of the buffer per device
+    moved = 2 * (n - 1) / n * (1 << 20) * 4
+    changes.update(collective_latency_s=small,
+                   intra_bw=moved / max(large - small, 1e-9))
+    return changes
 
 
 def calibrate(devices=None, base: DeviceSpec | None = None, size: int = 1024,
@@ -318,50 +374,11 @@ def calibrate(devices=None, base: DeviceSpec | None = None, size: int = 1024,
     the measured rates are what is reached.
     """
     import jax
-    import jax.numpy as jnp
-    import numpy as np
     devices = list(devices if devices is not None else jax.devices())
     base = base or DEVICE_SPECS[_kind_from_device(devices[0])]
-    dev = devices[0]
-    a = jax.device_put(jnp.ones((size, size), jnp.float32), dev)
-    matmul = jax.jit(lambda x: x @ x)
-    flops = 2 * size ** 3 / _best_time(matmul, a)
-    # a decode step's product: one token's row [1, 1, d] times a weight [d, f] reads the
-    # weight once, memory bound; shaped as the model's Dense layers are
-    big = jax.device_put(jnp.ones((4 * size, 4 * size), jnp.float32), dev)
-    vec = jax.device_put(jnp.ones((1, 1, 4 * size), jnp.float32), dev)
-    rowvec = jax.jit(lambda v, w: jnp.einsum("bsd,df->bsf", v, w))
-    t1 = _best_time(rowvec, vec, big, repeat=20)
-    mem_bw = big.size * 4 / t1
-    tiny = jax.device_put(jnp.ones((8,), jnp.float32), dev)
-    launch = _best_time(jax.jit(lambda x: x + 1), tiny, repeat=50)
-    changes = dict(flops=flops, mem_bw=mem_bw, flops_eff=1.0, mem_bw_eff=1.0,
-                   launch_overhead_s=launch, layer_overhead_s=_layer_overhead(dev))
+    changes, matvec = _single_device_rates(devices[0], size)
     if len(devices) > 1:
-        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-        mesh = Mesh(np.array(devices), ("x",))
-        n = len(devices)
-        if devices[0].platform == "cpu":
-            # the same product column-split over k host devices at once (what tp does): how
-            # many devices' worth of speed the shared cores give
-            speedups = []
-            for k in sorted({2, n} & set(range(2, n + 1))):
-                sub = Mesh(np.array(devices[:k]), ("x",))
-                w = jax.device_put(big, NamedSharding(sub, P(None, "x")))
-                v = jax.device_put(vec, NamedSharding(sub, P()))
-                speedups.append(t1 / _best_time(rowvec, v, w, repeat=20))
-            changes["pool"] = float(min(n, max(1.0, *speedups)))
-
-        def allreduce_time(elems: int) -> float:
-            x = jax.device_put(jnp.ones((n, elems), jnp.float32), NamedSharding(mesh, P("x")))
-            f = jax.jit(lambda v: jnp.broadcast_to(v.sum(0), v.shape),
-                        out_shardings=NamedSharding(mesh, P("x")))
-            return _best_time(f, x)
-        small, large = allreduce_time(8), allreduce_time(1 << 20)
-        # ring all-reduce moves 2(n-1)/n of the buffer per device
-        moved = 2 * (n - 1) / n * (1 << 20) * 4
-        changes.update(collective_latency_s=small,
-                       intra_bw=moved / max(large - small, 1e-9))
+        changes.update(_multi_device_rates(devices, matvec))
     if model is not None:
         from opt_serving.parallel.profile import profile_decode
         prof = profile_decode(model, tps, batch=batch, context=context, dtype=dtype,

@@ -51,7 +51,7 @@ def load_stage_params(folder, cfg: OPTConfig, spec, dtype="float32", mesh=None) 
     0), over `mesh` (default: this process's first device); each device reads only its own slice of each
     file. A node without the files gets an error naming the node and the path."""
     import jax
-    from opt_serving.model import opt
+    from opt_serving.model import param_tree
     from opt_serving.parallel.sharding import load_sharded_params, make_mesh
     if not (Path(folder) / "decoder.embed_tokens.weight").exists() and not (Path(folder) / "config.json").exists():
         raise FileNotFoundError(f"node {_node_name()} has no numpy weights folder at {folder}: every node that "
@@ -62,19 +62,19 @@ def load_stage_params(folder, cfg: OPTConfig, spec, dtype="float32", mesh=None) 
         tree = load_sharded_params(folder, cfg, mesh, dtype=dtype, names=stage_param_names(cfg, spec))
     except FileNotFoundError as e:
         raise FileNotFoundError(f"node {_node_name()}: {e}") from None
-    return opt.stage_params(tree, spec)
+    return param_tree.stage_params(tree, spec)
 
 
 def stage_param_names(cfg: OPTConfig, spec) -> set[str]:
-    """The checkpoint names a stage holds: opt.stage_params's cut of the model, applied to a tree of names."""
+    """The checkpoint names a stage holds: param_tree.stage_params's cut of the model, applied to a tree of names."""
     import jax
-    from opt_serving.model import opt
+    from opt_serving.model import param_tree
     from opt_serving.model.weights import flax_path, param_shapes
     from opt_serving.parallel.sharding import _tree_set
     tree: dict = {}
     for name in param_shapes(cfg):
         _tree_set(tree, flax_path(name)[0], name)
-    return set(jax.tree_util.tree_leaves(opt.stage_params(tree, spec)))
+    return set(jax.tree_util.tree_leaves(param_tree.stage_params(tree, spec)))
 
 
 def _node_name() -> str:
@@ -107,6 +107,7 @@ class StageActor:
             params = _shard_stage(params, cfg, spec, mesh)
         else:
             params = jax.tree_util.tree_map(jax.numpy.asarray, params)
+        # each stage chooses its own backend, for where its params lie (StageSlots: layout.runtime_params)
         self.slots = StageSlots(cfg, params, spec, rows, groups, max_seq_len)
         self.reset_stats()
 
@@ -133,6 +134,9 @@ class StageActor:
     # the StageSlots calls the driver chains (runner/slots.py); what leaves the actor is numpy
     def prefill(self, *args):
         return self._timed(self.slots.prefill, *args)
+
+    def prefill_chunk(self, *args):
+        return self._timed(self.slots.prefill_chunk, *args)
 
     def insert(self, *args):
         self.slots.insert(*args)
@@ -181,9 +185,9 @@ def _shard_stage(params: dict, cfg: OPTConfig, spec, mesh) -> dict:
     """A stage's param tree (numbered from 0) on its tp mesh: the whole model's Megatron shardings
     (sharding.py) cut to the stage the way its params were."""
     import jax
-    from opt_serving.model import opt
+    from opt_serving.model import param_tree
     from opt_serving.parallel.sharding import param_shardings
-    return jax.device_put(params, opt.stage_params(param_shardings(cfg, mesh), spec))
+    return jax.device_put(params, param_tree.stage_params(param_shardings(cfg, mesh), spec))
 
 
 def stage_bundles(plan, gpus: bool, cpus_per_stage: float = 1, extra_cpus: float = 0) -> tuple[list[dict], str]:
@@ -230,15 +234,15 @@ class RayStages:
             "XLA_FLAGS": f"--xla_force_host_platform_device_count={plan.tp}", "JAX_PLATFORMS": "cpu",
             "OPT_SERVING_CPU_THREADS": str(max(1, int(cpus_per_stage)))}}
         import jax
-        from opt_serving.model import opt
+        from opt_serving.model import param_tree
         dtype = jax.numpy.dtype(dtype).name
         # random weights: drawn once here, as jax/ draws them, then cut per stage
-        whole = opt.init_params(cfg, seed, dtype) if folder is None else None
+        whole = param_tree.init_params(cfg, seed, dtype) if folder is None else None
         actor = ray.remote(StageActor)
         self.actors = []
         tag = os.urandom(4).hex()  # named (ray.util.list_named_actors finds them), owned by this process
         for i, spec in enumerate(self.specs):
-            part = None if whole is None else jax.device_get(opt.stage_params(whole, spec))
+            part = None if whole is None else jax.device_get(param_tree.stage_params(whole, spec))
             self.actors.append(actor.options(
                 num_cpus=cpus_per_stage, num_gpus=plan.tp if gpus else 0, runtime_env=env, max_restarts=0,
                 name=f"{STAGE_NAME_PREFIX}{tag}-{i}",

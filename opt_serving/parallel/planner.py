@@ -20,6 +20,7 @@ import numpy as np
 from opt_serving.config import OPTConfig
 from opt_serving.parallel import cost
 from opt_serving.parallel.cluster import GB, Cluster
+from opt_serving.parallel.slicing import slice_layers  # noqa: F401  (re-exported)
 
 
 class NoFeasiblePlan(ValueError):
@@ -143,45 +144,6 @@ class SearchResult:
         return why_lost(plan, self.best)
 
 
-# ---- the stage-slicing dynamic programme ----
-
-def slice_layers(cost_of: np.ndarray, mem_of: np.ndarray, limit: float) -> tuple[float, list[int]] | None:
-    """Contiguous split of L layers into S stages minimising the slowest stage.
-
-    cost_of[s, n] / mem_of[s, n]: time / per-device bytes of stage s holding n layers
-    (n = 0..L; stages differ: the first also embeds, the last also computes logits, and the
-    hand-off after a stage depends on which node the next one sits on). Alpa's inter-operator
-    DP minimises sum(stage) + (M - 1) * max(stage); with layer costs that add up, the sum is
-    the same for every split, so that is the min-max split solved here. Returns
-    (max stage cost, layers per stage), or None when no split fits in memory.
-    """
-    S, L1 = cost_of.shape
-    L = L1 - 1
-    inf = np.inf
-    # f[j]: best max-cost placing the first j layers in the stages so far
-    f = np.full(L + 1, inf)
-    f[0] = 0.0
-    choice = np.zeros((S, L + 1), dtype=np.int64)
-    for s in range(S):
-        g = np.full(L + 1, inf)
-        for j in range(1, L + 1):
-            i = np.arange(j)                          # previous boundary
-            n = j - i                                 # layers in stage s
-            c = np.maximum(f[i], cost_of[s, n])
-            c[mem_of[s, n] > limit] = inf
-            k = int(np.argmin(c))
-            g[j], choice[s, j] = c[k], k
-        f = g
-    if not np.isfinite(f[L]):
-        return None
-    split, j = [], L
-    for s in range(S - 1, -1, -1):
-        i = int(choice[s, j])
-        split.append(j - i)
-        j = i
-    return float(f[L]), split[::-1]
-
-
 # ---- one (dp, pp, tp) candidate ----
 
 def _stage_kinds(pp: int) -> list[tuple[bool, bool]]:
@@ -204,57 +166,61 @@ def _stage_memory(cfg: OPTConfig, n: int, first: bool, last: bool, tp: int, batc
     return params * b, kv, act
 
 
-def _evaluate(cfg: OPTConfig, cluster: Cluster, model: str, dp: int, pp: int, tp: int, *,
-              batch_size: int, max_seq_len: int, dtype: str, limit: float, objective: str,
-              prefill_batch: int) -> Plan | Rejected:
-    L = cfg.num_hidden_layers
+def _degree_problem(cfg: OPTConfig, dp: int, pp: int, tp: int) -> Rejected | None:
     if cfg.num_attention_heads % tp or cfg.ffn_dim % tp:
         return Rejected(dp, pp, tp, f"tp={tp} does not divide {cfg.num_attention_heads} heads "
                                     f"and ffn {cfg.ffn_dim}")
-    if pp > L:
-        return Rejected(dp, pp, tp, f"pp={pp} exceeds the {L} layers")
-    active = min(dp, batch_size)                 # replicas with work to do
-    batch = math.ceil(batch_size / active)       # per replica
-    micro = min(pp, batch) if objective == "throughput" else 1
-    mb = math.ceil(batch / micro)
-    context = max_seq_len
+    if pp > cfg.num_hidden_layers:
+        return Rejected(dp, pp, tp, f"pp={pp} exceeds the {cfg.num_hidden_layers} layers")
+    return None
+
+
+@dataclasses.dataclass
+class _Tables:
+    """What the DP needs for one (pp, tp): time and memory of every stage at every layer count."""
+    nodes: list[int]                 # node of each stage (replica 0)
+    cost_of: np.ndarray              # [pp, L + 1] seconds, hand-off included
+    mem_of: np.ndarray               # [pp, L + 1] bytes per device
+    times: dict                      # (first, last, n) -> cost.StageTime
+    mems: dict                       # (first, last, n) -> (params, kv, act) bytes
+    handoffs: list[tuple[float, bool]]   # per stage: (seconds, crosses nodes)
+
+
+def _stage_tables(cfg: OPTConfig, cluster: Cluster, pp: int, tp: int, batch: int, mb: int,
+                  max_seq_len: int, prefill_batch: int, dtype: str) -> _Tables:
+    L = cfg.num_hidden_layers
     # stage s sits on devices [s*tp, (s+1)*tp) of replica 0; tp divides a node, so no straddling
     nodes = [cluster.node_of(s * tp) for s in range(pp)]
-    cost_of = np.full((pp, L + 1), np.inf)
-    mem_of = np.full((pp, L + 1), np.inf)
-    times, handoffs, mems = {}, [], {}
+    t = _Tables(nodes, np.full((pp, L + 1), np.inf), np.full((pp, L + 1), np.inf), {}, {}, [])
     for s, (first, last) in enumerate(_stage_kinds(pp)):
         inter = not last and nodes[s + 1] != nodes[s]
         h = 0.0 if last else cost.handoff_time(cfg, cluster, mb, 1, inter, dtype)
-        handoffs.append((h, inter))
+        t.handoffs.append((h, inter))
         for n in range(1, L + 1):
             # stages of the same kind (first / middle / last) cost the same for n layers
             key = (first, last, n)
-            if key not in times:
-                times[key] = cost.stage_time(cfg, cluster.spec, n, first, last, tp, mb, 1,
-                                             context, dtype, pipelined=pp > 1)
-                mems[key] = _stage_memory(cfg, n, first, last, tp, batch, mb, max_seq_len,
-                                          prefill_batch, dtype)
-            t, m = times[key], mems[key]
-            cost_of[s, n] = t.total_s + h
-            mem_of[s, n] = sum(m)
-    found = slice_layers(cost_of, mem_of, limit)
-    if found is None:
-        need, split = slice_layers(mem_of, mem_of, np.inf)   # the least memory any split needs
-        worst = int(np.argmax([mem_of[s, n] for s, n in enumerate(split)]))
-        p, k, a = mems[(*_stage_kinds(pp)[worst], split[worst])]
-        return Rejected(dp, pp, tp,
-                        f"needs {need / GB:.1f} GB per device (stage {worst}: {split[worst]} layers, "
-                        f"weights {p / GB:.1f} + KV cache {k / GB:.1f} + activations {a / GB:.1f} GB), "
-                        f"usable {limit / GB:.1f} GB", need_bytes=need)
-    _, split = found
-    stages, start = [], 0
-    for s, n in enumerate(split):
-        first, last = _stage_kinds(pp)[s]
-        p, k, a = mems[first, last, n]
-        stages.append(Stage(s, (start, start + n), tuple(range(s * tp, (s + 1) * tp)), nodes[s],
-                            first, last, p, k, a, times[first, last, n], *handoffs[s]))
-        start += n
+            if key not in t.times:
+                t.times[key] = cost.stage_time(cfg, cluster.spec, n, first, last, tp, mb, 1,
+                                               max_seq_len, dtype, pipelined=pp > 1)
+                t.mems[key] = _stage_memory(cfg, n, first, last, tp, batch, mb, max_seq_len,
+                                            prefill_batch, dtype)
+            t.cost_of[s, n] = t.times[key].total_s + h
+            t.mem_of[s, n] = sum(t.mems[key])
+    return t
+
+
+def _memory_rejection(t: _Tables, dp: int, pp: int, tp: int, limit: float) -> Rejected:
+    need, split = slice_layers(t.mem_of, t.mem_of, np.inf)   # the least memory any split needs
+    worst = int(np.argmax([t.mem_of[s, n] for s, n in enumerate(split)]))
+    p, k, a = t.mems[(*_stage_kinds(pp)[worst], split[worst])]
+    return Rejected(dp, pp, tp,
+                    f"needs {need / GB:.1f} GB per device (stage {worst}: {split[worst]} layers, "
+                    f"weights {p / GB:.1f} + KV cache {k / GB:.1f} + activations {a / GB:.1f} GB), "
+                    f"usable {limit / GB:.1f} GB", need_bytes=need)
+
+
+def _step_time(cluster: Cluster, stages: list[Stage], pp: int, tp: int, micro: int,
+               active: int) -> float:
     busy = [st.busy_s for st in stages]
     # a micro-batch passes every stage in turn; each stage serves all micro-batches per cycle
     step = max(sum(busy), micro * max(busy))
@@ -266,13 +232,44 @@ def _evaluate(cfg: OPTConfig, cluster: Cluster, model: str, dp: int, pp: int, tp
         pool = max(spec.pool, 1.0)
         step = max(step, active * micro * sum(st.time.compute_s * min(tp, pool) / pool
                                               for st in stages))
-    throughput = active * batch / step
+    return step
+
+
+def _prefill_time(cfg: OPTConfig, cluster: Cluster, stages: list[Stage], tp: int,
+                  max_seq_len: int, dtype: str) -> float:
     prompt = max(1, max_seq_len // 2)
-    prefill = sum(cost.stage_time(cfg, cluster.spec, st.num_layers, st.has_embed, st.has_head, tp,
-                                  1, prompt, prompt, dtype).total_s
-                  + (0.0 if st.has_head else cost.handoff_time(cfg, cluster, 1, prompt,
-                                                               st.inter_node_handoff, dtype))
-                  for st in stages)
+    return sum(cost.stage_time(cfg, cluster.spec, st.num_layers, st.has_embed, st.has_head, tp,
+                               1, prompt, prompt, dtype).total_s
+               + (0.0 if st.has_head else cost.handoff_time(cfg, cluster, 1, prompt,
+                                                            st.inter_node_handoff, dtype))
+               for st in stages)
+
+
+def _evaluate(cfg: OPTConfig, cluster: Cluster, model: str, dp: int, pp: int, tp: int, *,
+              batch_size: int, max_seq_len: int, dtype: str, limit: float, objective: str,
+              prefill_batch: int) -> Plan | Rejected:
+    problem = _degree_problem(cfg, dp, pp, tp)
+    if problem is not None:
+        return problem
+    active = min(dp, batch_size)                 # replicas with work to do
+    batch = math.ceil(batch_size / active)       # per replica
+    micro = min(pp, batch) if objective == "throughput" else 1
+    mb = math.ceil(batch / micro)
+    t = _stage_tables(cfg, cluster, pp, tp, batch, mb, max_seq_len, prefill_batch, dtype)
+    found = slice_layers(t.cost_of, t.mem_of, limit)
+    if found is None:
+        return _memory_rejection(t, dp, pp, tp, limit)
+    _, split = found
+    stages, start = [], 0
+    for s, n in enumerate(split):
+        first, last = _stage_kinds(pp)[s]
+        p, k, a = t.mems[first, last, n]
+        stages.append(Stage(s, (start, start + n), tuple(range(s * tp, (s + 1) * tp)), t.nodes[s],
+                            first, last, p, k, a, t.times[first, last, n], *t.handoffs[s]))
+        start += n
+    step = _step_time(cluster, stages, pp, tp, micro, active)
+    throughput = active * batch / step
+    prefill = _prefill_time(cfg, cluster, stages, tp, max_seq_len, dtype)
     return Plan(model, dp, pp, tp, tuple(stages), objective, batch_size, micro, mb, max_seq_len,
                 dtype, limit, cluster.device_memory, step, throughput, prefill,
                 cluster.num_devices - dp * pp * tp)
@@ -280,6 +277,44 @@ def _evaluate(cfg: OPTConfig, cluster: Cluster, model: str, dp: int, pp: int, tp
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check_search_args(cfg: OPTConfig, cluster: Cluster, model: str, batch_size: int,
+                       max_seq_len: int | None, dtype: str, headroom: float,
+                       objective: str | None) -> tuple[int, str]:
+    """Reject bad arguments and models too big for the whole cluster before searching;
+    returns max_seq_len and objective with their defaults filled in."""
+    if batch_size < 1:
+        raise ValueError(f"batch size must be at least 1, got {batch_size}")
+    max_seq_len = max_seq_len or cfg.max_position_embeddings
+    if not 1 <= max_seq_len <= cfg.max_position_embeddings:
+        raise ValueError(f"max_seq_len {max_seq_len} is outside 1..{cfg.max_position_embeddings} "
+                         f"(the model's position embeddings)")
+    if not 0 <= headroom < 1:
+        raise ValueError(f"headroom is a fraction of device memory in [0, 1), got {headroom}")
+    objective = objective or ("latency" if batch_size == 1 else "throughput")
+    if objective not in ("latency", "throughput"):
+        raise ValueError(f"objective must be 'latency' or 'throughput', got {objective!r}")
+    cost.dtype_bytes(dtype)
+    weights = cost.weight_bytes(cfg, dtype)
+    if weights > cluster.total_memory:
+        raise NoFeasiblePlan(
+            f"{model or 'the model'} needs {weights / GB:.1f} GB of {dtype} weights, the cluster "
+            f"has {cluster.total_memory / GB:.1f} GB ({cluster.describe()})")
+    return max_seq_len, objective
+
+
+def _no_plan(model: str, cluster: Cluster, rejected: list[Rejected]) -> NoFeasiblePlan:
+    """The error for a search with no feasible plan: the closest miss on memory, if any."""
+    mem = [r for r in rejected if r.need_bytes]
+    if mem:
+        closest = min(mem, key=lambda r: r.need_bytes)
+        msg = (f"no plan fits {model or 'the model'} on {cluster.describe()}: the closest, "
+               f"{closest.name}, {closest.reason}")
+    else:
+        msg = (f"no plan fits {model or 'the model'} on {cluster.describe()}: "
+               + "; ".join(f"{r.name}: {r.reason}" for r in rejected[:4]))
+    return NoFeasiblePlan(msg, rejected)
 
 
 def search(cfg: OPTConfig, cluster: Cluster, *, model: str = "", batch_size: int = 1,
@@ -293,25 +328,9 @@ def search(cfg: OPTConfig, cluster: Cluster, *, model: str = "", batch_size: int
     of each device's memory left free for the runtime and fragmentation. `prefill_batch`:
     prompts prefilled at once (the engine prefills one request, then inserts it into a slot).
     """
-    if batch_size < 1:
-        raise ValueError(f"batch size must be at least 1, got {batch_size}")
-    max_seq_len = max_seq_len or cfg.max_position_embeddings
-    if not 1 <= max_seq_len <= cfg.max_position_embeddings:
-        raise ValueError(f"max_seq_len {max_seq_len} is outside 1..{cfg.max_position_embeddings} "
-                         f"(the model's position embeddings)")
-    if not 0 <= headroom < 1:
-        raise ValueError(f"headroom is a fraction of device memory in [0, 1), got {headroom}")
-    objective = objective or ("latency" if batch_size == 1 else "throughput")
-    if objective not in ("latency", "throughput"):
-        raise ValueError(f"objective must be 'latency' or 'throughput', got {objective!r}")
-    cost.dtype_bytes(dtype)
+    max_seq_len, objective = _check_search_args(cfg, cluster, model, batch_size, max_seq_len,
+                                                dtype, headroom, objective)
     limit = cluster.device_memory * (1 - headroom)
-    weights = cost.weight_bytes(cfg, dtype)
-    if weights > cluster.total_memory:
-        raise NoFeasiblePlan(
-            f"{model or 'the model'} needs {weights / GB:.1f} GB of {dtype} weights, the cluster "
-            f"has {cluster.total_memory / GB:.1f} GB ({cluster.describe()})")
-
     N, D = cluster.num_devices, cluster.devices_per_node
     tps = [tensor_parallel] if tensor_parallel else _divisors(D)
     plans: list[Plan] = []
@@ -334,15 +353,7 @@ def search(cfg: OPTConfig, cluster: Cluster, *, model: str = "", batch_size: int
                           objective=objective, prefill_batch=prefill_batch)
             (plans if isinstance(r, Plan) else rejected).append(r)
     if not plans:
-        mem = [r for r in rejected if r.need_bytes]
-        if mem:
-            closest = min(mem, key=lambda r: r.need_bytes)
-            msg = (f"no plan fits {model or 'the model'} on {cluster.describe()}: the closest, "
-                   f"{closest.name}, {closest.reason}")
-        else:
-            msg = (f"no plan fits {model or 'the model'} on {cluster.describe()}: "
-                   + "; ".join(f"{r.name}: {r.reason}" for r in rejected[:4]))
-        raise NoFeasiblePlan(msg, rejected)
+        raise _no_plan(model, cluster, rejected)
     plans.sort(key=lambda p: p.score)
     return SearchResult(plans, rejected)
 

@@ -134,10 +134,10 @@ def _stage_steps(cfg: OPTConfig, tp: int, depths: tuple[int, ...], batch: int, c
     code a pipeline runs (runner.stage.StageSlots over opt.StageSpec), one decode of `batch` rows."""
     import jax
     import jax.numpy as jnp
-    from opt_serving.model import opt
+    from opt_serving.model import opt, param_tree
     from opt_serving.runner.stage import StageSlots
     dt = jnp.dtype(dtype)
-    params = opt.init_params(cfg.replace(num_hidden_layers=max(depths)), 0, dt)
+    params = param_tree.init_params(cfg.replace(num_hidden_layers=max(depths)), 0, dt)
     tokens = np.full((batch,), 5, np.int32)
     hidden = np.zeros((batch, cfg.hidden_size), dt)
     where = np.full((batch,), context // 2, np.int32)   # position and cache slot written
@@ -148,7 +148,7 @@ def _stage_steps(cfg: OPTConfig, tp: int, depths: tuple[int, ...], batch: int, c
     steps = {}
     for n, first, last in variants(depths):
         spec = opt.StageSpec(0, n, first, last)
-        part = opt.stage_params(params, spec)
+        part = param_tree.stage_params(params, spec)
         if mesh is not None:
             from opt_serving.parallel.pipeline import _shard_stage
             part = _shard_stage(part, cfg, spec, mesh)

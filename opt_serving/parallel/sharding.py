@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from opt_serving.backend import Backend
 from opt_serving.config import OPTConfig
 from opt_serving.model import opt
 from opt_serving.model.kv_cache import init_cache
@@ -143,15 +144,16 @@ class ShardedOPT:
     code can drive it like the single-device model.
     """
 
-    def __init__(self, cfg: OPTConfig, params: dict, mesh: Mesh, rules: Rules = TP_RULES):
-        self.cfg, self.params, self.mesh, self.rules = cfg, params, mesh, rules
+    def __init__(self, cfg: OPTConfig, params: dict, mesh: Mesh, rules: Rules = TP_RULES,
+                 backend: Backend = Backend.xla()):
+        self.cfg, self.params, self.mesh, self.rules, self.backend = cfg, params, mesh, rules, backend
         self.dtype = opt.param_dtype(params)
         cache_sh = cache_shardings(cfg, mesh, rules)
         full = NamedSharding(mesh, P())
         # logits gathered to every device: the sampler is not sharded
-        self._prefill = jax.jit(opt._prefill, static_argnums=(0,), static_argnames=("all_logits",),
+        self._prefill = jax.jit(opt._prefill, static_argnums=(0,), static_argnames=("all_logits", "backend"),
                                 donate_argnums=(2,), out_shardings=(full, cache_sh))
-        self._decode = jax.jit(opt._decode, static_argnums=(0,), donate_argnums=(2,),
+        self._decode = jax.jit(opt._decode, static_argnums=(0,), static_argnames=("backend",), donate_argnums=(2,),
                                out_shardings=(full, cache_sh))
         self._cache_sh = cache_sh
 
@@ -160,7 +162,7 @@ class ShardedOPT:
 
     def prefill(self, cache, input_ids, attention_mask, all_logits: bool = True):
         return self._prefill(self.cfg, self.params, cache, input_ids, attention_mask,
-                             all_logits=all_logits)
+                             all_logits=all_logits, backend=self.backend)
 
     def decode(self, cache, tokens, positions, write_index):
-        return self._decode(self.cfg, self.params, cache, tokens, positions, write_index)
+        return self._decode(self.cfg, self.params, cache, tokens, positions, write_index, backend=self.backend)

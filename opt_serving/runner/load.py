@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from opt_serving.backend import Backend
 from opt_serving.model import opt
 from opt_serving.runner.slots import LocalStages, Slots
 from opt_serving.runner.stage import StageSlots
@@ -17,12 +18,15 @@ from opt_serving.runner.stage import StageSlots
 def load_slots(model_name: str, path=None, dtype: str = "float32", num_slots: int = 16,
                max_seq_len: Optional[int] = None, dummy: bool = False, seed: int = 0,
                tensor_parallel: Optional[int] = None, pipeline_parallel: Optional[int] = None,
-               device_memory=None, micro_batches: Optional[int] = None) -> Slots:
+               device_memory=None, micro_batches: Optional[int] = None, quantize: Optional[str] = None) -> Slots:
     """Slots over the named model's weights: a numpy folder (or its parent holding `<size>-np/`), or
     random weights of the named size (`dummy`, drawn from `seed`). `micro_batches`: decode slot groups
-    of a pipelined plan (default: pp, at most one per slot)."""
-    from opt_serving.model.wrapper import get_model
+    of a pipelined plan (default: pp, at most one per slot). `quantize="int8"`: int8 weights (jax/ models).
+    """
+    from opt_serving.model.loader import get_model
     dtype = resolve_dtype(dtype, cluster=model_name.startswith("alpa/"))
+    if quantize and model_name.startswith("alpa/"):
+        raise NotImplementedError(f"{model_name}: quantize={quantize!r} runs jax/ models (one device) for now")
     if model_name.startswith("alpa/"):
         from opt_serving.parallel import backend
         plan, cfg, source = backend.plan_model(model_name, path, dtype, dummy=dummy,
@@ -43,8 +47,9 @@ def load_slots(model_name: str, path=None, dtype: str = "float32", num_slots: in
             raise ValueError(f"{model_name} runs on one device; use alpa/ for parallelism")
         if model_name.startswith("facebook/"):
             model_name = "jax/" + model_name[len("facebook/"):]
-        m = get_model(model_name, path, dtype=dtype, dummy=dummy, seed=seed)
-    return local_slots(m.config, m.fused_params, num_slots, max_seq_len, plan=getattr(m, "plan", None))
+        m = get_model(model_name, path, dtype=dtype, dummy=dummy, seed=seed, quantize=quantize)
+    return local_slots(m.config, m.fused_params, num_slots, max_seq_len, plan=getattr(m, "plan", None),
+                       backend=m.backend)
 
 
 def resolve_dtype(dtype: str, cluster: bool = False) -> str:
@@ -61,7 +66,9 @@ def resolve_dtype(dtype: str, cluster: bool = False) -> str:
     return "float16" if gpu else "float32"
 
 
-def local_slots(cfg, params, num_slots: int = 8, max_seq_len: Optional[int] = None, plan=None) -> Slots:
-    """Slots over a whole model's params in this process (one device, or a tensor-parallel mesh)."""
-    stage = StageSlots(cfg, params, opt.StageSpec.whole(cfg), num_slots, 1, max_seq_len)
+def local_slots(cfg, params, num_slots: int = 8, max_seq_len: Optional[int] = None, plan=None,
+                backend: Optional[Backend] = None) -> Slots:
+    """Slots over a whole model's params in this process (one device, or a tensor-parallel mesh): in the
+    checkpoint's layout, or with `backend` already in its runtime layout (an OPTModel's fused_params)."""
+    stage = StageSlots(cfg, params, opt.StageSpec.whole(cfg), num_slots, 1, max_seq_len, backend)
     return Slots(cfg, LocalStages([stage]), num_slots, 1, max_seq_len, plan=plan)

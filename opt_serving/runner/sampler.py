@@ -7,6 +7,7 @@ group is chosen for while the others are still in the stages.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import jax
@@ -14,8 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from opt_serving import sampling
+from opt_serving.backend import Backend
 from opt_serving.runner.types import MAX_BAD_WORD_LEN, MAX_BAD_WORDS, MAX_TOP_LOGPROBS, SlotSettings
-from opt_serving.model import cpu_kernels, opt
+from opt_serving.model import opt
 
 
 def settings_rows(rows: Sequence[SlotSettings], batch: int) -> sampling.Settings:
@@ -50,6 +52,13 @@ def prompt_state(ids, mask, lengths, rows: int, history_len: int, vocab: int) ->
     length = jnp.zeros((rows,), jnp.int32).at[:k].set(lengths)
     return sampling.State(history=history, length=length, prompt_length=length, seen=seen,
                           counts=jnp.zeros((rows, vocab), jnp.int32))
+
+
+def chunked_first(h, at, ids, mask, lengths, history_len: int, vocab: int):
+    """A chunked prefill's last chunk h [1, C, D] -> the whole prompt's (ids, mask [1, n]; lengths [1])
+    sampling state and the hidden state [1, D] at its last position (`at` in the chunk), as a whole
+    prefill's pass of one row makes them (Sampler.prefill)."""
+    return prompt_state(ids, mask, lengths, 1, history_len, vocab), h[:, at]
 
 
 def split_rows(tree, k: Optional[int] = None) -> list:
@@ -87,9 +96,10 @@ def no_top(b: int):
 
 class Sampler:
     """Token choice over `groups` groups of `rows` slots: state/settings/active arrays per group, and the
-    rows of prefilled requests waiting to be inserted (by handle)."""
+    rows of prefilled requests waiting to be inserted (by handle). `backend`: the one the params passed to
+    its calls were prepared for."""
 
-    def __init__(self, cfg, params, rows: int, groups: int, max_seq_len: int):
+    def __init__(self, cfg, backend: Backend, rows: int, groups: int, max_seq_len: int):
         self.cfg, self.rows, self.max_seq_len = cfg, rows, max_seq_len
         L, V = max_seq_len, cfg.vocab_size
         empty = jnp.zeros((rows, 1), jnp.int32)
@@ -100,7 +110,6 @@ class Sampler:
         self.settings = [settings_rows([], rows) for _ in range(groups)]
         self.active = [jnp.zeros(rows, jnp.bool_) for _ in range(groups)]
         self.pending: dict[int, tuple] = {}  # handle -> (row state, row settings)
-        screened = cpu_kernels.has_head(params)
 
         def first(params, h, ids, mask, lengths, want_prompt, state_rows):
             """k right-padded prompts' final hidden states h [k, n, D] -> their sampling state padded to
@@ -110,7 +119,7 @@ class Sampler:
             last = jnp.zeros((state_rows, h.shape[-1]), h.dtype).at[:k].set(h[jnp.arange(k), lengths - 1])
 
             def prompt_scores():  # position i predicts token i+1; the full logits only when asked
-                plp, ptop, ptop_lp = raw_scores(opt.lm_logits(params, h))  # [k, n, V], [k, n, K] x 2
+                plp, ptop, ptop_lp = raw_scores(opt.lm_logits(params, h, backend))  # [k, n, V], [k, n, K] x 2
                 return jnp.take_along_axis(plp, jnp.roll(ids, -1, axis=1)[..., None], axis=-1)[..., 0], ptop, ptop_lp
 
             none = lambda: (jnp.zeros((k, n), jnp.float32), jnp.zeros((k, n, MAX_TOP_LOGPROBS), jnp.int32),  # noqa: E731
@@ -121,18 +130,18 @@ class Sampler:
         def choose(params, h, state, settings, active, want_scores, want_top):
             """One token per row from the final hidden states h [B, D], scored when `want_scores`, appended
             to the rows that are `active`. When no row wants scores and every active row takes the plain
-            argmax, params with the screened greedy head never make the logits (opt.lm_argmax); the
+            argmax, a backend with the screened greedy head never makes the logits (opt.lm_argmax); the
             scores are then NaN."""
             def full():
-                logits = opt.lm_logits(params, h)  # [B, V]
-                tok, _ = sampling.sample(logits, state, settings)
+                logits = opt.lm_logits(params, h, backend)  # [B, V]
+                tok, _ = sampling.sample(logits, state, settings, backend.argmax)
                 return (tok, *token_scores(logits, tok, want_top))
 
             def plain():
-                tok = opt.lm_argmax(params, h, sampling.held_back(state, settings))
+                tok = opt.lm_argmax(params, h, sampling.held_back(state, settings), backend)
                 return (tok, jnp.full(tok.shape, jnp.nan, jnp.float32), *no_top(h.shape[0]))
             out = jax.lax.cond(~want_scores & sampling.plain_argmax(state, settings, active), plain, full) \
-                if screened else full()
+                if backend.greedy_head else full()
             # free slots keep their state, so their positions never run past the cache
             state = sampling.update_state(state, out[0], active)
             return state, out
@@ -143,6 +152,7 @@ class Sampler:
                     jax.tree_util.tree_map(put, settings, row_settings), active.at[slot].set(True))
 
         self._first = jax.jit(first, static_argnums=(6,))
+        self._chunked_first = jax.jit(functools.partial(chunked_first, history_len=L, vocab=V))
         self._choose = jax.jit(choose, donate_argnums=(2,))
         self._insert = jax.jit(insert, donate_argnums=(0, 1, 2))
         self._split_rows = jax.jit(split_rows)  # a pass's sampling state and settings -> batch-1 rows
@@ -155,6 +165,18 @@ class Sampler:
         k = len(settings)
         want_prompt = np.array([s.prompt_logprobs for s in settings] + [False] * (ids.shape[0] - k))
         state, last, scores = self._first(params, h, ids, mask, lengths, want_prompt, state_rows)
+        prompt = tuple(np.asarray(a) for a in scores) if want_prompt.any() else None
+        return self._first_tokens(params, handles, state, last, settings, state_rows), prompt
+
+    def prefill_chunked(self, params, handle: int, h, at: int, ids, mask, lengths, settings: SlotSettings):
+        """`prefill` for the last chunk of a prompt prefilled in chunks: h [1, C, D] its final hidden
+        states, `at` the prompt's last position in it, ids and mask [1, L] the whole prompt."""
+        state, last = self._chunked_first(h, np.int32(at), ids, mask, lengths)
+        return self._first_tokens(params, [handle], state, last, [settings], 1), None
+
+    def _first_tokens(self, params, handles, state, last, settings: Sequence[SlotSettings], state_rows: int):
+        """Choose the first tokens from the prompts' last hidden states and keep each sampling row."""
+        k = len(settings)
         want_top = np.array([s.top_logprobs for s in settings] + [False] * (state_rows - k))
         want_scores = any(s.top_logprobs or s.logprob for s in settings)
         pass_settings = settings_rows(settings, state_rows)
@@ -164,8 +186,7 @@ class Sampler:
         rows = self._split_rows((state, pass_settings)) if state_rows > 1 else [(state, pass_settings)]
         for j, handle in enumerate(handles):
             self.pending[handle] = rows[j]
-        prompt = tuple(np.asarray(a) for a in scores) if want_prompt.any() else None
-        return (tok[:k], lp[:k], np.where(want_top[:k, None], top_ids[:k], -1), top_lp[:k]), prompt
+        return tok[:k], lp[:k], np.where(want_top[:k, None], top_ids[:k], -1), top_lp[:k]
 
     def insert(self, handle: int, group: int, row: int, keep: bool = False) -> None:
         row_state, row_settings = self.pending[handle] if keep else self.pending.pop(handle)

@@ -10,6 +10,10 @@ Pipelined decode: the slots form `groups` micro-batch groups. `step()` sends eve
 through the stages, then waits for the oldest one and returns its tokens (`StepResult.rows`): while the
 engine hands those out, the other groups are in the stages. With one group it is a plain synchronous
 step. A slot freed or refilled while its group is in flight gets no token from that flight.
+
+Chunked prefill (`open_prefill`, `prefill_chunk`): a long prompt goes through the stages a fixed number of
+tokens at a time (opt._extend) into its own batch-1 cache of its prefill bucket, as a whole prefill's, so
+the engine can run decode steps between its chunks; the last chunk chooses the first token.
 """
 from __future__ import annotations
 
@@ -21,8 +25,8 @@ import numpy as np
 
 from opt_serving.model import kv_cache
 from opt_serving.runner.stage import cache_windows, prefill_buckets
-from opt_serving.runner.types import (MAX_TOP_LOGPROBS, PREFILL_BATCH_TOKENS, PREFILL_MIN_BUCKET, Prefix,
-                                      SlotSettings, StepResult, TokenInfo)
+from opt_serving.runner.types import (MAX_TOP_LOGPROBS, PREFILL_BATCH_TOKENS, PREFILL_MIN_BUCKET, PartialPrefill,
+                                      Prefix, SlotSettings, StepResult, TokenInfo)
 
 
 class Stages(Protocol):
@@ -135,6 +139,43 @@ class Slots:
             x = self.stages.call(i, "prefill", handles, x, ids, mask, lengths, list(settings), state_rows)
         return handles, x
 
+    # ---- chunked prefill: a long prompt a chunk at a time, between decode steps ----
+    def open_prefill(self, tokens: Sequence[int], settings: SlotSettings, chunk: int,
+                     size: Optional[int] = None) -> PartialPrefill:
+        """A prompt to prefill `chunk` tokens at a time (`prefill_chunk`) into a cache of its prefill bucket
+        (`size`: more entries, as warm-up asks); nothing runs yet. `discard_partial` lets it go."""
+        if settings.prompt_logprobs:
+            raise ValueError("prompt scores come from a whole prefill (prefill), not a chunked one")
+        size = size or kv_cache.bucket_length(len(tokens), self.max_seq_len, PREFILL_MIN_BUCKET)
+        return PartialPrefill(list(tokens), settings, chunk, size, next(self._handles))
+
+    def prefill_chunk(self, job: PartialPrefill) -> Optional[Prefix]:
+        """Prefill the prompt's next chunk (through every stage; it has finished when this returns) ->
+        None, or after the last chunk the Prefix `prefill` gives (prompt scores not computed)."""
+        n, start, c = len(job.tokens), job.done, job.chunk
+        part = job.tokens[start:start + c]
+        ids = np.full((1, c), self.cfg.pad_token_id, np.int32)
+        ids[0, :len(part)] = part
+        mask = (np.arange(c) < len(part)).astype(np.int32)[None]
+        final = None
+        if start + c >= n:  # the last chunk: the whole prompt, for its sampling state
+            whole = np.full((1, self.max_seq_len), self.cfg.pad_token_id, np.int32)
+            whole[0, :n] = job.tokens
+            final = (n - 1 - start, whole, (np.arange(self.max_seq_len) < n).astype(np.int32)[None],
+                     np.array([n], np.int32), job.settings)
+        x = ids
+        for i in range(self.stages.n):
+            x = self.stages.call(i, "prefill_chunk", job.state, x, start, mask, job.size, final)
+        out = self.stages.get(x)  # waited for: a decode step sent next runs after it anyway
+        job.done = min(start + c, n)
+        if final is None:
+            return None
+        first, scores = out
+        return self._prefix(job.tokens, job.settings, job.state, first, scores, 0)
+
+    def discard_partial(self, job: PartialPrefill) -> None:
+        self._to_all("drop", job.state)
+
     @staticmethod
     def _prefix(tokens, s: SlotSettings, handle: int, first, scores, j: int) -> Prefix:
         tok, lp, top_ids, top_lp = first
@@ -217,21 +258,30 @@ class Slots:
         return StepResult(tokens, logprobs, ids, lps, rows=None if self.groups == 1 else rows)
 
     # ---- life ----
-    def warmup(self) -> None:
+    def warmup(self, prefill_chunk: Optional[int] = None) -> None:
         """Compile every prefill bucket, its insert into every cache window that holds it, the decode step
         and free at every window, and the resizes between neighbouring windows (growing only, where steps
-        never shrink the cache). Every group's cache has the same shapes: warming group 0 compiles all."""
+        never shrink the cache); with `prefill_chunk`, a chunk of that many tokens into the cache of every
+        bucket a longer prompt fills, and its first token. Every group's cache has the same shapes: warming
+        group 0 compiles all."""
         # b - 1 prompt tokens fill prefill bucket b
         prefixes = [self.prefill([self.cfg.bos_token_id] * (b - 1), SlotSettings()) for b in self.buckets]
         for w in cache_windows(self.max_seq_len):  # growing: each window's inserts, then its step
-            for b, prefix in zip(self.buckets, prefixes):
-                if b <= w:
-                    self.insert(prefix, 0, keep=True)
+            fits = [prefix for b, prefix in zip(self.buckets, prefixes) if b <= w]
+            for prefix in fits[-1:] + fits:  # the largest first grows the cache to w: then each goes into w
+                self.insert(prefix, 0, keep=True)
             self._lengths[0] = w  # the step reads the whole window
             self.step()
             self.free(0)
         for prefix in prefixes:
             self.discard(prefix)
+        for b in self.buckets if prefill_chunk else ():  # two chunks: a middle one and a last one
+            if b > prefill_chunk:
+                job = self.open_prefill([self.cfg.bos_token_id] * (prefill_chunk + 1), SlotSettings(),
+                                        prefill_chunk, size=b)
+                while self.prefill_chunk(job) is None:
+                    pass
+                self.discard_partial(job)
         self._to_all("end_warmup")
         self.stages.get(self.stages.call(0, "ready"))
 
@@ -247,7 +297,7 @@ class Slots:
         an OPTModel in this process, or a PipelinedOPT over the same stage actors."""
         if isinstance(self.stages, LocalStages):
             from opt_serving.model.wrapper import OPTModel
-            return OPTModel(self.cfg, self.params)
+            return OPTModel(self.cfg, self.params, self.stages.stages[0].backend)
         from opt_serving.parallel.backend import PipelinedOPT
         return PipelinedOPT(self.cfg, self.stages, self.plan)
 

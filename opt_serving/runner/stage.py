@@ -9,7 +9,7 @@ of group s % groups (consecutive slots alternate groups, so a few requests still
 Prompts are right-padded to a bucket (powers of two from 8), so a slot's tokens sit at cache entries
 0..n-1 and each decode writes at the token's own position. A group's cache holds only the window its
 longest slot needs (powers of two from 16): it grows and shrinks a window at a time, where slicing a
-window out of a full-length cache made XLA copy it every step. With the CPU attention kernel, which
+window out of a full-length cache made XLA copy it every step. With the backend's attention kernel, which
 reads only the entries written so far, it only grows (a shrink copies the whole cache for nothing).
 
 The last stage also chooses the tokens (`Sampler`): what leaves it is tokens and scores, never
@@ -22,7 +22,8 @@ from typing import Optional, Sequence
 import jax
 import numpy as np
 
-from opt_serving.model import cpu_kernels, kv_cache, opt
+from opt_serving.backend import Backend
+from opt_serving.model import kv_cache, layout, opt
 from opt_serving.runner.sampler import Sampler, split_rows
 from opt_serving.runner.types import PREFILL_MIN_BUCKET, SlotSettings
 
@@ -44,10 +45,13 @@ class StageSlots:
     """One stage's layers over `groups` groups of `rows` decode slots (see the module docstring)."""
 
     def __init__(self, cfg, params, stage: opt.StageSpec, rows: int, groups: int = 1,
-                 max_seq_len: Optional[int] = None):
-        # one device: q/k/v as one matmul, on a CPU pre-packed (opt.runtime_params; a tensor-parallel
-        # stage's params stay split by heads)
-        self.cfg, self.spec, self.params = cfg, stage, opt.runtime_params(params)
+                 max_seq_len: Optional[int] = None, backend: Optional[Backend] = None):
+        """`params` in the checkpoint's layout, put here in the runtime layout of the backend chosen where
+        they lie (layout.runtime_params: on one device q/k/v as one matmul, on a CPU packed; a tensor-parallel
+        stage's stay split by heads); or, with `backend`, already in its runtime layout."""
+        if backend is None:
+            backend, params = layout.runtime_params(params)
+        self.cfg, self.spec, self.params, self.backend = cfg, stage, params, backend
         self.rows, self.groups = rows, groups
         self.max_seq_len = min(max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.windows = cache_windows(self.max_seq_len)
@@ -57,34 +61,37 @@ class StageSlots:
         self._empty_cache = lambda: self._new_cache(rows, self.windows[0])  # smallest window
         self.caches = [self._empty_cache() for _ in range(groups)]
         self.pending: dict[int, dict] = {}  # handle -> a prefilled request's batch-1 cache, until inserted
-        # packed params on a CPU: the decode attention kernel reads only the entries written so far
-        self.read_written = read_written = cpu_kernels.is_packed(self.params)
-        self.sampler = (Sampler(cfg, self.params, rows, groups, self.max_seq_len) if stage.last else None)
+        self.sampler = Sampler(cfg, backend, rows, groups, self.max_seq_len) if stage.last else None
 
         def prefill(params, x, mask):
             """k right-padded prompts (ids [k, n], or the previous stage's hidden states [k, n, D]) in one
             pass -> k batch-1 caches and the hidden states [k, n, D] (final ones on the last stage)."""
             k, n = mask.shape
             cache = self._new_cache(k, n)
-            h, cache = opt._prefill(cfg, params, cache, x, mask, return_hidden=True, stage=stage)
+            h, cache = opt._prefill(cfg, params, cache, x, mask, return_hidden=True, stage=stage, backend=backend)
             return split_rows(cache, k), h
+
+        def chunk(params, cache, x, start, mask):
+            """A chunk of a prompt's prefill into its batch-1 cache (opt._extend) -> hidden states [1, C, D]."""
+            return opt._extend(cfg, params, cache, x, start, mask, return_hidden=True, stage=stage, backend=backend)
 
         def step(params, cache, x, pos, read_len):
             # the newest token (or its hidden state) goes in at its own position
-            return opt._decode(cfg, params, cache, x, pos, pos,
-                               read_len=read_len if read_written else None, return_hidden=True, stage=stage)
+            return opt._decode(cfg, params, cache, x, pos, pos, read_len=read_len, return_hidden=True, stage=stage,
+                               backend=backend)
 
         def seq_prefill(params, cache, x, mask, all_logits):
-            return opt._prefill(cfg, params, cache, x, mask, all_logits=all_logits, stage=stage)
+            return opt._prefill(cfg, params, cache, x, mask, all_logits=all_logits, stage=stage, backend=backend)
 
         def seq_decode(params, cache, x, positions, write_index):
-            return opt._decode(cfg, params, cache, x, positions, write_index, stage=stage)
+            return opt._decode(cfg, params, cache, x, positions, write_index, stage=stage, backend=backend)
 
         self.seqs: dict = {}  # key -> a whole-sequence cache (generate() over a pipeline)
         self._seq_prefill = jax.jit(seq_prefill, static_argnums=(4,), donate_argnums=(1,))
         self._seq_decode = jax.jit(seq_decode, donate_argnums=(1,))
         self._seq_reorder = jax.jit(kv_cache.reorder, donate_argnums=(0,))
         self._prefill = jax.jit(prefill)
+        self._chunk = jax.jit(chunk, donate_argnums=(1,))
         self._step = jax.jit(step, donate_argnums=(1,))
         self._insert_cache = jax.jit(lambda cache, pcache, row: kv_cache._insert(cache, pcache, row),
                                      donate_argnums=(0,))
@@ -102,6 +109,19 @@ class StageSlots:
         if self.sampler is None:
             return h
         return self.sampler.prefill(self.params, handles, h, ids, mask, lengths, settings, state_rows)
+
+    def prefill_chunk(self, handle: int, x, start: int, mask, size: int, final=None):
+        """One chunk of a prompt prefilled in chunks (x: its ids [1, C], or the previous stage's hidden states
+        [1, C, D]; mask [1, C] its real tokens) at positions start.., into the request's batch-1 cache of
+        `size` entries (new at start 0), kept under `handle` as `prefill` keeps it. A stage that is not last
+        returns its hidden states; the last returns None, or on the last chunk (`final`: the whole prompt's
+        ids, mask [1, L] and length, its last position in the chunk, its settings) the first token as
+        `prefill` returns it."""
+        cache = self._new_cache(1, size) if start == 0 else self.pending[handle]
+        h, self.pending[handle] = self._chunk(self.params, cache, x, np.int32(start), mask)
+        if self.sampler is None:
+            return h
+        return None if final is None else self.sampler.prefill_chunked(self.params, handle, h, *final)
 
     def insert(self, handle: int, group: int, row: int, keep: bool = False) -> None:
         """A prefilled request into a slot (`keep`: its rows stay for another insert, as warm-up does)."""
@@ -123,7 +143,7 @@ class StageSlots:
         """One decode step of a group's rows: x is the newest tokens [rows] (first stage) or the previous
         stage's hidden states [rows, D]; positions [rows] (0 for free rows). The cache is fitted to
         `window` first. Returns hidden states, or on the last stage the chosen tokens and their scores."""
-        self._fit_cache(group, window, shrink=not self.read_written)
+        self._fit_cache(group, window, shrink=not self.backend.attention)
         h, self.caches[group] = self._step(self.params, self.caches[group], x, positions, np.int32(read_len))
         if self.sampler is None:
             return h
@@ -144,14 +164,14 @@ class StageSlots:
             self.caches[group] = self._resize(self.caches[group], self.windows[at])
 
     def end_warmup(self) -> None:
-        """After warm-up grew the caches to every window: start from empty smallest windows where steps
-        never shrink the cache, else compile the shrinking resizes steps will use."""
-        for g in range(self.groups):
-            if self.read_written:
-                self.caches[g] = self._empty_cache()
-            else:
-                for w in reversed(self.windows[:-1]):
-                    self._fit_cache(g, w, shrink=True)
+        """After warm-up grew group 0's cache to every window (its rows freed): compile the shrinking resizes
+        where steps use them, then start every group from an empty smallest window cut from it. Arrays a
+        step made are committed to their devices and fresh zeros are not, and jit compiles each apart: an
+        empty cache made here is placed as the ones warm-up compiled the steps for."""
+        if not self.backend.attention:
+            for w in reversed(self.windows[:-1]):
+                self._fit_cache(0, w, shrink=True)
+        self.caches = [self._resize(self.caches[0], self.windows[0]) for _ in range(self.groups)]
 
     def ready(self) -> bool:
         return True

@@ -1,11 +1,14 @@
 """What crosses between the engine (scheduler) and the runners (model steps): a request's decoding
-settings, the tokens chosen for it, a prefilled request waiting for a slot, one decode step's result."""
+settings, the tokens chosen for it, a prefilled request waiting for a slot (or one being prefilled in
+chunks), one decode step's result."""
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Optional
 
 import numpy as np
+
+from opt_serving.errors import Unavailable
 
 # top alternatives a token can come with (vLLM's default --max-logprobs); computed only for requests that ask
 MAX_TOP_LOGPROBS = 20
@@ -69,6 +72,17 @@ class Prefix:
 
 
 @dataclasses.dataclass
+class PartialPrefill:
+    """A prompt being prefilled a chunk at a time (`Slots.open_prefill`, `Slots.prefill_chunk`)."""
+    tokens: list[int]
+    settings: SlotSettings
+    chunk: int                       # tokens a chunk (the last is padded to it)
+    size: int                        # entries of the request's cache (its prefill bucket)
+    state: Any                       # the slot model's own (the runner: a handle on the stages' rows)
+    done: int = 0                    # prompt tokens prefilled so far
+
+
+@dataclasses.dataclass
 class StepResult:
     """One decode step over the slots (rows of inactive slots are garbage). A pipelined runner steps one
     micro-batch group at a time: `rows` marks the slots this step produced a token for (None: all)."""
@@ -83,5 +97,6 @@ class StepResult:
         return TokenInfo(int(self.tokens[slot]), float(self.logprobs[slot]), top)
 
 
-class StageDied(RuntimeError):
+class StageDied(Unavailable):
     """A pipeline stage (a Ray actor) is gone: the model cannot serve until it is loaded again."""
+    code = "stage_died"

@@ -2,8 +2,9 @@
 
 `create_app(generator)` gives the plain FastAPI app (no Ray), e.g. for tests against the fake engine.
 """
-from opt_serving.service.app import ServeArgs, build_app, create_app
+from opt_serving.service.app import create_app
+from opt_serving.service.deployment import ServeArgs, build_app
 
-app = build_app
+app = build_app  # after the imports above: the submodule `app` must not take this name back
 
 __all__ = ["app", "build_app", "create_app", "ServeArgs"]

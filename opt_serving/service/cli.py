@@ -14,6 +14,9 @@ import threading
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", default="model", choices=["model", "fake"],
+                   help="model (default): the model below; fake: the hand-checkable fake engine, for tests and "
+                        "demos of the HTTP side (no weights)")
     p.add_argument("--model", default=None,
                    help="model name, e.g. facebook/opt-125m, jax/opt-2.7b, alpa/opt-175b (default: the embedded "
                         "tiny model)")
@@ -29,6 +32,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto (default): float16 on GPUs, float32 on CPUs")
+    p.add_argument("--quantize", choices=["int8"], default=None,
+                   help="int8 weights with a scale per output channel, from any numpy folder (a folder "
+                        "converted with --quantize int8 loads a quarter of the bytes)")
+    p.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
+                   help="prompts longer than N tokens are prefilled N at a time, between decode steps, so "
+                        "running streams keep their pace (0: whole prefills)")
     p.add_argument("--max-batch-size", type=int, default=16, help="decode slots (requests advanced per step)")
     p.add_argument("--max-seq-len", type=int, default=None, help="prompt + generated tokens (default: the model's)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond which the answer is 429")
@@ -36,6 +45,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", action="append", default=[],
                    help="accept only requests with `Authorization: Bearer KEY` (repeatable; also "
                         "$OPT_SERVING_API_KEYS, comma separated)")
+    _plan_and_ray_arguments(p)
+
+
+def _plan_and_ray_arguments(p: argparse.ArgumentParser) -> None:
+    """The alpa/ plan's, the service limits' and the Ray/Serve process options (add_arguments' second half)."""
     p.add_argument("--tensor-parallel", type=int, default=None, metavar="TP",
                    help="alpa/ models: devices a stage's layers are split over (default: the planner's choice)")
     p.add_argument("--pipeline-parallel", type=int, default=None, metavar="PP",
@@ -88,16 +102,15 @@ def _start_ray(address: str | None, num_cpus: int | None, local_env: dict | None
 
 def direct_ingress_env(port: int, drain_s: float) -> dict:
     """Ray Serve's throughput-optimised mode (the replica runs the ASGI app on its own HTTP port,
-    user code on the main loop) with that port pinned to ours. Measured here at 32 streaming
-    clients (OPT-125m, 2-core CPU): 246 output tokens/s direct vs 185 through the proxy.
+    user code on the main loop, no proxy hop) with that port pinned to ours.
     A replica normally keeps answering 30 s after shutdown starts, for load balancers to notice;
     one machine has none, so it drains for --drain-timeout only.
     A replica's port is normally held out of the pool for 150 s after the replica stops (Ray Serve's
     RAY_SERVE_PORT_QUARANTINE_S: HAProxy's hard-stop-after, 120 s, + 30 s, so that a stale HAProxy worker
     cannot route one app's traffic to another app's replica on the same port). Here there is no HAProxy and
     the pool is the one port, so a replica replacing a dead one (SIGKILL, a failed health check) could not
-    get --port for 150 s: every attempt loaded the model, failed with NoAvailablePortError and was retried,
-    and the server refused connections for 155 s after the kill (tiny model, 2-core CPU) instead of ~20 s."""
+    get --port for 150 s: every attempt would load the model, fail with NoAvailablePortError and be retried,
+    the server refusing connections all the while."""
     return {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
             "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
             "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),  # Serve's range excludes its maximum
@@ -116,9 +129,8 @@ def replica_priority_env(ray_nice: int) -> dict:
 def lower_ray_priority(ray_nice: int, include_proxy: bool, procs=None) -> int:
     """Give the Ray processes this command started (`procs`, default: every descendant of this process),
     other than the model replicas and idle workers (a restarted replica may take one), niceness
-    `ray_nice`. Returns how many were changed.
-    Measured on the 2-core CPU (32 streaming clients, OPT-125m): 417-501 output tokens/s, against
-    371-432 with Ray's defaults and 367-400 with only Ray's processes lowered (benchmark/README.md)."""
+    `ray_nice`, so that their periodic wake-ups do not take the replica's cores (benchmark/README.md has
+    the measurements). Returns how many were changed."""
     if ray_nice < 0:
         return 0
     import psutil
@@ -142,13 +154,15 @@ def wants_direct_ingress(ingress: str, num_replicas: int | None) -> bool:
 
 def serve_args_from(args: argparse.Namespace):
     """The command line -> the application builder's `ServeArgs`."""
-    from opt_serving.service.app import ServeArgs
+    from opt_serving.service.deployment import ServeArgs
     keys = list(args.api_key) + [k for k in os.environ.get("OPT_SERVING_API_KEYS", "").split(",") if k]
     # absolute paths: the replica that reads them is another process, maybe in another folder
     path, tokenizer = (None if a is None else os.path.abspath(a) for a in (args.path, args.tokenizer))
-    return ServeArgs(model=args.model, path=path, dummy=args.dummy, seed=args.seed, tokenizer=tokenizer,
-                     dtype=args.dtype, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
-                     max_queue=args.max_queue, request_timeout=args.request_timeout, api_keys=keys,
+    return ServeArgs(engine=args.engine, model=args.model, path=path, dummy=args.dummy, seed=args.seed,
+                     tokenizer=tokenizer, dtype=args.dtype, quantize=args.quantize, prefill_chunk=args.prefill_chunk,
+                     max_batch_size=args.max_batch_size,
+                     max_seq_len=args.max_seq_len, max_queue=args.max_queue, request_timeout=args.request_timeout,
+                     api_keys=keys,
                      num_replicas=args.num_replicas, graceful_shutdown_timeout_s=args.drain_timeout,
                      tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel,
                      device_memory=args.device_memory, micro_batches=args.micro_batches,
@@ -158,7 +172,7 @@ def serve_args_from(args: argparse.Namespace):
 def check_args(serve_args) -> str | None:
     """What is wrong with the model arguments (None: nothing), found before Ray starts: the replica that
     loads the model would only report it as a failed deployment."""
-    from opt_serving.service.app import check_model_args
+    from opt_serving.service.deployment import check_model_args
     from opt_serving.tokenizer import load_tokenizer
     try:
         check_model_args(serve_args)
@@ -177,23 +191,72 @@ def check_args(serve_args) -> str | None:
     return None
 
 
-def run(args: argparse.Namespace) -> int:
-    from opt_serving.service.app import build_app
-
-    serve_args = serve_args_from(args)
+def _command_line_problem(args: argparse.Namespace, serve_args) -> str | None:
+    """What is wrong with the command line (None: nothing), found before Ray starts."""
     problem = check_args(serve_args)
+    if problem:
+        return problem
+    if not -1 <= args.ray_nice <= 19:
+        return f"--ray-nice must be a niceness from 0 to 19, or -1, got {args.ray_nice}"
+    if args.ingress == "direct" and (args.num_replicas or 1) > 1:
+        return "--ingress direct serves one replica on --port; use --ingress proxy for --num-replicas > 1"
+    return None
+
+
+def _banner(args: argparse.Namespace, serve_args, direct: bool) -> str:
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    what = "the fake engine" if serve_args.engine == "fake" else (
+        (serve_args.model or "the embedded tiny model") + (" (random weights)" if serve_args.dummy else ""))
+    return (f"opt-serving: serving {what} at http://{host}:{args.port}/ "
+            f"(OpenAI base_url http://{host}:{args.port}/v1; {'direct ingress' if direct else 'Serve proxy'}); "
+            "Ctrl-C to stop")
+
+
+def _stop_serving(started_ray: bool) -> None:
+    import ray
+    if ray.is_initialized():
+        from ray import serve
+        if started_ray:
+            serve.shutdown()
+        else:  # someone else's cluster: remove only our application
+            serve.delete("opt")
+        ray.shutdown()  # stops the processes we started; merely disconnects otherwise
+
+
+def _local_ray_env(args: argparse.Namespace, direct: bool) -> dict:
+    """Environment for the processes of a Ray started here (an existing cluster keeps its own)."""
+    local_env = replica_priority_env(args.ray_nice)
+    if direct:
+        local_env.update(direct_ingress_env(args.port, args.drain_timeout))
+    return local_env
+
+
+def _deploy(args: argparse.Namespace, serve_args, direct: bool) -> bool:
+    """Start Serve on the Ray just joined and run the application on it. False (after saying why on
+    stderr) when the planner finds no plan that fits an alpa/ model on the cluster."""
+    from ray import serve  # after Ray started: Serve reads its settings when imported
+
+    from opt_serving.parallel.planner import NoFeasiblePlan
+    from opt_serving.service.deployment import build_app
+    # with direct ingress Serve still starts its proxy: it gets a spare port, the replica owns --port
+    from opt_serving.service.ports import free_port
+    serve.start(http_options={"host": args.host, "port": free_port() if direct else args.port})
+    try:
+        app = build_app(serve_args)  # plans alpa/ models for the cluster just joined
+    except NoFeasiblePlan as e:
+        print(f"opt-serving serve: {e}", file=sys.stderr)
+        return False
+    serve.run(app, name="opt", route_prefix="/", blocking=False)
+    return True
+
+
+def run(args: argparse.Namespace) -> int:
+    serve_args = serve_args_from(args)
+    problem = _command_line_problem(args, serve_args)
     if problem:
         print(f"opt-serving serve: {problem}", file=sys.stderr)
         return 2
-    if not -1 <= args.ray_nice <= 19:
-        print(f"opt-serving serve: --ray-nice must be a niceness from 0 to 19, or -1, got {args.ray_nice}",
-              file=sys.stderr)
-        return 2
     direct = wants_direct_ingress(args.ingress, args.num_replicas)
-    if args.ingress == "direct" and (args.num_replicas or 1) > 1:
-        print("opt-serving serve: --ingress direct serves one replica on --port; use --ingress proxy "
-              "for --num-replicas > 1", file=sys.stderr)
-        return 2
     stop = threading.Event()
     signals = (signal.SIGINT, signal.SIGTERM)
     previous = {s: signal.getsignal(s) for s in signals}
@@ -207,10 +270,7 @@ def run(args: argparse.Namespace) -> int:
     take_signals()
     started_ray = False
     try:
-        local_env = replica_priority_env(args.ray_nice)
-        if direct:
-            local_env.update(direct_ingress_env(args.port, args.drain_timeout))
-        started_ray = _start_ray(args.ray_address, args.num_cpus, local_env)
+        started_ray = _start_ray(args.ray_address, args.num_cpus, _local_ray_env(args, direct))
         take_signals()
         if stop.is_set():
             return 130
@@ -220,25 +280,12 @@ def run(args: argparse.Namespace) -> int:
                       "(--ray-address local)", file=sys.stderr)
                 return 2
             direct = False
-        from ray import serve  # after Ray started: Serve reads its settings when imported
-        # with direct ingress Serve still starts its proxy: it gets a spare port, the replica owns --port
-        from opt_serving.service.testserver import free_port
-        serve.start(http_options={"host": args.host, "port": free_port() if direct else args.port})
-        from opt_serving.parallel.planner import NoFeasiblePlan
-        try:
-            app = build_app(serve_args)  # plans alpa/ models for the cluster just joined
-        except NoFeasiblePlan as e:
-            print(f"opt-serving serve: {e}", file=sys.stderr)
+        if not _deploy(args, serve_args, direct):
             return 2
-        serve.run(app, name="opt", route_prefix="/", blocking=False)
         take_signals()
         if started_ray:  # the replicas are up: every other process Ray started is running by now
             lower_ray_priority(args.ray_nice, include_proxy=direct)
-        host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-        what = (serve_args.model or "the embedded tiny model") + (" (random weights)" if serve_args.dummy else "")
-        print(f"opt-serving: serving {what} at http://{host}:{args.port}/ "
-              f"(OpenAI base_url http://{host}:{args.port}/v1; {'direct ingress' if direct else 'Serve proxy'}); "
-              "Ctrl-C to stop", flush=True)
+        print(_banner(args, serve_args, direct), flush=True)
         stop.wait()
         print("opt-serving: shutting down (draining in-flight requests)", file=sys.stderr, flush=True)
         return 0
@@ -247,14 +294,7 @@ def run(args: argparse.Namespace) -> int:
         for s in previous:
             signal.signal(s, signal.SIG_IGN)
         try:
-            import ray
-            if ray.is_initialized():
-                from ray import serve
-                if started_ray:
-                    serve.shutdown()
-                else:  # someone else's cluster: remove only our application
-                    serve.delete("opt")
-                ray.shutdown()  # stops the processes we started; merely disconnects otherwise
+            _stop_serving(started_ray)
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)

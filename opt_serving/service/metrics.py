@@ -1,4 +1,4 @@
-"""Prometheus metrics for `GET /metrics`.
+"""Prometheus metrics for `GET /metrics`, and the middleware counting answers per API and status.
 
 Latencies and token counts are observed per request by the HTTP layer; engine state (queue length, running
 slots, how many requests share a decode step) is read from `generator.stats()` at scrape time, so it is exact
@@ -130,3 +130,28 @@ class RequestTimer:
             self.finished = True
             self.m.prompt_tokens.inc(prompt_tokens)
             self.m.e2e.labels(self.endpoint).observe(time.perf_counter() - self.start)
+
+
+class CountRequests:
+    """ASGI middleware counting answers per API and status (a pure ASGI wrapper: Starlette's
+    BaseHTTPMiddleware would get between a streaming response and the client's disconnect)."""
+    ENDPOINTS = {"/v1/completions": "completions", "/completions": "metaseq", "/generate": "generate"}
+
+    def __init__(self, app, metrics: ServiceMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        endpoint = self.ENDPOINTS.get(scope.get("path", "")) if scope["type"] == "http" else None
+        if endpoint is None:
+            return await self.app(scope, receive, send)
+        status = 499  # nothing was sent: the client went away first
+
+        async def send_and_note(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            self.metrics.requests.labels(endpoint, str(status)).inc()

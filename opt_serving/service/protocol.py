@@ -6,7 +6,8 @@
 
 Requests are strict (a string is not an int, 1 is not `true`) so wrong types are a 400, not a guess.
 Fields OpenAI documents as nullable accept `null` meaning "the default".
-Checks that need the model (prompt + max_tokens <= max_seq_len, token ids < vocab) live in app.py.
+A request's own inconsistencies are InvalidRequest errors naming the field (errors.py answers them 400);
+checks that need the model (prompt + max_tokens <= max_seq_len, token ids < vocab) are the generator's.
 """
 from __future__ import annotations
 
@@ -16,11 +17,10 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-MAX_N = 16           # completions per prompt (n and best_of)
-MAX_PROMPTS = 64     # prompts per request
-MAX_STOP = 4         # OpenAI's limit on stop strings
-MAX_LOGPROBS = 20    # vLLM's default --max-logprobs; the server's own limit may be lower (app.py)
-MAX_STOP_TOKEN_IDS = 64
+from opt_serving.errors import InvalidRequest
+# a request's limits are request.py's, whichever way it comes in; the server's own logprobs limit may be lower
+from opt_serving.request import (LEGACY_MAX_LOGPROBS, MAX_LOGPROBS, MAX_N, MAX_PROMPTS, MAX_STOP,  # noqa: F401
+                                 MAX_STOP_TOKEN_IDS)
 
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 # OpenAI's four prompt forms; the order matters: a list of ints must not be read as a list of lists.
@@ -32,27 +32,28 @@ class Request(BaseModel):
 
 
 def normalize_prompt(prompt: Prompt) -> list[str | list[int]]:
-    """Any of the four prompt forms -> a list of single prompts (text or token ids); empty ones are a ValueError."""
+    """Any of the four prompt forms -> a list of single prompts (text or token ids); empty ones are refused."""
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)):
         prompts = [prompt]
     else:
         prompts = list(prompt)
     if not prompts:
-        raise ValueError("prompt must not be an empty list")
+        raise InvalidRequest("prompt must not be an empty list", param="prompt")
     if len(prompts) > MAX_PROMPTS:
-        raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
+        raise InvalidRequest(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", param="prompt")
     for i, p in enumerate(prompts):
         if len(p) == 0:
-            raise ValueError(f"prompt {i} is empty" if len(prompts) > 1 else "prompt must not be empty")
+            raise InvalidRequest(f"prompt {i} is empty" if len(prompts) > 1 else "prompt must not be empty",
+                                 param="prompt")
     return prompts
 
 
 def _stop_list(stop: str | list[str] | None) -> list[str]:
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if len(stops) > MAX_STOP:
-        raise ValueError(f"stop: at most {MAX_STOP} stop sequences, got {len(stops)}")
+        raise InvalidRequest(f"stop: at most {MAX_STOP} stop sequences, got {len(stops)}", param="stop")
     if any(s == "" for s in stops):
-        raise ValueError("stop: stop sequences must not be empty strings")
+        raise InvalidRequest("stop: stop sequences must not be empty strings", param="stop")
     return stops
 
 
@@ -94,20 +95,20 @@ class CompletionRequest(Request):
 
     @model_validator(mode="after")
     def _check(self) -> "CompletionRequest":
-        # pydantic turns a ValueError here into a 400 naming the field
+        # pydantic turns an InvalidRequest here into a 400, its param naming the field
         n, best_of = self.n or 1, self.best_of
         if best_of is not None and best_of < n:
-            raise ValueError(f"best_of ({best_of}) must be greater than or equal to n ({n})")
+            raise InvalidRequest(f"best_of ({best_of}) must be greater than or equal to n ({n})", param="best_of")
         if self.stream and best_of is not None and best_of > n:
-            raise ValueError("best_of > n cannot be combined with stream")
+            raise InvalidRequest("best_of > n cannot be combined with stream", param="best_of")
         if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+            raise InvalidRequest("logit_bias is not supported", param="logit_bias")
         if self.suffix:
-            raise ValueError("suffix is not supported")
+            raise InvalidRequest("suffix is not supported", param="suffix")
         max_tokens = 16 if self.max_tokens is None else self.max_tokens
         if (self.min_tokens or 0) > max_tokens:
-            raise ValueError(f"min_tokens ({self.min_tokens}) must be less than or equal to max_tokens "
-                             f"({max_tokens})")
+            raise InvalidRequest(f"min_tokens ({self.min_tokens}) must be less than or equal to max_tokens "
+                                 f"({max_tokens})", param="min_tokens")
         _stop_list(self.stop)
         normalize_prompt(self.prompt)
         return self
@@ -131,6 +132,12 @@ class Logprobs(BaseModel):
     token_logprobs: list[Optional[float]] = []
     top_logprobs: list[Optional[dict[str, float]]] = []
     text_offset: list[int] = []
+
+    @classmethod
+    def of(cls, c, **extra):
+        """A generator Completion's or Delta's token lists."""
+        return cls(tokens=list(c.tokens), token_logprobs=list(c.token_logprobs),
+                   top_logprobs=list(c.top_logprobs or []), text_offset=list(c.text_offset), **extra)
 
 
 class CompletionChoice(BaseModel):
@@ -184,13 +191,14 @@ class MetaseqRequest(Request):
     best_of: Optional[Annotated[int, Field(ge=1, le=MAX_N)]] = None
     echo: bool = False
     stop: Optional[Union[str, Annotated[list[str], Field(max_length=MAX_STOP)]]] = None
-    logprobs: Annotated[int, Field(ge=0, le=5)] = 0
+    logprobs: Annotated[int, Field(ge=0, le=LEGACY_MAX_LOGPROBS)] = 0
     seed: Optional[int] = None
 
     @model_validator(mode="after")
     def _check(self) -> "MetaseqRequest":
         if self.best_of is not None and self.best_of < self.n:
-            raise ValueError(f"best_of ({self.best_of}) must be greater than or equal to n ({self.n})")
+            raise InvalidRequest(f"best_of ({self.best_of}) must be greater than or equal to n ({self.n})",
+                                 param="best_of")
         _stop_list(self.stop)
         normalize_prompt(self.prompt)
         return self
@@ -241,14 +249,16 @@ class GenerateRequest(Request):
     @model_validator(mode="after")
     def _check(self) -> "GenerateRequest":
         if self.min_length > self.max_length:
-            raise ValueError(f"min_length ({self.min_length}) must not exceed max_length ({self.max_length})")
+            raise InvalidRequest(f"min_length ({self.min_length}) must not exceed max_length ({self.max_length})",
+                                 param="min_length")
         if self.penalty_alpha != 0.0:
-            raise ValueError("penalty_alpha (contrastive search) is not supported by this server")
+            raise InvalidRequest("penalty_alpha (contrastive search) is not supported by this server",
+                                 param="penalty_alpha")
         if self.num_beams > 1 and self.do_sample and self.temperature > 0:
-            raise ValueError("num_beams > 1 with do_sample=true (beam sampling) is not supported; "
-                             "set do_sample=false for beam search")
+            raise InvalidRequest("num_beams > 1 with do_sample=true (beam sampling) is not supported; "
+                                 "set do_sample=false for beam search", param="num_beams")
         if self.top_k != int(self.top_k):
-            raise ValueError("top_k must be a whole number")
+            raise InvalidRequest("top_k must be a whole number", param="top_k")
         return self
 
 

@@ -6,15 +6,12 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import threading
 from typing import Iterator
 
+from opt_serving.service.ports import free_port
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["free_port", "serve_in_thread"]
 
 
 @contextlib.contextmanager

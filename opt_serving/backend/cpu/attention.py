@@ -1,0 +1,28 @@
+"""A decode step's attention that reads only the cache entries written so far.
+
+XLA's dots read the cache's whole static length, so without this kernel a decode loop grows its cache a
+window at a time (copies) to keep the reads short; with it the cache can be full-size from the start.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from opt_serving.backend.cpu import _lib
+
+MAX_ENTRIES = 4096  # the kernel's longest cache; a longer one takes `reference`
+
+
+def decode_attention(q, k_cache, v_cache, mask, read_len, reference):
+    """One decode step's attention: q [B, H, D] over the cache's first `read_len` (traced int32) entries of
+    k/v [B, H, T, D] where mask [B, T] -> [B, H, D]. On a CPU the kernel reads only those entries; on another
+    platform, or for what it does not take (not float32, T over MAX_ENTRIES), `reference(q, k, v, mask)`
+    (which reads all T) runs."""
+    if q.dtype != jnp.float32 or k_cache.shape[2] > MAX_ENTRIES:
+        return reference(q, k_cache, v_cache, mask)
+    _lib.lib()  # its FFI target registered
+
+    def kernel(q, k, v, mask):
+        return jax.ffi.ffi_call(_lib.ATTENTION, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+            q, k, v, mask, jnp.asarray(read_len, jnp.int32))
+    return jax.lax.platform_dependent(q, k_cache, v_cache, mask, cpu=kernel, default=reference)

@@ -1,0 +1,137 @@
+"""Matrix products against weights packed once, at load, into the blocked layout oneDNN's matmul reads.
+
+XLA's CPU GEMMs re-pack a dense layer's [K, N] weight on every call, and a decode step reads every weight once
+for a handful of rows, so that packing would be most of its cost (figures: benchmark/README.md). A packed buffer
+means something only in the process that made it (its layout depends on the oneDNN build and the CPU), so
+packed params are never saved: `unpack_params` gives the plain ones back, exactly.
+
+`weights` names the format a packed product stores its weight in; `pack`, `unpack` and `matmul` are the one
+place that dispatches on it (FORMATS lists the ones there are).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from opt_serving.backend.cpu import _lib
+
+FORMATS = ("float32", "bfloat16", "int8")
+_TYPE = {"float32": 0, "bfloat16": 1, "int8": 2}  # the extension's weight type codes
+
+
+def check_format(weights: str) -> None:
+    if weights not in FORMATS:
+        raise ValueError(f"packed products take weights in {FORMATS}, not {weights!r}")
+
+
+def pack(w, transposed: bool = False, device=None, weights: str = "float32") -> jax.Array:
+    """A weight [K, N] (or [N, K] with `transposed`, as the tied embedding is) -> packed bytes: float32 numbers
+    for the float32 and bfloat16 formats (rounded to nearest even for bfloat16), int8 ones for int8."""
+    check_format(weights)
+    lib = _lib.lib()
+    w = np.ascontiguousarray(np.asarray(w), np.int8 if weights == "int8" else np.float32)
+    if w.ndim != 2:
+        raise ValueError(f"pack takes a 2-D weight, got shape {w.shape}")
+    k, n = (w.shape[1], w.shape[0]) if transposed else w.shape
+    out = np.empty(lib.opt_onednn_packed_bytes_as(k, n, _TYPE[weights]), np.uint8)
+    if lib.opt_onednn_pack_as(w.ctypes.data, k, n, int(transposed), _TYPE[weights], out.ctypes.data) != 0:
+        raise RuntimeError(f"oneDNN could not pack a [{k}, {n}] {weights} weight")
+    return jax.device_put(out, device or jax.devices("cpu")[0])
+
+
+def unpack(packed, k: int, n: int, weights: str = "float32") -> np.ndarray:
+    """`pack` undone: the plain [K, N] weight (float32; int8 for the int8 format)."""
+    check_format(weights)
+    lib = _lib.lib()
+    src = np.ascontiguousarray(np.asarray(packed))
+    if src.nbytes != lib.opt_onednn_packed_bytes_as(k, n, _TYPE[weights]):
+        raise ValueError(f"not a packed [{k}, {n}] {weights} weight ({src.nbytes} bytes)")
+    out = np.empty((k, n), np.int8 if weights == "int8" else np.float32)
+    if lib.opt_onednn_unpack_as(src.ctypes.data, k, n, _TYPE[weights], out.ctypes.data) != 0:
+        raise RuntimeError(f"oneDNN could not unpack a [{k}, {n}] {weights} weight")
+    return out
+
+
+def matmul(x, packed, n: int, bias=None, relu: bool = False, weights: str = "float32", scales=None):
+    """x [..., K] @ W[K, N] (+ bias) (then ReLU), W packed by `pack`, float32 x and result. int8 weights take
+    their `scales` [N] (W = q * scales), and each row of x is quantized to int8 with a scale of its own."""
+    check_format(weights)
+    _lib.lib()  # its FFI targets registered
+    if x.dtype != jnp.float32:
+        raise TypeError(f"packed products take float32 inputs, got {x.dtype}")
+    if (weights == "int8") != (scales is not None):
+        raise ValueError("int8 weights, and only they, come with scales")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])  # [rows, K]
+    b = jnp.zeros((0,), jnp.float32) if bias is None else bias
+    out = jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32)
+    if weights == "float32":
+        y = jax.ffi.ffi_call(_lib.MATMUL, out)(x2, packed, b, relu=bool(relu))
+    else:
+        s = jnp.zeros((0,), jnp.float32) if scales is None else scales
+        y = jax.ffi.ffi_call(_lib.MATMUL_LOWP, out)(x2, packed, s, b, relu=bool(relu),
+                                                     weights=np.int32(_TYPE[weights]))
+    return y.reshape(*lead, n)
+
+
+def pack_params(params: dict, device, weights: str = "float32") -> dict:
+    """Every dense weight packed onto `device` (`kernel` -> `packed`; int8: `qkernel` -> `packed`, its `scale`
+    kept), and a packed copy of the tied LM head (`lm_head`) where the params hold it: from the embedding,
+    or for int8 from model/quantize.py's `lm_head.qkernel`; the embedding itself stays for the lookup."""
+    key = "qkernel" if weights == "int8" else "kernel"
+    out = _map_dense(params, key, "packed", lambda path, w: pack(w, device=device, weights=weights))
+    if weights == "int8" and "lm_head" in params:
+        out["lm_head"] = {"packed": pack(params["lm_head"]["qkernel"], device=device, weights=weights),
+                          "scale": params["lm_head"]["scale"]}
+    elif weights != "int8" and "embed_tokens" in params:  # the LM head (a pipeline's middle stages have none)
+        out["lm_head"] = {"packed": pack(params["embed_tokens"]["embedding"], transposed=True, device=device,
+                                         weights=weights)}
+    return out
+
+
+def unpack_params(params: dict, like: dict, weights: str = "float32") -> dict:
+    """pack_params undone (exactly for float32 and int8; bfloat16 gives its rounded numbers back). `like`: a
+    tree of the plain params' layout (arrays or shapes) giving each packed weight's [K, N]."""
+    key = "qkernel" if weights == "int8" else "kernel"
+
+    def plain(path, packed):
+        k, n = _at(like, path)[key].shape
+        return jnp.asarray(unpack(packed, k, n, weights))
+    out = _map_dense({name: sub for name, sub in params.items() if name != "lm_head"}, "packed", key, plain)
+    if weights == "int8" and "lm_head" in params:
+        k, n = like["lm_head"]["qkernel"].shape
+        out["lm_head"] = {"qkernel": jnp.asarray(unpack(params["lm_head"]["packed"], k, n, weights)),
+                          "scale": params["lm_head"]["scale"]}
+    return out
+
+
+def _map_dense(params: dict, key: str, new_key: str, fn: Callable) -> dict:
+    """A new tree with every dense layer's `key` param replaced by `new_key` = fn(path, value); everything
+    else shared with `params`."""
+    out = dict(params)
+    for path in _dense_paths(params, key):
+        parent = out
+        for step in path[:-1]:  # copy the dicts along the path, so `params` stays as it was
+            parent[step] = parent = dict(parent[step])
+        dense = dict(parent[path[-1]])
+        dense[new_key] = fn(path, dense.pop(key))
+        parent[path[-1]] = dense
+    return out
+
+
+def _dense_paths(tree: dict, key: str, prefix=()):
+    for name, sub in tree.items():
+        if isinstance(sub, dict):
+            if key in sub:
+                yield prefix + (name,)
+            else:
+                yield from _dense_paths(sub, key, prefix + (name,))
+
+
+def _at(tree: dict, path):
+    for name in path:
+        tree = tree[name]
+    return tree

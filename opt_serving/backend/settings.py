@@ -1,0 +1,41 @@
+"""The backend's environment switches, read in one place into one value (`BackendSettings.from_env()`)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Mapping, Optional
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendSettings:
+    """What the environment asks of the CPU fast paths and the host-side helpers:
+
+    kernels      OPT_SERVING_ONEDNN: "0" turns the CPU kernels off (plain XLA everywhere; the extension
+                 is not even loaded)
+    bf16_screen  OPT_SERVING_BF16_SCREEN: "0" turns the screened bfloat16 greedy head off (greedy steps
+                 make the float32 logits)
+    cpu_threads  OPT_SERVING_CPU_THREADS: the kernels' threads (default: every CPU this process may run on)
+    cext         OPT_SERVING_NO_CEXT: "1" makes packing.py keep its pure-Python versions
+
+    OPT_SERVING_NO_AVX512 is read by _cpu_kernels.cc itself (the decode attention's portable code).
+    """
+    kernels: bool = True
+    bf16_screen: bool = True
+    cpu_threads: Optional[int] = None
+    cext: bool = True
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> "BackendSettings":
+        threads = env.get("OPT_SERVING_CPU_THREADS")
+        return cls(kernels=env.get("OPT_SERVING_ONEDNN", "1") != "0",
+                   bf16_screen=env.get("OPT_SERVING_BF16_SCREEN", "1") != "0",
+                   cpu_threads=max(1, int(threads)) if threads else None,
+                   cext=env.get("OPT_SERVING_NO_CEXT") != "1")
+
+    def threads(self) -> int:
+        """The kernels' threads: `cpu_threads`, else every CPU this process may run on, as XLA's own pool
+        does. OMP_NUM_THREADS is not followed: Ray sets it to a worker's CPU reservation (1 for a Serve
+        replica), which would leave the products on one core beside XLA on all."""
+        if self.cpu_threads:
+            return self.cpu_threads
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

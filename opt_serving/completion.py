@@ -1,0 +1,269 @@
+"""A completion's text as the engine's tokens arrive, and where its pieces go.
+
+`RequestText` holds one request's text state on the engine thread: incremental detokenisation (a multi-byte
+character split over tokens is held until it is whole), stop strings (text is cut at the first one; a tail
+that could still become one is held back, so a stream never leaks part of a stop string), echo of the prompt
+with its scores, OpenAI-style logprobs and offsets. It runs on the engine thread so a stop string frees the slot
+before the next step; its deltas go to a sink: `DeltaStream` (asyncio, through call_soon_threadsafe) or
+`Collector` (blocking callers).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from typing import Any, Callable, Optional, Sequence
+
+from opt_serving.engine import EngineOutput, EngineRequest, SlotSettings, TokenInfo
+from opt_serving.packing import find_stop
+from opt_serving.request import SamplingParams
+
+
+@dataclasses.dataclass
+class Delta:
+    """A piece of one completion as it streams; the last one has finish_reason set.
+
+    The lists run over the tokens whose text is in this delta (the echoed prompt's tokens in the first delta when
+    echo is on). `prompt_tokens`, `completion_tokens` and `cumulative_logprob` are running totals."""
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    tokens: list[str] = dataclasses.field(default_factory=list)
+    token_logprobs: list[Optional[float]] = dataclasses.field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = dataclasses.field(default_factory=list)  # None if not asked
+    text_offset: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: Optional[str] = None     # "stop" | "length"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cumulative_logprob: Optional[float] = 0.0  # None when the tokens are not scored (score_tokens)
+
+
+@dataclasses.dataclass
+class Completion(Delta):
+    """A whole completion: all deltas of one request joined (text includes the prompt when echo is on)."""
+
+    @classmethod
+    def join(cls, deltas: Sequence[Delta]) -> "Completion":
+        c = cls()
+        for d in deltas:
+            c.text += d.text
+            for f in ("token_ids", "tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                getattr(c, f).extend(getattr(d, f))
+            c.finish_reason = d.finish_reason
+            c.prompt_tokens, c.completion_tokens = d.prompt_tokens, d.completion_tokens
+            c.cumulative_logprob = d.cumulative_logprob
+        return c
+
+
+class Detokenizer:
+    """Token ids -> text a few at a time, holding a multi-byte character until its last byte arrives."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix = self.read = 0  # ids[prefix:read] is decoded context, ids[read:] is pending
+
+    def _decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
+
+    def add(self, token_id: int, final: bool = False) -> str:
+        self.ids.append(token_id)
+        return self.flush() if final else self._advance(hold_partial=True)
+
+    def flush(self) -> str:
+        return self._advance(hold_partial=False)
+
+    def _advance(self, hold_partial: bool) -> str:
+        before = self._decode(self.ids[self.prefix:self.read])
+        after = self._decode(self.ids[self.prefix:])
+        if len(after) <= len(before) or (hold_partial and after.endswith("\ufffd")):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return after[len(before):]
+
+
+class RequestText:
+    """One request's text state; `on_output` runs on the engine thread and returns True on a stop string."""
+
+    def __init__(self, tokenizer, token_text: Callable[[int], str], prompt_ids: list[int], prompt_text: str,
+                 params: SamplingParams, settings: SlotSettings, sink: Callable[[Any], None], hidden: int = 0):
+        """`token_text`: a token id's own text, as logprobs show it (token_text.TokenTexts)."""
+        self.tokenizer, self.token_text = tokenizer, token_text
+        self.params, self.settings, self.sink = params, settings, sink
+        self.prompt_ids, self.base = prompt_ids, len(prompt_text)
+        self.hidden = hidden  # leading prompt tokens the tokenizer added (BOS): read by the model, not echoed
+        self.detok = Detokenizer(tokenizer, params.skip_special_tokens)
+        self.text = ""       # completion text so far (cut at a stop string)
+        self.safe = 0        # text[:safe] can no longer turn into a stop string
+        self.sent = 0        # text[:sent] has been sent
+        self.toks: list[tuple[TokenInfo, int, int]] = []  # kept tokens with their [start, end) in text
+        self.n_sent = 0
+        self.echo_pending = params.echo and not settings.prompt_logprobs  # echo without scores: no prompt output
+        self.generated = 0
+        self.cum_logprob = 0.0 if settings.logprob else None
+        self.finished = False
+
+    # ---- prompt echo ----
+    def echo_delta(self, scores: Optional[list[TokenInfo]]) -> Delta:
+        detok = Detokenizer(self.tokenizer, self.params.skip_special_tokens)
+        d = Delta(prompt_tokens=len(self.prompt_ids))
+        for i in range(self.hidden):  # context for the detokenizer, not echoed
+            detok.add(self.prompt_ids[i])
+        for i in range(self.hidden, len(self.prompt_ids)):
+            tid = self.prompt_ids[i]
+            d.text_offset.append(len(d.text))
+            d.text += detok.add(tid, final=i == len(self.prompt_ids) - 1)
+            info = scores[i] if scores is not None else TokenInfo(tid, None)
+            self._append(d, info)
+        return d
+
+    def _append(self, d: Delta, tok: TokenInfo) -> None:
+        d.token_ids.append(tok.id)
+        d.tokens.append(self.token_text(tok.id))
+        d.token_logprobs.append(tok.logprob)
+        n = self.params.logprobs
+        if n is None or tok.logprob is None:
+            d.top_logprobs.append(None)
+        else:
+            top = {self.token_text(i): lp for i, lp in tok.top[:n]}
+            top.setdefault(self.token_text(tok.id), tok.logprob)
+            d.top_logprobs.append(top)
+
+    # ---- generated tokens (engine thread) ----
+    def on_output(self, out: EngineOutput) -> bool:
+        if self.finished:
+            return True
+        if out.error is not None:
+            self.finished = True
+            self.sink(out.error)
+            return True
+        if out.is_prompt:
+            self.sink(self.echo_delta(out.tokens))
+            return False
+        if self.echo_pending:
+            self.echo_pending = False
+            self.sink(self.echo_delta(None))
+        final = out.finish_reason is not None
+        for tok in out.tokens:
+            self.generated += 1
+            if self.cum_logprob is not None:
+                self.cum_logprob += tok.logprob or 0.0
+            if (out.finish_reason == "stop" and tok.id in self.settings.stop_token_ids
+                    and not self.params.include_stop_str_in_output):
+                continue  # EOS (a stop token) ends the text, it is not part of it
+            start = len(self.text)
+            self.text += self.detok.add(tok.id)
+            self.toks.append((tok, start, len(self.text)))
+        if final:  # a character still incomplete at the end is emitted as it is
+            tail = self.detok.flush()
+            if tail and self.toks:
+                tok, start, _ = self.toks[-1]
+                self.text += tail
+                self.toks[-1] = (tok, start, len(self.text))
+        reason = out.finish_reason
+        if self.params.stop:
+            cut, self.safe = find_stop(self.text, self.params.stop, self.safe)
+            if cut >= 0:
+                reason = "stop"
+                cut = self._stop_end(cut)
+                self.text = self.text[:cut]
+                self.toks = [t for t in self.toks if t[1] < cut]
+        else:
+            self.safe = len(self.text)
+        if reason is not None:
+            self.safe = len(self.text)
+        self._send(reason)
+        return reason is not None and not final
+
+    def _stop_end(self, cut: int) -> int:
+        """Where the text ends for a stop string found at `cut`: there, or after the stop string itself with
+        include_stop_str_in_output (the first of `stop` that matches there, as vLLM checks them in order)."""
+        if not self.params.include_stop_str_in_output:
+            return cut
+        return cut + next(len(s) for s in self.params.stop if self.text.startswith(s, cut))
+
+    def _send(self, reason: Optional[str]) -> None:
+        d = Delta(text=self.text[self.sent:self.safe], finish_reason=reason,
+                  prompt_tokens=len(self.prompt_ids), completion_tokens=self.generated,
+                  cumulative_logprob=self.cum_logprob)
+        while self.n_sent < len(self.toks) and (reason is not None or self.toks[self.n_sent][2] <= self.safe):
+            tok, start, _ = self.toks[self.n_sent]
+            self._append(d, tok)
+            d.text_offset.append(self.base + start)
+            self.n_sent += 1
+        self.sent = self.safe
+        if reason is not None:
+            self.finished = True
+        if d.text or d.token_ids or reason is not None:
+            self.sink(d)
+
+
+class DeltaStream:
+    """Async iterator over one request's deltas. `cancel()` (or `aclose()`) frees its engine slot."""
+
+    def __init__(self, engine):
+        self._engine = engine
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()
+        self._req: Optional[EngineRequest] = None
+        self._done = False
+
+    def _sink(self, item) -> None:  # engine thread
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    def __aiter__(self) -> "DeltaStream":
+        return self
+
+    async def __anext__(self) -> Delta:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:  # the consumer was cancelled (client gone): free the slot
+            self.cancel()
+            raise
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if item.finish_reason is not None:
+            self._done = True
+        return item
+
+    def cancel(self) -> None:
+        if not self._done:
+            self._done = True
+            if self._req is not None:
+                self._engine.cancel(self._req)
+
+    async def aclose(self) -> None:
+        self.cancel()
+
+
+class Collector:
+    """Blocking sink: joins one request's deltas and signals when it is done."""
+
+    def __init__(self, on_done: Callable[[], None]):
+        self.deltas: list[Delta] = []
+        self.error: Optional[BaseException] = None
+        self.done = threading.Event()
+        self._on_done = on_done
+
+    def __call__(self, item) -> None:
+        if isinstance(item, BaseException):
+            self.error = item
+        else:
+            self.deltas.append(item)
+            if item.finish_reason is None:
+                return
+        self.done.set()
+        self._on_done()
+
+    def result(self) -> Completion:
+        if self.error is not None:
+            raise self.error
+        return Completion.join(self.deltas)
+
+
+def best(completions: list[Completion], n: int) -> list[Completion]:
+    """The n with the highest cumulative logprob, best first (stable for ties)."""
+    return sorted(completions, key=lambda c: -c.cumulative_logprob)[:n]

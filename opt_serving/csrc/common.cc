@@ -1,0 +1,84 @@
+#include "common.h"
+
+namespace opt {
+
+dnnl::engine& cpu_engine() {
+  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  return engine;
+}
+
+std::mutex mu;
+std::mutex run_mu;
+
+namespace {
+std::atomic<int> threads{0};
+}
+
+void use_threads() {
+  const int n = threads.load(std::memory_order_relaxed);
+  if (n > 0 && omp_get_max_threads() != n) omp_set_num_threads(n);
+}
+
+const dnnl::memory::desc& packed_desc(int64_t k, int64_t n, dt in) {
+  static std::map<std::tuple<int64_t, int64_t, dt>, dnnl::memory::desc> descs;
+  std::lock_guard<std::mutex> lock(mu);
+  auto key = std::make_tuple(k, n, in);
+  auto it = descs.find(key);
+  if (it == descs.end()) {
+    dnnl::memory::desc src({kPackRows, k}, in, tag::ab);
+    dnnl::memory::desc w({k, n}, in, tag::any);
+    dnnl::memory::desc dst({kPackRows, n}, dt::f32, tag::ab);
+    dnnl::primitive_attr attr;
+    if (in == dt::s8) attr.set_scales_mask(DNNL_ARG_WEIGHTS, 1 << 1);
+    dnnl::matmul::primitive_desc pd(cpu_engine(), src, w, dst, attr);
+    it = descs.emplace(key, pd.weights_desc()).first;
+  }
+  return it->second;
+}
+
+int reorder_plain(int64_t k, int64_t n, int transposed, const void* from, void* to, bool pack, dt packed_type,
+                  dt plain_type) {
+  try {
+    dnnl::memory::desc plain({k, n}, plain_type, transposed ? tag::ba : tag::ab);
+    const dnnl::memory::desc& packed = packed_desc(k, n, packed_type);
+    dnnl::memory src(pack ? plain : packed, cpu_engine(), const_cast<void*>(from));
+    dnnl::memory dst(pack ? packed : plain, cpu_engine(), to);
+    dnnl::stream stream(cpu_engine());
+    dnnl::reorder(src, dst).execute(stream, src, dst);
+    stream.wait();
+    return 0;
+  } catch (...) {
+    return 1;
+  }
+}
+
+uint16_t to_bf16(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  b += 0x7fffu + ((b >> 16) & 1u);
+  return static_cast<uint16_t>(b >> 16);
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default")))
+double dot_exact(const float* x, const float* w, int64_t k) {
+  double s = 0.0;  // each float product is exact in double; the sum's order does not matter at this precision
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < k; ++i) s += static_cast<double>(x[i]) * w[i];
+  return s;
+}
+
+}  // namespace opt
+
+extern "C" void opt_cpu_kernels_set_threads(int n) { opt::threads.store(n); }
+
+// The size of the team a kernel called from this thread runs with (for tests).
+extern "C" int opt_cpu_kernels_team_size() {
+  opt::use_threads();
+  int size = 0;
+#pragma omp parallel
+  {
+#pragma omp single
+    size = omp_get_num_threads();
+  }
+  return size;
+}

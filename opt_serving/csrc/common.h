@@ -1,0 +1,65 @@
+// Shared by the CPU kernels (XLA FFI custom calls, built into opt_serving/_cpu_kernels.so by
+// build.sh; loaded by opt_serving/backend/cpu/_lib.py). One file per kind of kernel:
+//   products.cc   oneDNN matrix products on weights packed once at load (float32, bfloat16, int8)
+//   argmax.cc     jnp.argmax over a row at memory speed
+//   attention.cc  a decode step's attention over the cache entries written so far
+//   head.cc       greedy tokens from the LM head, screened in bfloat16 and decided in float32
+// A packed buffer's layout is the one oneDNN's matmul picks on this CPU with this oneDNN, so it
+// is only valid in the process that made it: nothing packed is ever written to disk.
+#pragma once
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+#include <omp.h>
+
+#include "dnnl.hpp"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+using dt = dnnl::memory::data_type;
+using tag = dnnl::memory::format_tag;
+
+namespace opt {
+
+constexpr int64_t kPackRows = 32;  // the rows the weight layout is chosen for (the same BA16a64b for 16-128 here)
+
+dnnl::engine& cpu_engine();
+
+extern std::mutex mu;      // guards the primitive and layout caches (XLA may call from several threads)
+extern std::mutex run_mu;  // one product at a time: each already uses every core
+
+// Threads for every parallel region we start or oneDNN starts for us (0: OpenMP's default). Set
+// from Python: XLA's own pool ignores OMP_NUM_THREADS, and a Ray worker has it set to its CPU
+// reservation (1 for a Serve replica), which would leave our kernels on one core while XLA uses
+// all. OpenMP keeps the count per calling thread, so each handler sets it for the XLA thread that calls it.
+void use_threads();
+
+// The layout oneDNN's matmul picks for a [K, N] weight of type `in` (float32 results either way;
+// int8 weights are multiplied by int8 rows with per-column weight scales).
+const dnnl::memory::desc& packed_desc(int64_t k, int64_t n, dt in = dt::f32);
+
+// Copy between a plain row-major [K, N] (or [N, K], transposed) weight of type `plain_type` and
+// the packed one of type `packed_type` (oneDNN rounds to nearest even going to bfloat16). 0 on success.
+int reorder_plain(int64_t k, int64_t n, int transposed, const void* from, void* to, bool pack,
+                  dt packed_type = dt::f32, dt plain_type = dt::f32);
+
+uint16_t to_bf16(float f);  // round to nearest even; finite inputs only (the caller checks)
+
+double dot_exact(const float* x, const float* w, int64_t k);
+
+}  // namespace opt

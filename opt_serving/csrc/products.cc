@@ -1,0 +1,308 @@
+// Matrix products against weights packed once at load, for every weight format the CPU backend has:
+//
+//   float32   y = x @ W on float32 weights (oneDNN; a plain stream over the weights for 1-4 rows)
+//   bfloat16  the rows rounded to bfloat16, bfloat16 weights, float32 accumulation (AVX512_BF16/AMX)
+//   int8      each row quantized to int8 with its own scale (max |x| / 127), int8 weights with a
+//             scale per output column (symmetric), int32 accumulation (VNNI), y = acc * s_row * s_col
+//
+// Why packed: XLA CPU's GEMMs take the weights as a plain [K, N] runtime argument and re-pack them
+// on every call; a decode step multiplies a few rows by every weight of the model, so that packing
+// was most of its memory traffic. oneDNN's matmul reads weights already in its blocked layout.
+//
+//   opt_onednn_packed_bytes_as(K, N, type)                  size of a packed [K, N] weight (type: 0 f32, 1 bf16, 2 s8)
+//   opt_onednn_pack_as(w, K, N, transposed, type, out)      w row-major [K, N] ([N, K] when transposed):
+//                                                           float32 for f32/bf16, int8 for s8
+//   opt_onednn_unpack_as(packed, K, N, type, w)             the reverse ([K, N]; bfloat16 comes back as float32)
+//   OptOnednnMatmul (FFI)      y[M, N] = x[M, K] @ W (+ bias[N]) (relu), float32 weights
+//   OptOnednnMatmulLowp (FFI)  the same for bfloat16 (weights=1) or int8 (weights=2, with scales[N]) weights
+#include "common.h"
+
+using namespace opt;
+
+namespace {
+
+enum WeightType : int { kF32 = 0, kBF16 = 1, kS8 = 2 };
+
+dt packed_type(int type) { return type == kS8 ? dt::s8 : type == kBF16 ? dt::bf16 : dt::f32; }
+
+using Key = std::tuple<int64_t, int64_t, int64_t, bool, bool, dt>;  // m, k, n, bias, relu, weight type
+
+// int8 products leave the bias and ReLU to the epilogue: they come after the row scale, which oneDNN
+// (3.2) cannot apply per row without falling back to its reference kernel.
+dnnl::matmul matmul_for(int64_t m, int64_t k, int64_t n, bool bias, bool relu, dt in = dt::f32) {
+  const dnnl::memory::desc& w = packed_desc(k, n, in);
+  static std::map<Key, dnnl::matmul> prims;
+  std::lock_guard<std::mutex> lock(mu);
+  Key key{m, k, n, bias, relu, in};
+  auto it = prims.find(key);
+  if (it == prims.end()) {
+    dnnl::primitive_attr attr;
+    if (in == dt::s8) {
+      attr.set_scales_mask(DNNL_ARG_WEIGHTS, 1 << 1);
+    } else if (relu) {
+      dnnl::post_ops ops;
+      ops.append_eltwise(dnnl::algorithm::eltwise_relu, 0.f, 0.f);
+      attr.set_post_ops(ops);
+    }
+    dnnl::memory::desc src({m, k}, in, tag::ab);
+    dnnl::memory::desc dst({m, n}, dt::f32, tag::ab);
+    dnnl::matmul::primitive_desc pd =
+        bias && in != dt::s8
+            ? dnnl::matmul::primitive_desc(cpu_engine(), src, w, dnnl::memory::desc({1, n}, dt::f32, tag::ab), dst, attr)
+            : dnnl::matmul::primitive_desc(cpu_engine(), src, w, dst, attr);
+    it = prims.emplace(key, dnnl::matmul(pd)).first;
+  }
+  return it->second;
+}
+
+// A few rows (a decode step at batch 1-4) over the BA16a64b layout oneDNN packs these weights
+// in: oneDNN's kernels take ~15% longer than XLA's matrix-vector products there, and such a
+// step is a plain stream over the weights. In that layout the 64 columns of block nb are
+// contiguous [K_padded, 64] rows: entry (k, n) sits at (n / 64) * K_padded * 64 + k * 64 + n % 64.
+constexpr int64_t kSmallRows = 4;
+
+bool streams_as_rows(const dnnl::memory::desc& packed, int64_t k, int64_t n) {
+  return packed == dnnl::memory::desc({k, n}, dt::f32, tag::BA16a64b);
+}
+
+// M is a template argument so the accumulators stay in registers.
+template <int M>
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void small_rows(const float* x, int64_t k, int64_t n, const float* w, const float* bias, bool relu,
+                float* y) {
+  const int64_t k_padded = (k + 15) / 16 * 16, blocks = (n + 63) / 64;
+#pragma omp parallel for schedule(static)
+  for (int64_t nb = 0; nb < blocks; ++nb) {
+    float acc[M][64] = {};
+    const float* block = w + nb * k_padded * 64;
+    for (int64_t kk = 0; kk < k; ++kk) {
+      const float* row = block + kk * 64;
+      for (int r = 0; r < M; ++r) {
+        const float xv = x[r * k + kk];
+#pragma omp simd
+        for (int j = 0; j < 64; ++j) acc[r][j] += xv * row[j];
+      }
+    }
+    const int64_t n0 = nb * 64, cols = std::min<int64_t>(64, n - n0);
+    for (int r = 0; r < M; ++r) {
+      for (int64_t j = 0; j < cols; ++j) {
+        float v = acc[r][j] + (bias ? bias[n0 + j] : 0.f);
+        y[r * n + n0 + j] = relu && v < 0.f ? 0.f : v;
+      }
+    }
+  }
+}
+
+void small_rows(const float* x, int64_t m, int64_t k, int64_t n, const float* w, const float* bias,
+                bool relu, float* y) {
+  switch (m) {
+    case 1: return small_rows<1>(x, k, n, w, bias, relu, y);
+    case 2: return small_rows<2>(x, k, n, w, bias, relu, y);
+    case 3: return small_rows<3>(x, k, n, w, bias, relu, y);
+    default: return small_rows<4>(x, k, n, w, bias, relu, y);
+  }
+}
+
+// Rows -> bfloat16 (round to nearest even; NaN stays NaN).
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void rows_to_bf16(const float* x, int64_t count, uint16_t* out) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < count; ++i) out[i] = x[i] != x[i] ? 0x7fc0 : to_bf16(x[i]);
+}
+
+// Each row -> int8 with its own symmetric scale (max |x| / 127; 1 for a zero row).
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void rows_to_s8(const float* x, int64_t m, int64_t k, int8_t* q, float* scale) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < m; ++r) {
+    const float* xr = x + r * k;
+    float top = 0.f;
+#pragma omp simd reduction(max : top)
+    for (int64_t i = 0; i < k; ++i) top = std::max(top, std::fabs(xr[i]));
+    const float s = top > 0.f ? top / 127.f : 1.f, inv = 1.f / s;
+    scale[r] = s;
+#pragma omp simd
+    for (int64_t i = 0; i < k; ++i) q[r * k + i] = static_cast<int8_t>(std::nearbyint(std::min(127.f, std::max(-127.f, xr[i] * inv))));
+  }
+}
+
+// y = y * s_row (+ bias) (relu), in place
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void epilogue(float* y, int64_t m, int64_t n, const float* scale, const float* bias, bool relu) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < m; ++r) {
+    float* yr = y + r * n;
+    const float s = scale[r];
+    if (bias) {
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) yr[j] = yr[j] * s + bias[j];
+    } else {
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) yr[j] *= s;
+    }
+    if (relu) {
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) yr[j] = yr[j] < 0.f ? 0.f : yr[j];
+    }
+  }
+}
+
+ffi::Error check_shapes(const char* name, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& packed, ffi::Buffer<ffi::F32>& bias,
+                        ffi::ResultBuffer<ffi::F32>& y, dt type, int64_t* m, int64_t* k, int64_t* n) {
+  auto xd = x.dimensions();
+  auto yd = y->dimensions();
+  if (xd.size() != 2 || yd.size() != 2 || xd[0] != yd[0]) {
+    return ffi::Error::InvalidArgument(std::string(name) + ": x must be [M, K] and y [M, N]");
+  }
+  *m = xd[0], *k = xd[1], *n = yd[1];
+  if (bias.element_count() > 0 && static_cast<int64_t>(bias.element_count()) != *n) {
+    return ffi::Error::InvalidArgument(std::string(name) + ": bias must have N entries");
+  }
+  const dnnl::memory::desc& wd = packed_desc(*k, *n, type);
+  if (packed.size_bytes() != wd.get_size()) {
+    return ffi::Error::InvalidArgument(
+        std::string(name) + ": the packed weight has " + std::to_string(packed.size_bytes()) + " bytes, a packed [" +
+        std::to_string(*k) + ", " + std::to_string(*n) + "] weight " + std::to_string(wd.get_size()));
+  }
+  return ffi::Error::Success();
+}
+
+void run(dnnl::matmul& prim, std::unordered_map<int, dnnl::memory>& args) {
+  std::lock_guard<std::mutex> lock(run_mu);
+  dnnl::stream stream(cpu_engine());
+  prim.execute(stream, args);
+  stream.wait();
+}
+
+}  // namespace
+
+extern "C" int64_t opt_onednn_packed_bytes_as(int64_t k, int64_t n, int type) {
+  try {
+    return static_cast<int64_t>(packed_desc(k, n, packed_type(type)).get_size());
+  } catch (...) {
+    return -1;
+  }
+}
+
+extern "C" int opt_onednn_pack_as(const void* w, int64_t k, int64_t n, int transposed, int type, void* out) {
+  return reorder_plain(k, n, transposed, w, out, true, packed_type(type), type == kS8 ? dt::s8 : dt::f32);
+}
+
+extern "C" int opt_onednn_unpack_as(const void* packed, int64_t k, int64_t n, int type, void* w) {
+  return reorder_plain(k, n, 0, packed, w, false, packed_type(type), type == kS8 ? dt::s8 : dt::f32);
+}
+
+static ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ffi::Buffer<ffi::F32> bias,
+                         ffi::ResultBuffer<ffi::F32> y, bool relu) {
+  use_threads();
+  int64_t m, k, n;
+  try {
+    ffi::Error bad = check_shapes("opt_onednn_matmul", x, packed, bias, y, dt::f32, &m, &k, &n);
+    if (bad.failure() || m == 0) return bad;
+    const bool has_bias = bias.element_count() > 0;
+    const dnnl::memory::desc& wd = packed_desc(k, n);
+    if (m <= kSmallRows && streams_as_rows(wd, k, n)) {
+      std::lock_guard<std::mutex> lock(run_mu);
+      small_rows(x.typed_data(), m, k, n, static_cast<const float*>(packed.untyped_data()),
+                 has_bias ? bias.typed_data() : nullptr, relu, y->typed_data());
+      return ffi::Error::Success();
+    }
+    dnnl::matmul prim = matmul_for(m, k, n, has_bias, relu);
+    dnnl::engine& eng = cpu_engine();
+    std::unordered_map<int, dnnl::memory> args{
+        {DNNL_ARG_SRC, dnnl::memory({{m, k}, dt::f32, tag::ab}, eng, x.typed_data())},
+        {DNNL_ARG_WEIGHTS, dnnl::memory(wd, eng, packed.untyped_data())},
+        {DNNL_ARG_DST, dnnl::memory({{m, n}, dt::f32, tag::ab}, eng, y->typed_data())}};
+    if (has_bias) args.emplace(DNNL_ARG_BIAS, dnnl::memory({{1, n}, dt::f32, tag::ab}, eng, bias.typed_data()));
+    run(prim, args);
+  } catch (const dnnl::error& e) {
+    return ffi::Error::Internal(std::string("opt_onednn_matmul: ") + e.what());
+  }
+  return ffi::Error::Success();
+}
+
+// weights: 1 bfloat16, 2 int8 (with `scales`, one per column)
+static ffi::Error MatmulLowp(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ffi::Buffer<ffi::F32> scales,
+                             ffi::Buffer<ffi::F32> bias, ffi::ResultBuffer<ffi::F32> y, bool relu, int32_t weights) {
+  use_threads();
+  if (weights != kBF16 && weights != kS8) {
+    return ffi::Error::InvalidArgument("opt_onednn_matmul_lowp: weights must be 1 (bfloat16) or 2 (int8)");
+  }
+  const dt type = packed_type(weights);
+  int64_t m, k, n;
+  try {
+    ffi::Error bad = check_shapes("opt_onednn_matmul_lowp", x, packed, bias, y, type, &m, &k, &n);
+    if (bad.failure() || m == 0) return bad;
+    if (type == dt::s8 && static_cast<int64_t>(scales.element_count()) != n) {
+      return ffi::Error::InvalidArgument("opt_onednn_matmul_lowp: int8 weights need N scales");
+    }
+    const bool has_bias = bias.element_count() > 0;
+    const dnnl::memory::desc& wd = packed_desc(k, n, type);
+    dnnl::matmul prim = matmul_for(m, k, n, has_bias, relu, type);
+    dnnl::engine& eng = cpu_engine();
+    // kept between calls (one product runs at a time): fresh buffers each step are page faults
+    static std::vector<int8_t> xq;
+    static std::vector<uint16_t> xb;
+    static std::vector<float> row_scale;
+    std::lock_guard<std::mutex> lock(run_mu);
+    void* src_data;
+    if (type == dt::s8) {
+      xq.resize(m * k);
+      row_scale.resize(m);
+      rows_to_s8(x.typed_data(), m, k, xq.data(), row_scale.data());
+      src_data = xq.data();
+    } else {
+      xb.resize(m * k);
+      rows_to_bf16(x.typed_data(), m * k, xb.data());
+      src_data = xb.data();
+    }
+    std::unordered_map<int, dnnl::memory> args{
+        {DNNL_ARG_SRC, dnnl::memory({{m, k}, type, tag::ab}, eng, src_data)},
+        {DNNL_ARG_WEIGHTS, dnnl::memory(wd, eng, packed.untyped_data())},
+        {DNNL_ARG_DST, dnnl::memory({{m, n}, dt::f32, tag::ab}, eng, y->typed_data())}};
+    if (type == dt::s8) {
+      args.emplace(DNNL_ARG_ATTR_SCALES | DNNL_ARG_WEIGHTS,
+                   dnnl::memory({{n}, dt::f32, tag::a}, eng, const_cast<float*>(scales.typed_data())));
+    } else if (has_bias) {
+      args.emplace(DNNL_ARG_BIAS, dnnl::memory({{1, n}, dt::f32, tag::ab}, eng, bias.typed_data()));
+    }
+    dnnl::stream stream(eng);
+    prim.execute(stream, args);
+    stream.wait();
+    if (type == dt::s8) {
+      epilogue(y->typed_data(), m, n, row_scale.data(), has_bias ? bias.typed_data() : nullptr, relu);
+    }
+  } catch (const dnnl::error& e) {
+    return ffi::Error::Internal(std::string("opt_onednn_matmul_lowp: ") + e.what());
+  }
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptOnednnMatmul, Matmul,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("relu"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptOnednnMatmulLowp, MatmulLowp,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("relu")
+                                  .Attr<int32_t>("weights"));
+
+// The float32 names the Python side has always used
+extern "C" int64_t opt_onednn_packed_bytes(int64_t k, int64_t n) { return opt_onednn_packed_bytes_as(k, n, kF32); }
+
+extern "C" int opt_onednn_pack(const float* w, int64_t k, int64_t n, int transposed, void* out) {
+  return reorder_plain(k, n, transposed, w, out, true);
+}
+
+extern "C" int opt_onednn_unpack(const void* packed, int64_t k, int64_t n, int transposed, float* w) {
+  return reorder_plain(k, n, transposed, packed, w, false);
+}

@@ -1,0 +1,41 @@
+"""Typed errors, raised where a request is refused and mapped to HTTP statuses in one place
+(service/errors.py). This module imports nothing of ours: every layer may raise these.
+
+    InvalidRequest          a request this server will never answer as asked (HTTP 400)
+      ContextLengthExceeded the prompt (+ the tokens asked for) does not fit the model's context
+    Overloaded              no room now; the same request may succeed later (HTTP 429)
+    Unavailable             the model cannot answer now: shutting down, a dead worker (HTTP 503)
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+
+class OPTServingError(Exception):
+    """Base of the errors a client can be told about."""
+
+
+class InvalidRequest(OPTServingError, ValueError):
+    """A request that cannot be answered as asked. `param` names the request field at fault (None when it
+    is the request as a whole); `code` is a short machine-readable reason (OpenAI's error `code`)."""
+
+    def __init__(self, message: str, param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """The prompt, or the prompt and the tokens asked for, exceed the model's context."""
+
+    def __init__(self, message: str, param: Optional[str] = "prompt"):
+        super().__init__(message, param=param, code="context_length_exceeded")
+
+
+class Overloaded(OPTServingError, RuntimeError):
+    """Refused for lack of room (a full queue); retrying later may succeed."""
+    code = "queue_full"
+
+
+class Unavailable(OPTServingError, RuntimeError):
+    """The model cannot answer now (shutting down, a worker died); `code` says which."""
+    code = "unavailable"

@@ -1,0 +1,87 @@
+"""One loader: a model name and weights (or random weights, or the embedded tiny model) -> a `Generator`.
+`opt-serving serve` (one per replica), `opt-serving batch` and `Generator.from_pretrained` all load through
+`load_generator`, so a name, a folder or a flag means the same thing to each."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+from opt_serving.admission import PREFILL_CHUNK
+
+if TYPE_CHECKING:
+    from opt_serving.engine import Engine
+    from opt_serving.generator import Generator
+
+
+def check_model_args(model: Optional[str], path=None, dummy: bool = False, tokenizer=None) -> None:
+    """The model arguments' own errors (ValueError, naming the argument and its CLI flag), found before
+    anything loads or Ray starts."""
+    if dummy:
+        if model is None:
+            raise ValueError("dummy (--dummy, random weights) needs a model name for the size (--model), "
+                             "e.g. jax/opt-125m")
+        if path is not None:
+            raise ValueError("give either path (--path, a weights folder) or dummy (--dummy, random weights), "
+                             "not both")
+        from opt_serving.tokenizer import tokenizer_for_dummy
+        tokenizer_for_dummy(model, tokenizer)  # a large vocabulary needs a tokenizer folder
+    elif path is None:
+        from opt_serving.tokenizer import EMBEDDED_NAMES
+        if model is not None and model not in EMBEDDED_NAMES:
+            raise ValueError(f"{model}: give path (--path, the numpy weights folder) or dummy (--dummy, "
+                             "random weights)")
+        if tokenizer is not None:
+            raise ValueError("tokenizer (--tokenizer) goes with path or dummy; the embedded model has its own")
+    elif model is None:
+        raise ValueError("give model (--model NAME, e.g. facebook/opt-125m) together with path (--path)")
+
+
+def load_generator(model: Optional[str], path=None, dtype: str = "float32", max_batch_size: int = 16,
+                   max_seq_len: Optional[int] = None, max_queue: int = 256, warmup: bool = True,
+                   dummy: bool = False, seed: int = 0, tokenizer=None, prefill_chunk: Optional[int] = PREFILL_CHUNK,
+                   **plan) -> "Generator":
+    """The named model's weights from `path` (a numpy folder, or its parent holding `<size>-np/`) with the
+    tokenizer from the same folder; random weights of the named size from `seed` with `dummy` (no `path`);
+    the embedded tiny model with neither. `tokenizer`: a folder to take the
+    tokenizer from instead (needed with `dummy` when the vocabulary is larger than the embedded model's).
+    `max_batch_size` decode slots; every shape is compiled before it returns when `warmup`. `prefill_chunk`:
+    prompts longer than this are prefilled that many tokens an engine iteration, between decode steps (0 or
+    None: whole; engine.Engine). `plan`: an alpa/
+    model's tensor_parallel, pipeline_parallel, device_memory, micro_batches (`load_engine`).
+    ValueError (naming the argument) for arguments that do not go together; OSError for missing files."""
+    from opt_serving.generator import Generator
+    from opt_serving.tokenizer import load_tokenizer, tokenizer_for_dummy
+    check_model_args(model, path, dummy, tokenizer)
+    if dummy:
+        folder, tok = None, load_tokenizer(tokenizer_for_dummy(model, tokenizer))
+    else:
+        from opt_serving.model.loader import resolve_numpy_folder
+        if path is None:
+            from opt_serving.embedded import ensure_embedded_model
+            path, model = ensure_embedded_model(), "jax/opt-tiny"
+        folder = resolve_numpy_folder(path, model)
+        tok = load_tokenizer(folder if tokenizer is None else tokenizer)
+    engine = load_engine(model, folder, dtype=dtype, num_slots=max_batch_size, max_seq_len=max_seq_len,
+                         max_queue=max_queue, warmup=warmup, dummy=dummy, seed=seed, prefill_chunk=prefill_chunk,
+                         **plan)
+    return Generator(engine, tok, max_seq_len=max_seq_len, model_name=model)
+
+
+def load_engine(model_name: str, path=None, dtype: str = "float32", num_slots: int = 16,
+                max_seq_len: Optional[int] = None, max_queue: int = 256, warmup: bool = True,
+                prefill_chunk: Optional[int] = PREFILL_CHUNK, **plan) -> "Engine":
+    """An engine over `runner.load.load_slots(model_name, path, ...)` (every plan: one device, a
+    tensor-parallel mesh, pipeline stages on a Ray cluster; `plan` takes dummy, seed, tensor_parallel,
+    pipeline_parallel, device_memory, micro_batches), compiled before it returns when `warmup` (the
+    chunked prefill's step too: `prefill_chunk`, see engine.Engine)."""
+    from opt_serving.engine import Engine
+    from opt_serving.runner.load import load_slots
+    slots = load_slots(model_name, path, dtype=dtype, num_slots=num_slots, max_seq_len=max_seq_len, **plan)
+    engine = Engine(slots, max_queue=max_queue, start=False, prefill_chunk=prefill_chunk)
+    try:
+        if warmup:
+            engine.warmup()
+    except BaseException:
+        slots.close()
+        raise
+    engine.start()
+    return engine

@@ -1,0 +1,124 @@
+"""Beam search, a port of transformers 5.23 `_beam_search` (vectorised, one EOS token): `beam_init` and
+`beam_step` are pure functions of the next-token logits and the beams' state, which the on-device loop
+(`search`) and the pipelined host loop (parallel/backend.py) run between decodes."""
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from opt_serving import sampling
+from opt_serving.backend import Backend
+from opt_serving.model import kv_cache, opt
+
+
+def _gather_beams(x, idx):
+    """x [B, K, ...], idx [B, K'] -> [B, K', ...]"""
+    return jax.vmap(lambda a, i: jnp.take(a, i, axis=0))(x, idx)
+
+
+def beam_init(ids, mask, k: int, max_length: int, fill: int) -> dict:
+    """Beam state for prompts already repeated k times (rows [B*K])."""
+    bk, s = ids.shape
+    b = bk // k
+    running = jnp.full((b, k, max_length), fill, jnp.int32).at[:, :, :s].set(ids.reshape(b, k, s))
+    idx = jnp.full((b, k, max_length - s), -1, jnp.int32)
+    return dict(cur=jnp.int32(s), running=running, running_scores=jnp.zeros((b, k), jnp.float32)
+                .at[:, 1:].set(-1e9), running_idx=idx, seqs=running,
+                beam_scores=jnp.full((b, k), -1e9, jnp.float32), beam_idx=idx,
+                finished=jnp.zeros((b, k), jnp.bool_), unsat=jnp.ones((b, 1), jnp.bool_))
+
+
+def beam_step(k, s, length_penalty, early_stop, eos, logits, c, prompt_seen, st):
+    """One step of transformers 5.23 `_beam_search` (vectorised, one EOS token) given the next-token
+    logits [B*K, V] -> (new state, the parent row of every beam [B*K] (reorder the cache by it), the
+    token each beam feeds next [B*K], whether to go on, the processed log-probs [B*K, V]).
+    Pure: the on-device loop (`search`) and the pipelined host loop (parallel/backend.py) both run it."""
+    bk, v = logits.shape
+    b = bk // k
+    cur, running, running_scores, running_idx = (c["cur"], c["running"], c["running_scores"],
+                                                 c["running_idx"])
+    max_length = running.shape[2]
+    keep = 2 * k  # beams_to_keep = max(2, 1 + n_eos) * num_beams
+    top_mask = jnp.arange(keep) < k
+    g = _gather_beams
+    state = _state_from_history(prompt_seen, running.reshape(bk, max_length), cur, v)
+    log_probs = sampling.process_logits(jax.nn.log_softmax(logits.astype(jnp.float32), -1), state, st)
+    acc = (log_probs.reshape(b, k, v) + running_scores[:, :, None]).reshape(b, k * v)
+    topk_lp, topk_i = jax.lax.top_k(acc, keep)
+    cur_beam, topk_ids = topk_i // v, (topk_i % v).astype(jnp.int32)
+    t_idx = g(running_idx, cur_beam)
+    t_seq = jax.lax.dynamic_update_slice(g(running, cur_beam), topk_ids[:, :, None], (0, 0, cur))
+    flat_parent = (cur_beam + jnp.arange(b)[:, None] * k).astype(jnp.int32)
+    t_idx = jax.lax.dynamic_update_slice(t_idx, flat_parent[:, :, None], (0, 0, cur - s))
+    hits = (cur + 1 >= max_length) | (topk_ids == eos)
+    # the best unfinished beams continue
+    t_run_lp = topk_lp + hits.astype(jnp.float32) * -1.0e9
+    nxt = jax.lax.top_k(t_run_lp, k)[1]
+    running, running_scores, running_idx = g(t_seq, nxt), g(t_run_lp, nxt), g(t_idx, nxt)
+    # finished hypotheses merge into the kept ones by length-normalised score
+    did = hits & top_mask[None, :]
+    t_lp = topk_lp / ((cur + 1 - s).astype(jnp.float32) ** length_penalty)
+    full = jnp.all(c["finished"], axis=-1, keepdims=True) & early_stop
+    t_lp = t_lp + full * -1.0e9 + (~c["unsat"]) * -1.0e9 + (~did) * -1.0e9
+    top = jax.lax.top_k(jnp.concatenate([c["beam_scores"], t_lp], 1), k)[1]
+    merged = lambda a, t: g(jnp.concatenate([a, t], 1), top)  # noqa: E731
+    seqs, beam_scores = merged(c["seqs"], t_seq), merged(c["beam_scores"], t_lp)
+    beam_idx, finished = merged(c["beam_idx"], t_idx), merged(c["finished"], did)
+    # the cache follows the surviving beams
+    parents = jax.lax.dynamic_slice_in_dim(running_idx, cur - s, 1, axis=2).reshape(bk)
+    cur = cur + 1
+    best = running_scores[:, :1] / ((cur - s).astype(jnp.float32) ** length_penalty)
+    worst = jnp.where(finished, jnp.min(beam_scores, axis=1, keepdims=True), -1.0e9)
+    unsat = c["unsat"] & jnp.any(best > worst, axis=-1, keepdims=True)
+    go = jnp.any(unsat) & ~(jnp.all(finished) & early_stop) & ~jnp.all(hits) & (cur < max_length)
+    # next: feed each surviving beam's newest token
+    last = jax.lax.dynamic_slice_in_dim(running, cur - 1, 1, axis=2).reshape(bk)
+    c = dict(cur=cur, running=running, running_scores=running_scores, running_idx=running_idx,
+             seqs=seqs, beam_scores=beam_scores, beam_idx=beam_idx, finished=finished, unsat=unsat)
+    return c, parents, last, go, log_probs
+
+
+@partial(jax.jit, static_argnums=(0, 5, 6, 7, 8, 9, 10, 11, 12, 13))
+def search(cfg, params, ids, mask, st, max_new, k, n_return, length_penalty, early_stop,
+           eos, pad, output_scores, backend: Backend):
+    """The whole search on device: decodes and beam_step in one jitted loop -> ((seqs, beam_idx) of the
+    n_return best per prompt, processed log-probs [max_new, B*K, V] (or [0, ...]), their scores)."""
+    bk, s = ids.shape
+    b = bk // k
+    n_real = jnp.sum(mask, axis=1).astype(jnp.int32)  # [B*K]; equal within a batch item
+    prompt_seen = sampling.init_state(ids, mask, cfg.vocab_size, s + max_new)
+    scores_buf = jnp.zeros((max_new if output_scores else 0, bk, cfg.vocab_size), jnp.float32)
+    logits, cache = opt.start(cfg, params, ids, mask, max_new, backend)
+
+    def step(carry):
+        c, logits, cache, _, scores_buf = carry
+        cur = c["cur"]
+        c, parents, last, go, log_probs = beam_step(k, s, length_penalty, early_stop, eos, logits, c, prompt_seen, st)
+        if output_scores:
+            scores_buf = scores_buf.at[cur - s].set(log_probs)
+        cache = kv_cache.reorder(cache, parents)
+        logits, cache = jax.lax.cond(
+            go,
+            lambda: opt._decode(cfg, params, cache, last, n_real + (cur - s), cur,  # a scalar: see wrapper._sample_loop
+                                backend=backend),
+            lambda: (logits, cache))
+        return c, logits, cache, go, scores_buf
+
+    c = beam_init(ids, mask, k, s + max_new, pad if pad else eos)
+    c, *_, scores_buf = jax.lax.while_loop(lambda carry: carry[3], step,
+                                           (c, logits, cache, jnp.bool_(True), scores_buf))
+    flat = lambda x: x[:, :n_return].reshape((b * n_return,) + x.shape[2:])  # noqa: E731
+    return (flat(c["seqs"]), flat(c["beam_idx"])), scores_buf, flat(c["beam_scores"])
+
+
+def _state_from_history(prompt_state, hist, cur, v):
+    """A sampling.State for beams whose history was just reordered (seen = prompt + generated)."""
+    bk, L = hist.shape
+    gen = (jnp.arange(L)[None, :] >= prompt_state.prompt_length[:, None]) & (jnp.arange(L) < cur)
+    rows = jnp.broadcast_to(jnp.arange(bk)[:, None], (bk, L))
+    seen = prompt_state.seen.at[rows, jnp.where(gen, hist, v)].set(True, mode="drop")
+    counts = jnp.zeros((bk, v), jnp.int32).at[rows, jnp.where(gen, hist, v)].add(1, mode="drop")
+    return sampling.State(history=hist, length=jnp.full((bk,), cur, jnp.int32),
+                          prompt_length=prompt_state.prompt_length, seen=seen, counts=counts)

@@ -1,0 +1,74 @@
+"""The param tree's layouts: the checkpoint's (q_proj / k_proj / v_proj, plain kernels), and the runtime one
+the steps run fastest on where the params lie, with the `Backend` that runs it (`runtime_params`).
+Transforms applied after the model is built; the forward pass gives the same numbers in either layout."""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from opt_serving.backend import Backend, BackendSettings, devices, for_params
+from opt_serving.config import OPTConfig
+from opt_serving.model import opt, param_tree
+
+QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def runtime_params(params: dict, settings: Optional[BackendSettings] = None,
+                   weights: str = "float32") -> tuple[Backend, dict]:
+    """Checkpoint-layout params -> (the backend chosen where they lie (backend.for_params), the params in its
+    runtime layout): on one device q/k/v fused (fuse_qkv), then what that backend packs (Backend.prepare).
+    `weights`: the dense weights' format (Backend.weights; "int8" for model/quantize.py's params)."""
+    fused = fuse_qkv_on_one_device(params)
+    backend = for_params(fused, settings, weights)
+    return backend, backend.prepare(fused)
+
+
+def checkpoint_params(cfg: OPTConfig, backend: Backend, params: dict) -> dict:
+    """runtime_params undone for a whole model's params: the checkpoint's layout."""
+    like = param_tree.param_tree_shapes(cfg, fused_qkv=opt.is_fused(params))
+    if backend.weights == "int8":  # model/quantize.py's names: qkernel for kernel, and the LM head's own
+        like = _renamed(like, "kernel", "qkernel")
+        like["lm_head"] = {"qkernel": jax.ShapeDtypeStruct(like["embed_tokens"]["embedding"].shape[::-1], jnp.int8)}
+    return unfuse_qkv(backend.plain(params, like))
+
+
+def _renamed(tree: dict, old: str, new: str) -> dict:
+    return {(new if k == old else k): (_renamed(v, old, new) if isinstance(v, dict) else v) for k, v in tree.items()}
+
+
+def fuse_qkv(params: dict) -> dict:
+    """The same params with each layer's q, k and v projections as one qkv_proj [D, 3D].
+
+    XLA's CPU matmul runs one wide product faster than three narrow ones (benchmark/README.md).
+    For one device only: a tensor-parallel plan splits q, k and v by heads separately."""
+    out = dict(params)
+    for name, layer in params.items():
+        attn = layer.get("self_attn", {}) if name.startswith("layers_") else {}
+        if "q_proj" not in attn:
+            continue
+        parts = [attn[n] for n in QKV]
+        fused = {key: jnp.concatenate([p[key] for p in parts], axis=-1) for key in parts[0]}  # kernel/qkernel, scale, bias
+        rest = {k: v for k, v in attn.items() if k not in QKV}
+        out[name] = {**layer, "self_attn": {**rest, "qkv_proj": fused}}
+    return out
+
+
+def fuse_qkv_on_one_device(params: dict) -> dict:
+    """fuse_qkv when every parameter sits on one device; a sharded (tensor-parallel) tree as it is."""
+    return fuse_qkv(params) if len(devices(params)) <= 1 else params
+
+
+def unfuse_qkv(params: dict) -> dict:
+    """fuse_qkv undone: the checkpoint's layout (q_proj, k_proj, v_proj)."""
+    out = dict(params)
+    for name, layer in params.items():
+        attn = layer.get("self_attn", {}) if name.startswith("layers_") else {}
+        if "qkv_proj" not in attn:
+            continue
+        parts = {key: jnp.split(attn["qkv_proj"][key], 3, axis=-1) for key in attn["qkv_proj"]}
+        rest = {k: v for k, v in attn.items() if k != "qkv_proj"}
+        rest.update({n: {key: parts[key][i] for key in parts} for i, n in enumerate(QKV)})
+        out[name] = {**layer, "self_attn": rest}
+    return out

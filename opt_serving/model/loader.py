@@ -1,0 +1,147 @@
+"""get_model(name, path, ...): a model name and its weights -> the model a notebook (and the slot runner)
+uses. `facebook/opt-*` -> Hugging Face PyTorch OPTForCausalLM (the reference and baseline), `jax/opt-*` -> the
+Flax model on one device (model/wrapper.py's OPTModel), `alpa/opt-*` -> the parallel backend."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from opt_serving import backend as backend_api
+from opt_serving.config import config_for, get_config, size_from_name
+from opt_serving.model import param_tree, weights
+from opt_serving.model import quantize as quantization
+
+log = logging.getLogger(__name__)
+
+PREFIXES = ("facebook/", "jax/", "alpa/")
+
+
+def resolve_numpy_folder(path: str | Path, model_name: str) -> Path:
+    """`path` itself, or Alpa's `<path>/<name>-np` (also accepting `<path>/<size>-np`)."""
+    path = Path(path)
+    try:
+        size = size_from_name(model_name)
+        candidates = [path, path / f"opt-{size}-np", path / f"{size}-np"]
+    except ValueError:  # not a preset: the name is a label for the folder itself ("jax/my-finetune")
+        candidates = [path]
+    for c in candidates:
+        if (c / "config.json").exists() or (c / "decoder.embed_tokens.weight").exists():
+            return c
+    raise FileNotFoundError(f"no numpy weights folder for {model_name!r}: tried "
+                            + ", ".join(str(c) for c in candidates))
+
+
+def model_dtype(dtype) -> jnp.dtype:
+    if isinstance(dtype, str) and dtype == "auto":  # float16 on a GPU, float32 on a CPU
+        dtype = "float16" if jax.default_backend() == "gpu" else "float32"
+    if isinstance(dtype, str):
+        dtype = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}.get(dtype, dtype)
+    return jnp.dtype(dtype)
+
+
+def get_model(model_name: str, path: str | Path | None = None, dtype=jnp.float32,
+              tensor_parallel: int | None = None, pipeline_parallel: int | None = None,
+              dummy: bool = False, seed: int = 0, quantize: str | None = None, **kwargs):
+    """Load an OPT model by name (see the module docstring for the prefixes). `quantize="int8"`: every dense
+    weight and the LM head in int8 with a scale per output channel (model/quantize.py), from any numpy
+    folder (a quantized one is read as it is). `dtype="bfloat16"` on a CPU with native bfloat16 products
+    keeps float32 activations and runs the products on bfloat16 weights."""
+    quantize = quantization.check_choice(quantize)
+    if not model_name.startswith(PREFIXES):
+        raise ValueError(f"unknown model {model_name!r}: the name must start with one of "
+                         f"{', '.join(PREFIXES)} (e.g. 'jax/opt-125m')")
+    if path is None or not (Path(path) / "config.json").is_file():
+        try:  # unknown sizes fail here, naming the known ones (a folder's config.json wins)
+            size_from_name(model_name)
+        except ValueError as e:
+            if path is None:
+                raise
+            raise ValueError(f"{e}; any name works with a folder that has a config.json, and {path} has none") \
+                from None
+    if quantize and not model_name.startswith("jax/"):
+        raise NotImplementedError(f"{model_name}: quantize={quantize!r} runs jax/ models (one device) for now")
+    if model_name.startswith("alpa/"):
+        try:
+            from opt_serving.parallel import backend
+        except ImportError:
+            raise NotImplementedError(
+                f"{model_name}: the alpa/ backend (opt_serving.parallel.backend) is not available "
+                "in this build; use jax/ for one device") from None
+        return backend.get_alpa_model(model_name, path, dtype=dtype, tensor_parallel=tensor_parallel,
+                                      pipeline_parallel=pipeline_parallel, dummy=dummy, seed=seed, **kwargs)
+    if tensor_parallel not in (None, 1) or pipeline_parallel not in (None, 1):
+        raise ValueError(f"{model_name} runs on one device; use alpa/ for parallelism")
+    if model_name.startswith("facebook/"):
+        return _get_hf_model(model_name, path, dtype, dummy, seed)
+    dtype, fmt = _weights_format(model_dtype(dtype), quantize)
+    if dummy:
+        cfg = get_config(model_name)
+        params = param_tree.init_params(cfg, seed, dtype)
+        return _opt_model(cfg, quantization.quantize_params(params) if quantize else params, weights=fmt)
+    if path is None:
+        raise ValueError(f"{model_name}: give path= (the numpy weights folder) or dummy=True")
+    folder = resolve_numpy_folder(path, model_name)
+    cfg = config_for(model_name, folder)
+    if quantize:
+        return _opt_model(cfg, quantization.load_params(folder, cfg, dtype), weights=fmt)
+    if quantization.folder_quantization(folder):
+        raise ValueError(f"{folder} holds int8 weights: load it with quantize='int8' (--quantize int8)")
+    cfg, params = weights.load_params(folder, cfg, dtype, progress=kwargs.get("progress", False))
+    return _opt_model(cfg, params, weights=fmt)
+
+
+def _weights_format(dtype, quantize: str | None) -> tuple[jnp.dtype, str]:
+    """(the params' dtype, Backend.weights) for a requested dtype and quantization. bfloat16 on a CPU with
+    native bfloat16 products: float32 params (activations, norms, the cache) with bfloat16 packed products;
+    elsewhere bfloat16 params as they are, which XLA on a CPU converts at each product (several times slower
+    than float32: said once, at load)."""
+    if quantize:
+        if dtype != jnp.float32 and jax.default_backend() == "cpu":
+            raise ValueError(f"quantize={quantize!r} keeps float32 activations on a CPU; drop dtype={dtype}")
+        return dtype, quantize
+    if dtype != jnp.bfloat16 or jax.default_backend() != "cpu":
+        return dtype, "float32"
+    if backend_api.bfloat16_products(jax.devices()[:1]):
+        return jnp.dtype(jnp.float32), "bfloat16"
+    log.warning("this CPU has no native bfloat16 products (AVX512_BF16 or AMX), or the CPU kernels are off: "
+                "bfloat16 weights run on XLA's converting path, slower than float32. Use float32, or "
+                "quantize='int8' (--quantize int8) for a quarter of the bytes.")
+    return dtype, "float32"
+
+
+def _get_hf_model(model_name, path, dtype, dummy, seed):
+    import torch
+    import transformers
+    torch_dtype = {"float32": torch.float32, "float16": torch.float16,
+                   "bfloat16": torch.bfloat16}[str(model_dtype(dtype))]
+    if dummy or path is None:
+        if not dummy:
+            raise ValueError(f"{model_name}: give path= (an HF folder or numpy folder) or dummy=True")
+        torch.manual_seed(seed)
+        hf_cfg = transformers.OPTConfig(**get_config(model_name).to_hf_dict())
+        return transformers.OPTForCausalLM(hf_cfg).to(torch_dtype).eval()
+    path = Path(path)
+    if (path / "config.json").exists() and (any(path.glob("*.safetensors"))
+                                            or any(path.glob("pytorch_model*.bin"))):
+        return transformers.OPTForCausalLM.from_pretrained(path, dtype=torch_dtype).eval()
+    folder = resolve_numpy_folder(path, model_name)
+    cfg, arrays = weights.load_numpy_folder(folder)
+    model = transformers.OPTForCausalLM(transformers.OPTConfig(**cfg.to_hf_dict()))
+    state = {weights.metaseq_key_to_hf(k): torch.from_numpy(np.array(v, np.float32))
+             for k, v in arrays.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if k != "lm_head.weight"]
+    if missing or unexpected:
+        raise ValueError(f"numpy folder {folder} does not fit OPTForCausalLM: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    model.tie_weights()
+    return model.to(torch_dtype).eval()
+
+
+def _opt_model(cfg, params, weights: str):
+    from opt_serving.model.wrapper import OPTModel  # wrapper re-exports get_model: imported late, not in a cycle
+    return OPTModel(cfg, params, weights=weights)

@@ -1,0 +1,181 @@
+"""int8 weights: a transform applied to a model's params after they are built (as gpt-fast does),
+and the numpy folder that stores them so a large model loads a quarter of the bytes.
+
+Scheme: symmetric, one scale per output channel (the layout CTranslate2 and SmoothQuant-style
+tools use): w[out, in] ~= q[out, in] * scale[out], q in [-127, 127], scale = max |w[out, :]| / 127.
+Every linear layer's weight and the tied embedding (whose output channels, as the LM head, are the
+tokens) are quantized; layer norms, biases and the learned positions stay as they are.
+
+In the Flax tree a quantized dense layer holds `qkernel` (int8 [in, out]) and `scale` ([out],
+float32) in place of `kernel`; the tied head is `lm_head: {qkernel [K, V], scale [V]}` and the
+embedding the lookup reads is the dequantized one, so the head and the lookup use the same numbers
+whether the folder was quantized on disk or the model at load.
+
+A quantized numpy folder is Alpa's layout with each quantized weight file holding int8 and a
+`<name>.scale` file beside it, and `quantization.json` saying so.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from opt_serving.config import OPTConfig
+from opt_serving.model import weights
+
+INT8 = "int8"
+CHOICES = (INT8,)
+SCALE_SUFFIX = ".scale"
+MARKER = "quantization.json"
+_ROWS_PER_CHUNK = 4096  # rows quantized at a time: a 175B embedding is never held twice in float32
+
+
+def check_choice(quantize: Optional[str]) -> Optional[str]:
+    if quantize in (None, "", "none"):
+        return None
+    if quantize not in CHOICES:
+        raise ValueError(f"quantize={quantize!r}: choose one of {', '.join(CHOICES)} (or none)")
+    return quantize
+
+
+def quantized_names(cfg: OPTConfig) -> list[str]:
+    """The metaseq keys whose weights int8 quantizes: every matrix but the learned positions."""
+    return [n for n, shape in weights.param_shapes(cfg).items()
+            if len(shape) == 2 and n != "decoder.embed_positions.weight"]
+
+
+def quantize_rows(w) -> tuple[np.ndarray, np.ndarray]:
+    """w [out, in] (any float dtype) -> (int8 [out, in], float32 scale [out])."""
+    w = np.asarray(w)
+    q = np.empty(w.shape, np.int8)
+    scale = np.empty(w.shape[0], np.float32)
+    for r0 in range(0, w.shape[0], _ROWS_PER_CHUNK):
+        block = np.asarray(w[r0:r0 + _ROWS_PER_CHUNK], np.float32)
+        if not np.isfinite(block).all():
+            raise ValueError("cannot quantize a weight holding NaN or infinity")
+        top = np.abs(block).max(axis=1)
+        s = np.where(top > 0, top / 127.0, 1.0).astype(np.float32)
+        q[r0:r0 + len(block)] = np.clip(np.rint(block / s[:, None]), -127, 127)
+        scale[r0:r0 + len(block)] = s
+    return q, scale
+
+
+def dequantize_rows(q, scale, dtype=np.float32) -> np.ndarray:
+    return (np.asarray(q, np.float32) * np.asarray(scale, np.float32)[:, None]).astype(dtype)
+
+
+# ---- the Flax tree ----
+
+def _dense_nodes(tree: dict, key: str, prefix=()):
+    """Paths of the dicts holding `key` (dense layers), depth first."""
+    for name, sub in tree.items():
+        if isinstance(sub, dict):
+            if key in sub:
+                yield prefix + (name,)
+            else:
+                yield from _dense_nodes(sub, key, prefix + (name,))
+
+
+def _copy_to(tree: dict, path) -> dict:
+    """The dict at `path` in a copy of `tree` whose dicts along the path are fresh (the rest shared)."""
+    node = tree
+    for step in path:
+        node[step] = node = dict(node[step])
+    return node
+
+
+def quantize_params(params: dict) -> dict:
+    """A float params tree -> the int8 one (see the module docstring); the input is left as it was."""
+    import jax
+    out = dict(params)
+    for path in list(_dense_nodes(params, "kernel")):
+        node = _copy_to(out, path)
+        q, scale = quantize_rows(np.asarray(node.pop("kernel"), np.float32).T)  # [out, in]
+        node["qkernel"], node["scale"] = jax.device_put(np.ascontiguousarray(q.T)), jax.device_put(scale)
+    if "embed_tokens" in params:
+        embedding = params["embed_tokens"]["embedding"]
+        q, scale = quantize_rows(np.asarray(embedding, np.float32))
+        out["embed_tokens"] = {"embedding": jax.device_put(dequantize_rows(q, scale, embedding.dtype))}
+        out["lm_head"] = {"qkernel": jax.device_put(np.ascontiguousarray(q.T)), "scale": jax.device_put(scale)}
+    return out
+
+
+def is_quantized(params: dict) -> bool:
+    return any(True for _ in _dense_nodes(params, "qkernel"))
+
+
+# ---- the numpy folder ----
+
+def folder_quantization(folder: str | os.PathLike) -> Optional[str]:
+    """"int8" for a quantized numpy folder, None for a plain one."""
+    marker = Path(folder) / MARKER
+    if not marker.exists():
+        return None
+    try:
+        kind = json.loads(marker.read_text())["weights"]
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"corrupt {marker}: {e}") from None
+    return check_choice(kind)
+
+
+def write_marker(folder: str | os.PathLike) -> None:
+    (Path(folder) / MARKER).write_text(json.dumps(
+        {"weights": INT8, "scheme": "symmetric, one float32 scale per output channel",
+         "scale_files": f"<name>{SCALE_SUFFIX}"}, indent=2) + "\n")
+
+
+def quantize_file(folder: Path, name: str) -> None:
+    """Replace the float weight file `folder/name` by its int8 one and `name.scale` (via temporary names,
+    so an interrupted run leaves either the float file or both quantized files complete)."""
+    q, scale = quantize_rows(weights.load_array(folder / name))
+    weights.save_array(folder / (name + SCALE_SUFFIX + ".tmp"), scale)
+    weights.save_array(folder / (name + ".int8.tmp"), q)
+    os.replace(folder / (name + SCALE_SUFFIX + ".tmp"), folder / (name + SCALE_SUFFIX))
+    os.replace(folder / (name + ".int8.tmp"), folder / name)
+
+
+def load_quantized(folder: str | os.PathLike, name: str, shape) -> tuple[np.ndarray, np.ndarray]:
+    """(int8 [out, in], scale [out]) of one weight of a quantized folder, shape-checked."""
+    q = weights.load_checked(folder, name, shape)
+    scale = weights.load_checked(folder, name + SCALE_SUFFIX, (shape[0],))
+    if q.dtype != np.int8:
+        raise ValueError(f"{Path(folder) / name}: a quantized folder's weight must be int8, found {q.dtype}")
+    return q, scale
+
+
+def load_params(folder: str | os.PathLike, cfg: OPTConfig, dtype=None) -> dict:
+    """A numpy folder (quantized or not) -> the int8 params tree, reading int8 files as they are."""
+    import jax
+    folder = Path(folder)
+    if folder_quantization(folder) is None:
+        return quantize_params(weights.load_params(folder, cfg, dtype)[1])
+    dtype = np.dtype(dtype or np.float32)
+    shapes = weights.param_shapes(cfg)
+    quantized = set(quantized_names(cfg))
+    tree: dict = {}
+    for name, shape in shapes.items():
+        path, transpose = weights.flax_path(name)
+        if name not in quantized:
+            arr = weights.load_checked(folder, name, shape)
+            weights._set_path(tree, path, jax.device_put(np.ascontiguousarray(arr, dtype=dtype)))
+            continue
+        q, scale = load_quantized(folder, name, shape)
+        if name == "decoder.embed_tokens.weight":
+            weights._set_path(tree, path, jax.device_put(dequantize_rows(q, scale, dtype)))
+            path = ("lm_head", "qkernel")
+        else:
+            path = path[:-1] + ("qkernel",)
+        weights._set_path(tree, path, jax.device_put(np.ascontiguousarray(np.asarray(q).T)))
+        weights._set_path(tree, path[:-1] + ("scale",), jax.device_put(np.asarray(scale, np.float32)))
+    return tree
+
+
+def quantize_folder(folder: str | os.PathLike, cfg: OPTConfig, names=None) -> None:
+    """Quantize a float numpy folder in place (every weight of `names`, default all), then mark it."""
+    folder = Path(folder)
+    for name in names if names is not None else quantized_names(cfg):
+        quantize_file(folder, name)
+    write_marker(folder)

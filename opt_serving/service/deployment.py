@@ -1,0 +1,194 @@
+"""The Ray Serve deployment: `build_app(args)` is the application builder behind
+`serve run opt_serving.service:app model=... path=...` and `opt-serving serve`. Each replica builds its
+generator (`build_generator`) and serves `app.create_app` over it.
+"""
+from __future__ import annotations
+
+import gc
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, NonNegativeInt
+
+from opt_serving.admission import PREFILL_CHUNK
+from opt_serving.service import protocol as P
+from opt_serving.service.app import create_app
+from opt_serving.service.limits import DEFAULT_MAX_BODY_BYTES
+
+
+class ServeArgs(BaseModel):
+    """Arguments of the application builder (`serve run opt_serving.service:app model=... path=...`);
+    strings from the command line are converted (lax mode). An argument not listed here is an error
+    naming it (a misspelt `pipeline_paralel` never leaves a deployment silently unpipelined)."""
+    model_config = ConfigDict(extra="forbid")
+
+    # model: the named model's weights (below). fake: the hand-checkable fake engine
+    # (opt_serving/testing/fake_engine.py), for tests and demos of the HTTP side; it takes no model arguments
+    engine: Literal["model", "fake"] = "model"
+    model: Optional[str] = None          # None: the embedded tiny model
+    path: Optional[str] = None
+    dummy: bool = False                  # random weights of the named size (no path)
+    seed: int = 0                        # of the random weights
+    tokenizer: Optional[str] = None      # tokenizer folder, instead of the weights folder's / the embedded one
+    dtype: str = "auto"                  # float16 on GPUs, float32 on CPUs
+    quantize: Optional[Literal["int8"]] = None  # int8 weights, a scale per output channel (model/quantize.py)
+    max_batch_size: int = 16
+    max_seq_len: Optional[int] = None
+    max_queue: int = 256
+    prefill_chunk: NonNegativeInt = PREFILL_CHUNK  # prompts longer than this: prefilled this many tokens a step (0: whole)
+    request_timeout: float = 600.0
+    api_keys: list[str] | str = []       # a list, or comma separated
+    num_replicas: Optional[int] = None  # None: 1, or what serve_config.yaml's autoscaling_config decides
+    num_cpus: float = 1.0                # per replica
+    graceful_shutdown_timeout_s: float = 10.0
+    # alpa/ models: the plan (left out: the planner's choice for the Ray cluster)
+    tensor_parallel: Optional[int] = None
+    pipeline_parallel: Optional[int] = None
+    device_memory: Optional[str] = None  # what each device may hold ("16GB"): CPU nodes, GPUs Ray does not name
+    micro_batches: Optional[int] = None  # decode slot groups of a pipelined plan (default pp)
+    health_check_period_s: float = 5.0
+    max_logprobs: int = P.MAX_LOGPROBS   # vLLM's --max-logprobs
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+    def key_list(self) -> list[str]:
+        keys = self.api_keys.split(",") if isinstance(self.api_keys, str) else self.api_keys
+        return [k.strip() for k in keys if k.strip()]
+
+    def plan_args(self) -> dict:
+        """What load_engine takes about the plan (alpa/ models only)."""
+        if not (self.model or "").startswith("alpa/"):
+            return {}
+        return dict(tensor_parallel=self.tensor_parallel, pipeline_parallel=self.pipeline_parallel,
+                    device_memory=self.device_memory, micro_batches=self.micro_batches)
+
+
+def check_model_args(args: ServeArgs) -> None:
+    """The model arguments' own errors (ValueError, naming the builder argument and the CLI flag), found
+    before anything loads or Ray starts."""
+    if args.engine == "fake":
+        if args.path is not None or args.dummy or args.tokenizer is not None:
+            raise ValueError("the fake engine (--engine fake) takes no weights or tokenizer (--path, --dummy, "
+                             "--tokenizer)")
+        return
+    from opt_serving.loading import check_model_args as check
+    check(args.model, args.path, args.dummy, args.tokenizer)
+
+
+def build_generator(args: ServeArgs):
+    """The generator a replica serves: the named model from `path` (or random weights of its size with
+    `dummy`), the embedded tiny one (neither), or the fake engine."""
+    check_model_args(args)
+    if args.engine == "fake":
+        from opt_serving.testing.fake_engine import fake_generator
+        return fake_generator(num_slots=args.max_batch_size, max_seq_len=args.max_seq_len or 256,
+                              max_queue=args.max_queue)
+    from opt_serving.loading import load_generator
+    return load_generator(args.model, args.path, dtype=args.dtype, max_batch_size=args.max_batch_size,
+                          max_seq_len=args.max_seq_len, max_queue=args.max_queue, dummy=args.dummy, seed=args.seed,
+                          tokenizer=args.tokenizer, quantize=args.quantize, prefill_chunk=args.prefill_chunk,
+                          **args.plan_args())
+
+
+def placement(args: ServeArgs) -> dict:
+    """Deployment options. An `alpa/` model is planned here, for the Ray cluster this process joins
+    (address="auto"; one is started when none runs, as `serve run` would), and the replica's placement
+    group holds what the plan needs: its own bundle (with the plan's tp GPUs when pp = 1), or one bundle
+    per pipeline stage with the replica in the first, so the stages belong to the replica and live and
+    die with it. The plan's degrees go to the replica, which plans its layer split for the same cluster."""
+    own = {"ray_actor_options": {"num_cpus": args.num_cpus}}
+    if not (args.model or "").startswith("alpa/"):
+        return own
+    from opt_serving.parallel import backend
+    from opt_serving.runner.load import resolve_dtype
+    args.dtype = resolve_dtype(args.dtype, cluster=True)  # the cluster's GPUs decide "auto", not this process's
+    # the plan needs only the config: the folder's, or the preset's when there is no folder (yet)
+    plan, _, _ = backend.plan_model(args.model, args.path, args.dtype, dummy=args.dummy or args.path is None,
+                                    tensor_parallel=args.tensor_parallel,
+                                    pipeline_parallel=args.pipeline_parallel, device_memory=args.device_memory,
+                                    batch_size=args.max_batch_size, max_seq_len=args.max_seq_len)
+    args.tensor_parallel, args.pipeline_parallel = plan.tp, plan.pp
+    import ray
+    gpus = ray.cluster_resources().get("GPU", 0) > 0
+    if plan.pp == 1:
+        if not gpus:  # CPU: the replica's process makes its own tp host devices
+            env = {"env_vars": {"XLA_FLAGS": f"--xla_force_host_platform_device_count={plan.tp}"}}
+            return {"ray_actor_options": {"num_cpus": args.num_cpus, "runtime_env": env}} if plan.tp > 1 else own
+        return {"ray_actor_options": {"num_cpus": args.num_cpus, "num_gpus": plan.tp},
+                "placement_group_bundles": [{"CPU": args.num_cpus, "GPU": float(plan.tp)}],
+                "placement_group_strategy": "STRICT_PACK"}
+    # one bundle per stage, the replica in stage 0's (a bundle lies on one node, so a stage's tp devices
+    # do too); CPU nodes are the planner's devices: one stage a node where there are enough of them
+    from opt_serving.parallel.pipeline import stage_bundles
+    bundles, strategy = stage_bundles(plan, gpus, extra_cpus=args.num_cpus)
+    return {"ray_actor_options": {"num_cpus": args.num_cpus},
+            "placement_group_bundles": bundles, "placement_group_strategy": strategy}
+
+
+class _ReuseAddrSockets:
+    """The `socket` module, except that the sockets it makes have SO_REUSEADDR set (see below)."""
+
+    def __init__(self, module):
+        self._module = module
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+    def socket(self, *args, **kwargs):
+        sock = self._module.socket(*args, **kwargs)
+        sock.setsockopt(self._module.SOL_SOCKET, self._module.SO_REUSEADDR, 1)
+        return sock
+
+
+def reuse_replica_port_after_crash() -> bool:
+    """Under direct ingress the replica binds its HTTP port itself (Ray Serve's
+    `http_util.start_asgi_http_server`, the only socket that module makes), without SO_REUSEADDR. When a
+    replica dies with connections open (SIGKILL, OOM), the kernel closes them and each lingers in TIME_WAIT
+    on that port for 60 s; until then the replacement's bind fails (EADDRINUSE), Serve gives up on it and
+    starts another, which loads the model again, and the deployment stays down for that whole minute.
+    SO_REUSEADDR, which uvicorn sets on its own sockets, lets the bind pass TIME_WAIT connections and still
+    fails while another process listens on the port. Called in the replica's process, before Serve binds.
+    Returns False where Serve's module is not there to adjust."""
+    try:
+        from ray.serve._private import http_util
+    except ImportError:
+        return False
+    if not isinstance(http_util.socket, _ReuseAddrSockets):
+        http_util.socket = _ReuseAddrSockets(http_util.socket)
+    return True
+
+
+def build_app(args: ServeArgs | dict | None = None):
+    """Ray Serve application builder: `opt_serving.service:app`."""
+    from ray import serve
+
+    args = args if isinstance(args, ServeArgs) else ServeArgs(**(args or {}))
+
+    @serve.ingress()
+    class OPTServer:
+        def __init__(self, serve_args: dict):
+            reuse_replica_port_after_crash()  # before Serve binds the port, after this constructor
+            self.args = ServeArgs(**serve_args)
+            self.generator = build_generator(self.args)
+            # what is loaded by now (the model, its compiled steps, Ray, FastAPI) lives as long as the replica:
+            # frozen, a full collection no longer walks it while holding the GIL, stalling the engine's steps
+            # and every stream
+            gc.collect()
+            gc.freeze()
+
+        def __serve_build_asgi_app__(self):
+            return create_app(self.generator, model_name=self.args.model, api_keys=self.args.key_list(),
+                              request_timeout=self.args.request_timeout, close_generator=True,
+                              max_logprobs=self.args.max_logprobs, max_body_bytes=self.args.max_body_bytes)
+
+        def check_health(self):
+            """Serve replaces the replica when this raises: a dead or stuck engine, a dead pipeline stage."""
+            self.generator.check_health()
+
+    replicas = {} if args.num_replicas is None else {"num_replicas": args.num_replicas}
+    options = placement(args)  # plans alpa/ models, fixing their degrees in args
+    deployment = serve.deployment(
+        OPTServer, name="OPTServer", **replicas,
+        # every waiting request must reach the engine's own bounded queue (which answers 429), not Serve's
+        max_ongoing_requests=args.max_queue + args.max_batch_size,
+        graceful_shutdown_timeout_s=args.graceful_shutdown_timeout_s,
+        health_check_period_s=args.health_check_period_s, **options)
+    return deployment.bind(args.model_dump())

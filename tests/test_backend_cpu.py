@@ -1,0 +1,304 @@
+"""The CPU kernels (opt_serving/csrc via backend/cpu/), module by module, against numpy: products on packed
+weights (products.py), the decode attention (attention.py), argmax and the screened greedy head (head.py),
+and the extension's loading and threads (_lib.py)."""
+import os
+import platform
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from opt_serving import sampling
+from opt_serving.backend import Backend, BackendSettings, for_params
+from opt_serving.backend.cpu import _lib, attention, head, products
+from opt_serving.model import layout, opt, param_tree
+
+from conftest import TINY
+
+needs_kernels = pytest.mark.skipif(_lib.load() is None, reason="opt_serving/_cpu_kernels.so not built")
+needs_head = pytest.mark.skipif(not head.supported(),
+                                reason="no native bfloat16 products on this CPU (or the kernels are not built)")
+CFG = TINY
+
+
+def test_built_where_the_requirements_install_onednn():
+    # requirements.txt installs oneDNN on Linux x86_64 and build.sh compiles against it there
+    if sys.platform == "linux" and platform.machine() == "x86_64":
+        assert _lib.load() is not None, f"{_lib.LIBRARY} missing or not loadable: run ./build.sh"
+
+
+# ---- products.py ----
+
+@needs_kernels
+@pytest.mark.parametrize("m,k,n", [(1, 32, 96), (5, 33, 70), (17, 768, 300), (64, 64, 16)])
+def test_packed_product_equals_numpy(m, k, n):
+    rng = np.random.default_rng(m)
+    x, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((m, k), (k, n), (n,)))
+    packed = products.pack(w)
+    assert packed.dtype == jnp.uint8
+    ref = x.astype(np.float64) @ w.astype(np.float64) + b
+    got = jax.jit(lambda x, p, b: products.matmul(x, p, n, b))(x, packed, b)
+    np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-4)
+    relu = products.matmul(jnp.asarray(x), packed, n, jnp.asarray(b), relu=True)
+    np.testing.assert_allclose(np.asarray(relu), np.maximum(ref, 0), rtol=1e-5, atol=1e-4)
+    no_bias = products.matmul(jnp.asarray(x)[None], packed, n)  # leading dims kept: [1, m, n]
+    assert no_bias.shape == (1, m, n)
+    np.testing.assert_allclose(np.asarray(no_bias)[0], ref - b, rtol=1e-5, atol=1e-4)
+    assert np.array_equal(products.unpack(packed, k, n), w)  # packing only moves the numbers
+
+
+needs_bf16 = pytest.mark.skipif(not head.supported(), reason="no native bfloat16 products on this CPU")
+
+
+@needs_kernels
+@pytest.mark.parametrize("m,k,n", [(1, 32, 96), (3, 33, 70), (17, 768, 300), (64, 3072, 48)])
+def test_int8_product_is_the_row_quantized_product(m, k, n):
+    # the kernel's own arithmetic, in numpy: each row of x to int8 with scale max|x|/127, int32 sums, scaled
+    rng = np.random.default_rng(m)
+    x, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((m, k), (k, n), (n,)))
+    x[0] *= 100  # rows of very different sizes keep their own scales
+    scale = np.abs(w).max(0) / 127
+    q = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
+    packed = products.pack(q, weights="int8")
+    assert np.array_equal(products.unpack(packed, k, n, "int8"), q)
+    sx = np.abs(x).max(1) / 127
+    qx = np.clip(np.rint(x / sx[:, None]), -127, 127)
+    ref = (qx @ q.astype(np.float64)) * sx[:, None] * scale + b
+    got = jax.jit(lambda x, p, s, b: products.matmul(x, p, n, b, relu=True, weights="int8", scales=s))(
+        x, packed, scale, b)
+    np.testing.assert_allclose(np.asarray(got), np.maximum(ref, 0), rtol=1e-4, atol=1e-3 * np.abs(ref).max())
+    # and close to the float32 product: ~1% of its size (two roundings of 1/254 of a row's max each)
+    exact = x.astype(np.float64) @ w + b
+    assert np.abs(np.asarray(products.matmul(jnp.asarray(x), packed, n, jnp.asarray(b), weights="int8",
+                                             scales=jnp.asarray(scale))) - exact).max() \
+        < 0.03 * np.abs(exact).max()
+
+
+@needs_kernels
+@needs_bf16
+@pytest.mark.parametrize("m,k,n", [(1, 32, 96), (5, 768, 300), (64, 64, 16)])
+def test_bfloat16_product_rounds_both_factors_and_sums_in_float32(m, k, n):
+    import ml_dtypes
+    rng = np.random.default_rng(m)
+    x, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((m, k), (k, n), (n,)))
+    packed = products.pack(w, weights="bfloat16")
+    bf = lambda a: a.astype(ml_dtypes.bfloat16).astype(np.float64)
+    assert np.array_equal(products.unpack(packed, k, n, "bfloat16"), bf(w).astype(np.float32))
+    ref = bf(x) @ bf(w) + b
+    got = products.matmul(jnp.asarray(x), packed, n, jnp.asarray(b), relu=True, weights="bfloat16")
+    np.testing.assert_allclose(np.asarray(got), np.maximum(ref, 0), rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+@needs_kernels
+def test_int8_weights_need_their_scales_and_nothing_else_takes_them():
+    w = np.ones((8, 4), np.int8)
+    with pytest.raises(ValueError, match="scales"):
+        products.matmul(jnp.ones((1, 8)), products.pack(w, weights="int8"), 4, weights="int8")
+    with pytest.raises(ValueError, match="scales"):
+        products.matmul(jnp.ones((1, 8)), products.pack(w.astype(np.float32)), 4, scales=jnp.ones(4))
+    with pytest.raises(ValueError, match="float16"):
+        products.pack(w, weights="float16")
+
+
+@needs_kernels
+def test_transposed_packing_is_the_tied_lm_head():
+    rng = np.random.default_rng(0)
+    emb, h = rng.standard_normal((96, 32), np.float32), rng.standard_normal((3, 32), np.float32)
+    got = products.matmul(jnp.asarray(h), products.pack(emb, transposed=True), 96)
+    np.testing.assert_allclose(np.asarray(got), h @ emb.T, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernels
+def test_a_packed_buffer_of_the_wrong_size_or_format_is_refused():
+    packed = products.pack(np.ones((32, 96), np.float32))
+    with pytest.raises(Exception, match="packed weight has"):
+        jax.block_until_ready(products.matmul(jnp.ones((2, 32)), packed[:-64], 96))
+    with pytest.raises(ValueError, match=r"not a packed \[48, 96\] float32 weight"):
+        products.unpack(packed, 48, 96)
+    with pytest.raises(ValueError, match="packed products take weights in"):
+        products.pack(np.ones((32, 96), np.float32), weights="float8")
+
+
+@needs_kernels
+def test_pack_params_round_trip():
+    params = layout.fuse_qkv(param_tree.init_params(CFG, seed=1))
+    backend, packed = layout.runtime_params(param_tree.init_params(CFG, seed=1))
+    assert backend.products and backend.greedy_head == head.supported()
+    layer = packed["layers_0"]
+    assert sorted(layer["fc1"]) == ["bias", "packed"] and sorted(layer["self_attn"]["qkv_proj"]) == ["bias", "packed"]
+    assert sorted(packed["lm_head"]) == (["bf16", "packed", "row_norms"] if backend.greedy_head else ["packed"])
+    back = backend.plain(packed, param_tree.param_tree_shapes(CFG, fused_qkv=True))
+    assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(params)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(back),
+                                                     jax.tree_util.tree_leaves(params)))
+    # the packed forward pass gives the plain one's numbers
+    ids = jnp.asarray(np.random.default_rng(0).integers(3, 96, (2, 7)), jnp.int32)
+    np.testing.assert_allclose(np.asarray(opt.forward(CFG, packed, ids, backend=backend)),
+                               np.asarray(opt.forward(CFG, params, ids)), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_350m_projections_are_packed_too():
+    cfg = CFG.replace(word_embed_proj_dim=16, do_layer_norm_before=False)
+    params = param_tree.init_params(cfg, seed=2)
+    backend, packed = layout.runtime_params(params)
+    assert sorted(packed["project_in"]) == sorted(packed["project_out"]) == ["packed"]
+    ids = jnp.asarray(np.random.default_rng(0).integers(3, 96, (2, 7)), jnp.int32)
+    np.testing.assert_allclose(np.asarray(opt.forward(cfg, packed, ids, backend=backend)),
+                               np.asarray(opt.forward(cfg, params, ids)), rtol=1e-5, atol=1e-5)
+    back = layout.checkpoint_params(cfg, backend, packed)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(back),
+                                                     jax.tree_util.tree_leaves(params)))
+
+
+# ---- head.py ----
+
+@needs_kernels
+def test_argmax_is_numpys_first_maximum_and_first_nan():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((6, 50272)).astype(np.float32)
+    x[1, 7] = x[1, 9] = x[1].max() + 1          # a tie: the first index wins
+    x[2, 40000] = np.nan                         # a NaN wins, as in np.argmax
+    x[2, 50000] = np.nan
+    x[3] = -np.inf                               # all -inf: index 0
+    x[4, -1] = np.inf                            # in the last, partial chunk of 1024
+    x[5, 1500] = x[5, 3000] = x[5].max() + 1     # a tie across chunks: the first chunk's wins
+    argmax = lambda x: head.argmax(x, sampling.argmax)  # noqa: E731
+    got = np.asarray(jax.jit(argmax)(x))
+    assert got.dtype == np.int32
+    assert np.array_equal(got, np.argmax(x, -1)), (got, np.argmax(x, -1))
+    assert list(got[1:6]) == [7, 40000, 0, 50271, 1500]
+    batched = x[:4].reshape(2, 2, -1)  # leading dims kept
+    assert np.array_equal(np.asarray(argmax(jnp.asarray(batched))), np.argmax(batched, -1))
+
+
+def _bf16(a):
+    """Round float32 to bfloat16 (nearest even) and back, as the screen's products see their inputs."""
+    bits = np.asarray(a, np.float32).view(np.uint32).astype(np.uint64)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def _near_ties(rng, v, k, m):
+    """An embedding e [v, k] and rows x [m, k] where rows 0-31 each have a pair of tokens whose logits differ
+    by ~1e-4 (bfloat16's own error is ~1e-2 here), both far above every other token."""
+    e = (rng.standard_normal((v, k)) * 0.05).astype(np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    for r in range(32):
+        a, b = 2 * r, 2 * r + 1
+        e[a] = x[r] / np.linalg.norm(x[r]) * 0.5
+        nudge = rng.standard_normal(k).astype(np.float32)
+        nudge -= nudge @ x[r] / (x[r] @ x[r]) * x[r]  # orthogonal to x: only the scale below moves the logit
+        e[b] = e[a] * np.float32(1 + (1 if r % 2 else -1) * 2e-4) + 1e-3 * nudge
+    return e, x
+
+
+@needs_head
+def test_screened_greedy_tokens_are_the_exact_argmax():
+    m = 48
+    e, x = _near_ties(np.random.default_rng(0), 3000, 64, m)
+    packed_head = head.pack_head(e)
+    params = {"lm_head": packed_head, "embed_tokens": {"embedding": jnp.asarray(e)}}
+    got = np.asarray(jax.jit(head.greedy_tokens)(params, x))
+    exact = x.astype(np.float64) @ e.T.astype(np.float64)
+    np.testing.assert_array_equal(got, exact.argmax(-1))
+    assert (got[:32:2] == np.arange(0, 64, 4)).all() and (got[1:32:2] == np.arange(3, 64, 4)).all()
+    # the bfloat16 products alone get some of the near-ties wrong: the exact rescoring decided them
+    screen = _bf16(x).astype(np.float64) @ _bf16(e).T.astype(np.float64)
+    assert (screen.argmax(-1)[:32] != got[:32]).any()
+    # a token left out (EOS held back): the exact argmax of the others; in a near-tie, the other of the pair
+    exclude = np.where(np.arange(m) % 3 == 0, exact.argmax(-1), -1).astype(np.int32)
+    got = np.asarray(head.greedy_tokens(params, jnp.asarray(x), jnp.asarray(exclude)))
+    masked = exact.copy()
+    masked[np.arange(m)[exclude >= 0], exclude[exclude >= 0]] = -np.inf
+    np.testing.assert_array_equal(got, masked.argmax(-1))
+    assert (got[0:32:6] == np.arange(0, 64, 12) + 1).all()
+    # leading dimensions are kept, and the row norms bound every row of e from above
+    assert head.greedy_tokens(params, jnp.asarray(x)[None]).shape == (1, m)
+    assert (np.asarray(packed_head["row_norms"]) >= np.linalg.norm(e.astype(np.float64), axis=1)).all()
+
+
+@needs_head
+def test_screened_greedy_tokens_on_inputs_the_bound_does_not_cover():
+    rng = np.random.default_rng(1)
+    e = rng.standard_normal((500, 16)).astype(np.float32)
+    params = {"lm_head": head.pack_head(e), "embed_tokens": {"embedding": jnp.asarray(e)}}
+    x = rng.standard_normal((3, 16)).astype(np.float32)
+    x[0] = 0.0         # every logit ties at 0: the first token, as jnp.argmax
+    x[1, 3] = np.nan   # every logit NaN: the first NaN wins, as jnp.argmax
+    got = np.asarray(head.greedy_tokens(params, jnp.asarray(x)))
+    assert got.tolist() == [0, 0, int(np.argmax(x[2].astype(np.float64) @ e.T.astype(np.float64)))]
+    # a weight with no finite norm has no error bound: no screened head for it
+    e[7, 2] = np.inf
+    with pytest.raises(ValueError, match="non-finite"):
+        head.pack_head(e)
+    tree = param_tree.init_params(CFG, seed=1)
+    tree["embed_tokens"] = {"embedding": jnp.asarray(tree["embed_tokens"]["embedding"]).at[3, 1].set(jnp.nan)}
+    backend = for_params(tree)
+    assert backend.products and not backend.greedy_head
+    assert "bf16" not in backend.prepare(tree)["lm_head"]
+
+
+@needs_kernels
+def test_lm_argmax_with_and_without_the_screened_head():
+    params = param_tree.init_params(CFG, seed=3)
+    backend, packed = layout.runtime_params(params)
+    h = jnp.asarray(np.random.default_rng(2).standard_normal((4, CFG.word_embed_proj_dim)), jnp.float32)
+    logits = np.asarray(opt.lm_logits(params, h), np.float64)
+    exclude = jnp.asarray([logits[0].argmax(), -1, 5, logits[3].argmax()], jnp.int32)
+    logits[[0, 2, 3], [int(exclude[0]), 5, int(exclude[3])]] = -np.inf
+    # the plain logits path, the packed one with the CPU argmax, and the screen where this CPU has one
+    for p, b in ((params, Backend.xla()), (packed, Backend(products=True, cpu_argmax=True)), (packed, backend)):
+        got = jax.jit(opt.lm_argmax, static_argnums=(3,))(p, h, exclude, b)
+        assert np.asarray(got).tolist() == logits.argmax(-1).tolist()
+
+
+# ---- attention.py ----
+
+@needs_kernels
+@pytest.mark.parametrize("d, n", [(16, 11), (64, 11), (64, 16), (64, 33), (128, 17), (128, 40)])
+def test_decode_attention_reads_only_the_written_entries(d, n):
+    """head_dim 64 and 128 take the AVX-512 code where the CPU has it (16 keys at a time: n across
+    a block edge), other sizes the portable code."""
+    rng = np.random.default_rng(0)
+    b, h, t = 3, 4, 48
+    q = rng.standard_normal((b, h, d)).astype(np.float32)
+    k, v = (rng.standard_normal((b, h, t, d)).astype(np.float32) for _ in range(2))
+    mask = np.zeros((b, t), bool)
+    mask[:, :n] = True
+    mask[1, :4] = False  # a left-padded row
+    mask[2, 3] = False  # a hole
+    k[:, :, n:], v[:, :, n:] = 1e30, np.nan  # past read_len: must never be read
+    ref_scores = np.einsum("bhd,bhtd->bht", q, k[:, :, :n]).astype(np.float64)
+    ref_scores[~np.broadcast_to(mask[:, None, :n], ref_scores.shape)] = -np.inf
+    p = np.exp(ref_scores - ref_scores.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    ref = np.einsum("bht,bhtd->bhd", p, v[:, :, :n])
+    zeros = lambda q, k, v, m: jnp.zeros_like(q)  # noqa: E731  (the non-CPU fallback: must not be what runs)
+    got = jax.jit(lambda *a: attention.decode_attention(*a, jnp.int32(n), zeros))(q, k, v, mask)
+    np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5)
+
+
+# ---- _lib.py ----
+
+@needs_kernels
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to tell 1 thread from all")
+def test_kernels_use_every_cpu_whatever_omp_num_threads_says():
+    # a Ray worker (a Serve replica) gets OMP_NUM_THREADS=1 from Ray; the kernels must still use every CPU,
+    # as XLA's own pool does, unless OPT_SERVING_CPU_THREADS says otherwise
+    probe = ("import jax; from opt_serving.backend import BackendSettings, choose; "
+             "from opt_serving.backend.cpu import _lib; s = BackendSettings.from_env(); "
+             "choose(jax.devices('cpu')[:1], 'float32', s); "
+             "print(_lib.load().opt_cpu_kernels_team_size(), s.threads())")
+
+    def team(**env):
+        out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, **env}, check=True,
+                             capture_output=True, text=True).stdout.split()
+        return int(out[0]), int(out[1])
+    cpus = len(os.sched_getaffinity(0))
+    assert team(OMP_NUM_THREADS="1") == (cpus, cpus)
+    assert team(OMP_NUM_THREADS="1", OPT_SERVING_CPU_THREADS="1") == (1, 1)
+    assert BackendSettings(cpu_threads=3).threads() == 3
