@@ -5,7 +5,7 @@ XLA CPU's own argmax (and its TopK with k=1) are slow over OPT's 50272 logits, h
 `greedy_tokens` is a greedy step's argmax over the LM head without its float32 logits: on a CPU with native
 bfloat16 products (AVX512_BF16, AMX) a bfloat16 copy of the head (`pack_head`) is multiplied at twice the
 float32 rate, and the few tokens whose proven error interval reaches the best one are scored again exactly,
-so the token is the float32 argmax's (the proof is in _cpu_kernels.cc; figures in benchmark/README.md).
+so the token is the float32 argmax's (the proof is in csrc/head.cc; figures in benchmark/README.md).
 """
 from __future__ import annotations
 
