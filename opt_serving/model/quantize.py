@@ -23,6 +23,7 @@ from typing import Optional
 
 import numpy as np
 
+from opt_serving.backend.tree import dense_paths
 from opt_serving.config import OPTConfig
 from opt_serving.model import weights
 
@@ -69,16 +70,6 @@ def dequantize_rows(q, scale, dtype=np.float32) -> np.ndarray:
 
 # ---- the Flax tree ----
 
-def _dense_nodes(tree: dict, key: str, prefix=()):
-    """Paths of the dicts holding `key` (dense layers), depth first."""
-    for name, sub in tree.items():
-        if isinstance(sub, dict):
-            if key in sub:
-                yield prefix + (name,)
-            else:
-                yield from _dense_nodes(sub, key, prefix + (name,))
-
-
 def _copy_to(tree: dict, path) -> dict:
     """The dict at `path` in a copy of `tree` whose dicts along the path are fresh (the rest shared)."""
     node = tree
@@ -91,7 +82,7 @@ def quantize_params(params: dict) -> dict:
     """A float params tree -> the int8 one (see the module docstring); the input is left as it was."""
     import jax
     out = dict(params)
-    for path in list(_dense_nodes(params, "kernel")):
+    for path in list(dense_paths(params, "kernel")):
         node = _copy_to(out, path)
         q, scale = quantize_rows(np.asarray(node.pop("kernel"), np.float32).T)  # [out, in]
         node["qkernel"], node["scale"] = jax.device_put(np.ascontiguousarray(q.T)), jax.device_put(scale)
@@ -104,7 +95,7 @@ def quantize_params(params: dict) -> dict:
 
 
 def is_quantized(params: dict) -> bool:
-    return any(True for _ in _dense_nodes(params, "qkernel"))
+    return any(True for _ in dense_paths(params, "qkernel"))
 
 
 # ---- the numpy folder ----

@@ -13,9 +13,9 @@ from opt_serving.errors import Unavailable
 # top alternatives a token can come with (vLLM's default --max-logprobs); computed only for requests that ask
 MAX_TOP_LOGPROBS = 20
 PREFILL_MIN_BUCKET = 8  # short prompts (chat turns, benchmarks) are not padded to 16: prefill is compute
-# Prompts of a short bucket are prefilled PREFILL_BATCH_TOKENS // bucket at a time (OPT-125m, 2-core CPU: an
-# 8-token prompt alone took 24.5 ms, mostly reading the weights; four in one pass 38.8 ms, 9.7 ms each; a
-# pass of 32 tokens is close to compute-bound). A prompt alone takes the whole pass, hence the small number.
+# Prompts of a short bucket are prefilled PREFILL_BATCH_TOKENS // bucket at a time: a short prompt alone
+# mostly reads the weights, so several share a pass almost for free, and a pass of 32 tokens is already
+# close to compute-bound (figures: benchmark/README.md). A prompt alone takes the whole pass, hence the small number.
 PREFILL_BATCH_TOKENS = 32
 # bad words live in fixed-shape per-slot arrays so the decode step compiles once
 MAX_BAD_WORDS, MAX_BAD_WORD_LEN = 8, 8

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from opt_serving.backend.cpu import _lib
+from opt_serving.backend.tree import at, dense_paths
 
 FORMATS = ("float32", "bfloat16", "int8")
 _TYPE = {"float32": 0, "bfloat16": 1, "int8": 2}  # the extension's weight type codes
@@ -98,7 +99,7 @@ def unpack_params(params: dict, like: dict, weights: str = "float32") -> dict:
     key = "qkernel" if weights == "int8" else "kernel"
 
     def plain(path, packed):
-        k, n = _at(like, path)[key].shape
+        k, n = at(like, path)[key].shape
         return jnp.asarray(unpack(packed, k, n, weights))
     out = _map_dense({name: sub for name, sub in params.items() if name != "lm_head"}, "packed", key, plain)
     if weights == "int8" and "lm_head" in params:
@@ -112,7 +113,7 @@ def _map_dense(params: dict, key: str, new_key: str, fn: Callable) -> dict:
     """A new tree with every dense layer's `key` param replaced by `new_key` = fn(path, value); everything
     else shared with `params`."""
     out = dict(params)
-    for path in _dense_paths(params, key):
+    for path in dense_paths(params, key):
         parent = out
         for step in path[:-1]:  # copy the dicts along the path, so `params` stays as it was
             parent[step] = parent = dict(parent[step])
@@ -120,18 +121,3 @@ def _map_dense(params: dict, key: str, new_key: str, fn: Callable) -> dict:
         dense[new_key] = fn(path, dense.pop(key))
         parent[path[-1]] = dense
     return out
-
-
-def _dense_paths(tree: dict, key: str, prefix=()):
-    for name, sub in tree.items():
-        if isinstance(sub, dict):
-            if key in sub:
-                yield prefix + (name,)
-            else:
-                yield from _dense_paths(sub, key, prefix + (name,))
-
-
-def _at(tree: dict, path):
-    for name in path:
-        tree = tree[name]
-    return tree
