@@ -13,6 +13,15 @@ def dense_paths(tree: dict, key: str, prefix=()):
                 yield from dense_paths(sub, key, prefix + (name,))
 
 
+def fresh_at(tree: dict, path) -> dict:
+    """The dict at `path` in `tree` (itself a fresh top-level copy), with every dict along the path copied first,
+    so it can be changed while the tree it was copied from stays as it was (the rest is shared)."""
+    node = tree
+    for step in path:
+        node[step] = node = dict(node[step])
+    return node
+
+
 def at(tree: dict, path):
     for name in path:
         tree = tree[name]

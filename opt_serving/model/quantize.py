@@ -23,7 +23,7 @@ from typing import Optional
 
 import numpy as np
 
-from opt_serving.backend.tree import dense_paths
+from opt_serving.backend.tree import dense_paths, fresh_at
 from opt_serving.config import OPTConfig
 from opt_serving.model import weights
 
@@ -70,20 +70,12 @@ def dequantize_rows(q, scale, dtype=np.float32) -> np.ndarray:
 
 # ---- the Flax tree ----
 
-def _copy_to(tree: dict, path) -> dict:
-    """The dict at `path` in a copy of `tree` whose dicts along the path are fresh (the rest shared)."""
-    node = tree
-    for step in path:
-        node[step] = node = dict(node[step])
-    return node
-
-
 def quantize_params(params: dict) -> dict:
     """A float params tree -> the int8 one (see the module docstring); the input is left as it was."""
     import jax
     out = dict(params)
     for path in list(dense_paths(params, "kernel")):
-        node = _copy_to(out, path)
+        node = fresh_at(out, path)
         q, scale = quantize_rows(np.asarray(node.pop("kernel"), np.float32).T)  # [out, in]
         node["qkernel"], node["scale"] = jax.device_put(np.ascontiguousarray(q.T)), jax.device_put(scale)
     if "embed_tokens" in params:
@@ -92,10 +84,6 @@ def quantize_params(params: dict) -> dict:
         out["embed_tokens"] = {"embedding": jax.device_put(dequantize_rows(q, scale, embedding.dtype))}
         out["lm_head"] = {"qkernel": jax.device_put(np.ascontiguousarray(q.T)), "scale": jax.device_put(scale)}
     return out
-
-
-def is_quantized(params: dict) -> bool:
-    return any(True for _ in dense_paths(params, "qkernel"))
 
 
 # ---- the numpy folder ----
@@ -151,22 +139,14 @@ def load_params(folder: str | os.PathLike, cfg: OPTConfig, dtype=None) -> dict:
         path, transpose = weights.flax_path(name)
         if name not in quantized:
             arr = weights.load_checked(folder, name, shape)
-            weights._set_path(tree, path, jax.device_put(np.ascontiguousarray(arr, dtype=dtype)))
+            weights.set_path(tree, path, jax.device_put(np.ascontiguousarray(arr, dtype=dtype)))
             continue
         q, scale = load_quantized(folder, name, shape)
         if name == "decoder.embed_tokens.weight":
-            weights._set_path(tree, path, jax.device_put(dequantize_rows(q, scale, dtype)))
+            weights.set_path(tree, path, jax.device_put(dequantize_rows(q, scale, dtype)))
             path = ("lm_head", "qkernel")
         else:
             path = path[:-1] + ("qkernel",)
-        weights._set_path(tree, path, jax.device_put(np.ascontiguousarray(np.asarray(q).T)))
-        weights._set_path(tree, path[:-1] + ("scale",), jax.device_put(np.asarray(scale, np.float32)))
+        weights.set_path(tree, path, jax.device_put(np.ascontiguousarray(np.asarray(q).T)))
+        weights.set_path(tree, path[:-1] + ("scale",), jax.device_put(np.asarray(scale, np.float32)))
     return tree
-
-
-def quantize_folder(folder: str | os.PathLike, cfg: OPTConfig, names=None) -> None:
-    """Quantize a float numpy folder in place (every weight of `names`, default all), then mark it."""
-    folder = Path(folder)
-    for name in names if names is not None else quantized_names(cfg):
-        quantize_file(folder, name)
-    write_marker(folder)

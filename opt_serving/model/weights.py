@@ -172,7 +172,7 @@ def metaseq_key_to_hf(name: str) -> str:
     return "model." + name
 
 
-def _set_path(tree: dict, path: tuple[str, ...], value) -> None:
+def set_path(tree: dict, path: tuple[str, ...], value) -> None:
     for p in path[:-1]:
         tree = tree.setdefault(p, {})
     tree[path[-1]] = value
@@ -201,7 +201,7 @@ def params_from_arrays(cfg: OPTConfig, arrays, dtype=None, progress: bool = Fals
                              f"the config expects {tuple(shape)}")
         path, transpose = flax_path(name)
         host = np.asarray(arr.T if transpose else arr)
-        _set_path(tree, path, jax.device_put(np.ascontiguousarray(host, dtype=dtype)))
+        set_path(tree, path, jax.device_put(np.ascontiguousarray(host, dtype=dtype)))
         del host
     return tree
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from opt_serving.backend.cpu import _lib
-from opt_serving.backend.tree import at, dense_paths
+from opt_serving.backend.tree import at, dense_paths, fresh_at
 
 FORMATS = ("float32", "bfloat16", "int8")
 _TYPE = {"float32": 0, "bfloat16": 1, "int8": 2}  # the extension's weight type codes
@@ -114,10 +114,6 @@ def _map_dense(params: dict, key: str, new_key: str, fn: Callable) -> dict:
     else shared with `params`."""
     out = dict(params)
     for path in dense_paths(params, key):
-        parent = out
-        for step in path[:-1]:  # copy the dicts along the path, so `params` stays as it was
-            parent[step] = parent = dict(parent[step])
-        dense = dict(parent[path[-1]])
+        dense = fresh_at(out, path)  # `params` stays as it was
         dense[new_key] = fn(path, dense.pop(key))
-        parent[path[-1]] = dense
     return out
