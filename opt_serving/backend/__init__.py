@@ -137,7 +137,7 @@ def choose(devices: Iterable, dtype, settings: Optional[BackendSettings] = None,
     if _lib.load(settings.threads()) is None:
         return xla
     one = len(devices) == 1 and dtype is not None and jnp.dtype(dtype) == jnp.float32
-    if weights == "bfloat16" and not (one and head.supported()):
+    if weights == "bfloat16" and not (one and bfloat16_products(devices, settings)):
         raise ValueError("bfloat16 products need float32 params on one CPU device with native bfloat16 "
                          "(see bfloat16_products)")
     return Backend(products=one, attention=one, cpu_argmax=True, weights=weights if one else xla.weights,
