@@ -16,7 +16,7 @@ CXX="${CXX:-g++}"
 
 read -r JAX_INCLUDE PREFIX < <("$PYTHON" -c "import jax, sys; print(jax.ffi.include_dir(), sys.prefix)")
 if [ -f "$PREFIX/include/dnnl.hpp" ] && command -v "$CXX" >/dev/null; then
-  "$CXX" -O3 -fopenmp -std=c++17 -shared -fPIC -w opt_serving/csrc/*.cc -o opt_serving/_cpu_kernels.so \
+  "$CXX" -O3 -fopenmp -std=c++20 -shared -fPIC -w opt_serving/csrc/*.cc -o opt_serving/_cpu_kernels.so \
     -I"$JAX_INCLUDE" -I"$PREFIX/include" -L"$PREFIX/lib" -ldnnl -Wl,-rpath,"$PREFIX/lib"
   "$PYTHON" -c "import ctypes; ctypes.CDLL('opt_serving/_cpu_kernels.so').OptOnednnMatmulLowp; print('built opt_serving/_cpu_kernels.so')"
 else

@@ -2,10 +2,11 @@
 their prompts are prefilled.
 
 A prompt of at most `prefill_chunk` tokens is prefilled whole, several together where the slot model has
-`prefill_batch`. A longer one is prefilled a chunk per iteration (vLLM's chunked prefill), so a decode step
-of the running requests comes between its chunks, where a whole prefill of it would hold every stream up
-for the length of the pass. One such prompt is prefilled at a time; it holds the free slot it will take,
-and the requests queued behind it wait for it (first come, first served: none overtakes it for good).
+`prefill_batch`. A longer one is prefilled a chunk at a time (vLLM's chunked prefill), so decode steps of the
+running requests come between its chunks, where a whole prefill of it would hold every stream up for the
+length of the pass. Each iteration prefills chunks up to a budget of prompt tokens (`prefill_budget`, a
+chunk by default), oldest prompt first; every prompt being prefilled holds the free slot it will take, so the
+short prompts queued behind a long one start beside it instead of waiting for it.
 """
 from __future__ import annotations
 
@@ -23,33 +24,67 @@ PREFILL_CHUNK = 256
 
 
 class ChunkedPrefill:
-    """The request (`req`, None when there is none) whose prompt is being prefilled a chunk per engine
-    iteration, over a slot model with `open_prefill`, `prefill_chunk` and `discard_partial`
-    (runner.slots.Slots); `chunk` is None where chunked prefill is off or the slot model has none."""
+    """The requests whose prompts are being prefilled a chunk at a time (`reqs`, oldest first), over a slot
+    model with `open_prefill`, `prefill_chunk` and `discard_partial` (runner.slots.Slots); `chunk` is None
+    where chunked prefill is off or the slot model has none. `budget`: the prompt tokens an iteration
+    prefills in chunks (whole chunks, at least one)."""
 
-    def __init__(self, model, chunk: Optional[int]):
+    def __init__(self, model, chunk: Optional[int], budget: Optional[int] = None):
         self.model = model
         self.chunk = chunk if chunk and chunk > 0 and hasattr(model, "prefill_chunk") else None
-        self.req = None
-        self._job = None
+        self.budget = max(budget or 0, self.chunk or 0)
+        self._jobs: dict = {}  # request -> its job (open_prefill's), None until its first chunk; oldest first
+
+    @property
+    def held(self) -> int:
+        """The slots held (one per prompt being prefilled); safe to read from any thread."""
+        return len(self._jobs)
+
+    @property
+    def reqs(self) -> list:
+        """(The engine thread only.) The requests being prefilled, oldest first."""
+        return list(self._jobs)
 
     def wants(self, req) -> bool:
         """Is the request's prompt prefilled in chunks? Longer than a chunk, and not scored (prompt scores
         come from a whole prefill)."""
         return self.chunk is not None and len(req.prompt) > self.chunk and not req.settings.prompt_logprobs
 
-    def advance(self) -> Optional[Prefix]:
-        """Prefill the request's next chunk -> None, or after the last its Prefix (and it is no longer held)."""
-        if self._job is None:
-            self._job = self.model.open_prefill(self.req.prompt, self.req.settings, self.chunk)
-        prefix = self.model.prefill_chunk(self._job)
-        if prefix is not None:
-            self.req = self._job = None
-        return prefix
+    def add(self, req) -> None:
+        self._jobs[req] = None
 
-    def drop(self) -> None:
+    def advance(self) -> list[tuple]:
+        """Prefill this iteration's chunks, oldest prompt first -> (request, its Prefix, or the exception that
+        stopped it) for each prompt whose last chunk ran (it is no longer held). A cancelled request is let
+        go with the cache rows its chunks filled, and reported with a None Prefix."""
+        done, spent = [], 0
+        for req in list(self._jobs):
+            if spent >= self.budget:
+                break
+            if req.cancelled:
+                self.drop(req)
+                done.append((req, None))
+                continue
+            try:
+                if self._jobs[req] is None:
+                    self._jobs[req] = self.model.open_prefill(req.prompt, req.settings, self.chunk)
+                prefix = None
+                while prefix is None and spent < self.budget:
+                    prefix = self.model.prefill_chunk(self._jobs[req])
+                    spent += self.chunk
+            except Exception as e:  # this request fails, the others carry on
+                log.exception("request %d: chunked prefill failed", req.id)
+                self.drop(req)
+                done.append((req, e))
+                continue
+            if prefix is not None:
+                del self._jobs[req]
+                done.append((req, prefix))
+        return done
+
+    def drop(self, req) -> None:
         """Let the request go (cancelled or failed), and the cache rows its chunks filled."""
-        job, self.req, self._job = self._job, None, None
+        job = self._jobs.pop(req, None)
         if job is not None:
             try:
                 self.model.discard_partial(job)
@@ -59,20 +94,18 @@ class ChunkedPrefill:
 
 def take(queue: collections.deque, free: int, chunked: ChunkedPrefill) -> list:
     """(Under the engine's lock.) The queued requests to prefill whole now, first come first served, at
-    most `free` (the free slots, less the one a chunked prefill holds). A long prompt (`chunked.wants`)
-    becomes `chunked.req` when there is none (taking a free slot too); otherwise it stays at the head of
-    the queue, and the requests behind it with it."""
+    most `free` (the free slots, less those the prompts being prefilled in chunks hold). A long prompt
+    (`chunked.wants`) joins `chunked`, taking a free slot too."""
     admit = []
-    while queue and len(admit) < free:
-        req = queue[0]
-        if not req.cancelled and chunked.wants(req):
-            if chunked.req is not None:
-                break
-            chunked.req = req
-            free -= 1
-        elif not req.cancelled:
+    while queue and free > 0:
+        req = queue.popleft()
+        if req.cancelled:
+            continue
+        if chunked.wants(req):
+            chunked.add(req)
+        else:
             admit.append(req)
-        queue.popleft()
+        free -= 1
     return admit
 
 

@@ -43,11 +43,13 @@ class Engine:
     """Scheduler thread over a slot model: bounded queue, admission into free slots, one step for all."""
 
     def __init__(self, model: SlotModel, max_queue: int = 256, start: bool = True,
-                 health_stall_s: float = HEALTH_STALL_S, prefill_chunk: Optional[int] = admission.PREFILL_CHUNK):
-        """`prefill_chunk`: prompts longer than this many tokens are prefilled a chunk of it per iteration,
-        between decode steps (where the slot model can; 0 or None: every prompt whole)."""
+                 health_stall_s: float = HEALTH_STALL_S, prefill_chunk: Optional[int] = admission.PREFILL_CHUNK,
+                 prefill_budget: Optional[int] = None):
+        """`prefill_chunk`: prompts longer than this many tokens are prefilled in chunks of it, between decode
+        steps (where the slot model can; 0 or None: every prompt whole), `prefill_budget` tokens of chunks an
+        iteration (default: one chunk)."""
         self.model = model
-        self._chunked = admission.ChunkedPrefill(model, prefill_chunk)
+        self._chunked = admission.ChunkedPrefill(model, prefill_chunk, prefill_budget)
         self.prefill_chunk = self._chunked.chunk
         self.max_queue = max_queue
         self.health_stall_s = health_stall_s
@@ -177,8 +179,8 @@ class Engine:
         self.close()
 
     # ---- engine thread ----
-    def _running(self) -> int:  # (under self._cv) occupied slots, the one kept for a chunked prefill included
-        return sum(r is not None for r in self._slots) + (self._chunked.req is not None)
+    def _running(self) -> int:  # (under self._cv) occupied slots, those kept for chunked prefills included
+        return sum(r is not None for r in self._slots) + self._chunked.held
 
     def _busy(self) -> bool:  # (under self._cv)
         return bool(self._queue) or self._running() > 0
@@ -202,7 +204,7 @@ class Engine:
         """Every queued and running request ends with `error`."""
         with self._cv:
             pending = list(self._queue) + [r for r in self._slots if r is not None]
-            pending += [self._chunked.req] if self._chunked.req is not None else []
+            pending += self._chunked.reqs
             self._queue.clear()
         for req in pending:
             self._fail(req, error)
@@ -218,8 +220,8 @@ class Engine:
             for req in self._slots:
                 if req is not None and req.cancelled:
                     self._release(req)
-            with self._cv:  # a slot is kept for the prompt being prefilled in chunks
-                free = self._slots.count(None) - (self._chunked.req is not None)
+            with self._cv:  # a slot is kept for each prompt being prefilled in chunks
+                free = self._slots.count(None) - self._chunked.held
                 admit = admission.take(self._queue, free, self._chunked)
             for req, prefix in zip(admit, admission.prefill_whole(self.model, admit)):
                 try:
@@ -231,8 +233,8 @@ class Engine:
                     self._fail(req, e)
             if admit:
                 self._progressed()
-            if self._chunked.req is not None:  # one chunk an iteration: a decode step comes between chunks
-                self._prefill_chunk(self._chunked.req)
+            if self._chunked.held:  # a budget of chunks an iteration: a decode step comes between them
+                self._prefill_chunks()
             if any(self._slots):
                 try:
                     self._step()
@@ -242,22 +244,19 @@ class Engine:
                         self._fail(req, e)
                 self._progressed()
 
-    def _prefill_chunk(self, req: EngineRequest) -> None:
-        """The next chunk of the prompt prefilled in chunks; after the last, the request takes the slot kept
-        for it. A cancelled one is let go, with the cache rows its chunks filled."""
-        if req.cancelled:
-            self._chunked.drop()
-            req.done = True
-            return
-        try:
-            prefix = self._chunked.advance()
-            if prefix is not None:
+    def _prefill_chunks(self) -> None:
+        """This iteration's chunks of the prompts prefilled in chunks; a prompt whose last chunk ran takes a
+        slot kept for it. A cancelled request is let go, with the cache rows its chunks filled."""
+        for req, prefix in self._chunked.advance():
+            if prefix is None:  # cancelled
+                req.done = True
+                continue
+            try:
+                if isinstance(prefix, BaseException):
+                    raise prefix
                 self._admit(req, self._slots.index(None), prefix)
-        except Exception as e:  # this request fails, the others carry on
-            log.exception("request %d: chunked prefill failed", req.id)
-            if self._chunked.req is req:
-                self._chunked.drop()
-            self._fail(req, e)
+            except Exception as e:  # this request fails, the others carry on
+                self._fail(req, e)
         self._progressed()
 
     def _admit(self, req: EngineRequest, slot: int, prefix: Prefix) -> None:

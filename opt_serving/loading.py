@@ -38,14 +38,14 @@ def check_model_args(model: Optional[str], path=None, dummy: bool = False, token
 def load_generator(model: Optional[str], path=None, dtype: str = "float32", max_batch_size: int = 16,
                    max_seq_len: Optional[int] = None, max_queue: int = 256, warmup: bool = True,
                    dummy: bool = False, seed: int = 0, tokenizer=None, prefill_chunk: Optional[int] = PREFILL_CHUNK,
-                   **plan) -> "Generator":
+                   prefill_budget: Optional[int] = None, **plan) -> "Generator":
     """The named model's weights from `path` (a numpy folder, or its parent holding `<size>-np/`) with the
     tokenizer from the same folder; random weights of the named size from `seed` with `dummy` (no `path`);
     the embedded tiny model with neither. `tokenizer`: a folder to take the
     tokenizer from instead (needed with `dummy` when the vocabulary is larger than the embedded model's).
     `max_batch_size` decode slots; every shape is compiled before it returns when `warmup`. `prefill_chunk`:
     prompts longer than this are prefilled that many tokens an engine iteration, between decode steps (0 or
-    None: whole; engine.Engine). `plan`: an alpa/
+    None: whole; engine.Engine), `prefill_budget` tokens of chunks an iteration (default one chunk). `plan`: an alpa/
     model's tensor_parallel, pipeline_parallel, device_memory, micro_batches (`load_engine`).
     ValueError (naming the argument) for arguments that do not go together; OSError for missing files."""
     from opt_serving.generator import Generator
@@ -62,21 +62,23 @@ def load_generator(model: Optional[str], path=None, dtype: str = "float32", max_
         tok = load_tokenizer(folder if tokenizer is None else tokenizer)
     engine = load_engine(model, folder, dtype=dtype, num_slots=max_batch_size, max_seq_len=max_seq_len,
                          max_queue=max_queue, warmup=warmup, dummy=dummy, seed=seed, prefill_chunk=prefill_chunk,
-                         **plan)
+                         prefill_budget=prefill_budget, **plan)
     return Generator(engine, tok, max_seq_len=max_seq_len, model_name=model)
 
 
 def load_engine(model_name: str, path=None, dtype: str = "float32", num_slots: int = 16,
                 max_seq_len: Optional[int] = None, max_queue: int = 256, warmup: bool = True,
-                prefill_chunk: Optional[int] = PREFILL_CHUNK, **plan) -> "Engine":
+                prefill_chunk: Optional[int] = PREFILL_CHUNK, prefill_budget: Optional[int] = None,
+                **plan) -> "Engine":
     """An engine over `runner.load.load_slots(model_name, path, ...)` (every plan: one device, a
     tensor-parallel mesh, pipeline stages on a Ray cluster; `plan` takes dummy, seed, tensor_parallel,
     pipeline_parallel, device_memory, micro_batches), compiled before it returns when `warmup` (the
-    chunked prefill's step too: `prefill_chunk`, see engine.Engine)."""
+    chunked prefill's step too: `prefill_chunk`, `prefill_budget`, see engine.Engine)."""
     from opt_serving.engine import Engine
     from opt_serving.runner.load import load_slots
     slots = load_slots(model_name, path, dtype=dtype, num_slots=num_slots, max_seq_len=max_seq_len, **plan)
-    engine = Engine(slots, max_queue=max_queue, start=False, prefill_chunk=prefill_chunk)
+    engine = Engine(slots, max_queue=max_queue, start=False, prefill_chunk=prefill_chunk,
+                    prefill_budget=prefill_budget)
     try:
         if warmup:
             engine.warmup()

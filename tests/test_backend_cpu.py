@@ -302,3 +302,34 @@ def test_kernels_use_every_cpu_whatever_omp_num_threads_says():
     assert team(OMP_NUM_THREADS="1") == (cpus, cpus)
     assert team(OMP_NUM_THREADS="1", OPT_SERVING_CPU_THREADS="1") == (1, 1)
     assert BackendSettings(cpu_threads=3).threads() == 3
+
+
+@needs_kernels
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs for a team of workers")
+def test_kernels_called_from_many_threads_share_one_team():
+    # XLA calls custom calls from whichever of its pool threads is free. When each such thread started its
+    # own parallel regions, libgomp grew a team per thread (more threads than cores: it put every worker to
+    # sleep between calls). Every kernel runs on the kernel thread instead: callers on eight threads add that
+    # thread and its team's workers, and no more.
+    probe = """
+import os, threading
+from opt_serving.backend.cpu import _lib
+lib = _lib.load()
+before = len(os.listdir('/proc/self/task'))
+sizes, ready, hold = [], threading.Barrier(9), threading.Event()
+def call():
+    sizes.append(lib.opt_cpu_kernels_team_size())
+    ready.wait()
+    hold.wait()
+callers = [threading.Thread(target=call) for _ in range(8)]
+for t in callers:
+    t.start()
+ready.wait()
+print(len(os.listdir('/proc/self/task')) - before - len(callers), min(sizes), max(sizes))
+hold.set()
+"""
+    out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True).stdout.split()
+    added, smallest, largest = map(int, out)
+    team = BackendSettings.from_env().threads()
+    assert smallest == largest == team
+    assert added == team  # the kernel thread and its team's team - 1 workers

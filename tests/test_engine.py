@@ -520,6 +520,71 @@ def test_running_requests_get_tokens_between_the_chunks_of_a_long_prompt(model, 
     assert (short.ids, long.ids) == (hf_greedy(hf, PROMPTS[2], 20), hf_greedy(hf, LONG[1], 6))
 
 
+def _logged_run(model, submit, **engine_kw):
+    """Run the requests `submit(engine, Log)` queues (Log: a Collect whose tokens are logged by `name`) on a
+    new engine; -> (events: ("token", name) and ("chunk", name, tokens done) in order, the collectors)."""
+    events = []
+
+    class Log(Collect):
+        def __init__(self, engine, name):
+            super().__init__(engine)
+            self.name = name
+
+        def __call__(self, out):
+            events.extend([("token", self.name)] * len(out.tokens))
+            super().__call__(out)
+
+    real = model.prefill_chunk
+    names = {}
+    model.prefill_chunk = lambda job: (events.append(("chunk", names[tuple(job.tokens)], job.done)), real(job))[1]
+    try:
+        e = Engine(model, start=False, **engine_kw)
+        logs = submit(e, Log)
+        names.update({tuple(c.prompt): c.name for c in logs})
+        e.start()
+        assert all(c.done.wait(120) for c in logs)
+        e.close()
+    finally:
+        del model.prefill_chunk
+    return events, logs
+
+
+def test_a_budget_of_two_chunks_prefills_two_between_decode_steps(model, hf):
+    """prefill_budget=16 with chunks of 8: an iteration prefills two chunks of the long prompt, then the
+    running request takes a step."""
+    def submit(e, Log):
+        short, long = Log(e, "short"), Log(e, "long")
+        short.prompt, long.prompt = PROMPTS[2], LONG[1]
+        short.req = e.submit(PROMPTS[2], SlotSettings(max_tokens=20), short)
+        long.req = e.submit(LONG[1], SlotSettings(max_tokens=6), long)
+        return [short, long]
+
+    events, (short, long) = _logged_run(model, submit, prefill_chunk=8, prefill_budget=16)
+    first_long = events.index(("token", "long"))
+    assert events[:first_long] == [("token", "short"), ("chunk", "long", 0), ("chunk", "long", 8),
+                                   ("token", "short"), ("chunk", "long", 16)]  # 22 tokens: three chunks
+    assert (short.ids, long.ids) == (hf_greedy(hf, PROMPTS[2], 20), hf_greedy(hf, LONG[1], 6))
+
+
+def test_a_short_prompt_behind_two_long_ones_starts_at_once(model, hf):
+    """Two long prompts queued before a short one: the short one is prefilled in the first iteration (it
+    does not wait behind them), and the long ones get their chunks oldest first."""
+    def submit(e, Log):
+        logs = [Log(e, n) for n in ("a", "b", "short")]
+        for c, prompt, n in zip(logs, (LONG[0], LONG[2], PROMPTS[0]), (4, 4, 12)):
+            c.prompt = prompt
+            c.req = e.submit(prompt, SlotSettings(max_tokens=n), c)
+        return logs
+
+    events, (a, b, short) = _logged_run(model, submit, prefill_chunk=8)
+    assert events[0] == ("token", "short")
+    chunks = [ev[1:] for ev in events if ev[0] == "chunk"]
+    assert chunks == [("a", 0), ("a", 8), ("a", 16), ("b", 0), ("b", 8), ("b", 16), ("b", 24)]  # 17 and 28 tokens
+    assert events.index(("token", "a")) < events.index(("chunk", "b", 0))
+    for c, prompt, n in ((a, LONG[0], 4), (b, LONG[2], 4), (short, PROMPTS[0], 12)):
+        assert c.ids == hf_greedy(hf, prompt, n)
+
+
 def test_a_request_cancelled_mid_prefill_lets_its_rows_go(model, hf):
     """Cancelled between two chunks: no output follows, the rows its chunks filled are let go (cache and
     sampling row), and the engine serves the next request."""

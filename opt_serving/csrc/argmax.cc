@@ -48,6 +48,6 @@ static ffi::Error Argmax(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> ou
   return ffi::Error::Success();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(OptArgmax, Argmax,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptArgmax, OnKernelThread<Argmax>::call,
                               ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::S32>>());
 

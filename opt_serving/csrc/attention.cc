@@ -179,7 +179,6 @@ static ffi::Error DecodeAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32>
   const int64_t t_count = kd[2];
   if (t_count > 4096) return ffi::Error::InvalidArgument("opt_decode_attention: at most 4096 entries");
   const int64_t n = std::max<int64_t>(0, std::min<int64_t>(read_len.typed_data()[0], t_count));
-  std::lock_guard<std::mutex> lock(run_mu);
 #if defined(__x86_64__)
   // OPT_SERVING_NO_AVX512 (any value): the portable code (tests compare the two)
   static const bool avx512 = __builtin_cpu_supports("avx512f") && std::getenv("OPT_SERVING_NO_AVX512") == nullptr;
@@ -199,7 +198,7 @@ static ffi::Error DecodeAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32>
   return ffi::Error::Success();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(OptDecodeAttention, DecodeAttention,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptDecodeAttention, OnKernelThread<DecodeAttention>::call,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

@@ -1,5 +1,9 @@
 #include "common.h"
 
+#include <thread>
+
+#include <unistd.h>
+
 namespace opt {
 
 dnnl::engine& cpu_engine() {
@@ -8,10 +12,72 @@ dnnl::engine& cpu_engine() {
 }
 
 std::mutex mu;
-std::mutex run_mu;
 
 namespace {
+
 std::atomic<int> threads{0};
+
+// The job slot between callers and the kernel thread: `posted` counts jobs handed over, `finished`
+// jobs done, each waited on with a futex (std::atomic::wait). Neither side spins: with two cores, a
+// spinning kernel thread or caller takes the core the team's worker or XLA's next op needs
+// (a 20000-round spin on either side made a decode step several times slower).
+struct KernelThread {
+  std::mutex callers;  // one job at a time
+  const std::function<void()>* job = nullptr;
+  std::exception_ptr error;
+  std::atomic<uint32_t> posted{0}, finished{0};
+  std::thread::id id;
+  pid_t pid = getpid();
+
+  KernelThread() {
+    std::thread t([this] { loop(); });
+    id = t.get_id();
+    t.detach();  // lives as long as the process (handlers may run until exit)
+  }
+
+  void loop() {
+    uint32_t seen = 0;
+    for (;;) {
+      posted.wait(seen, std::memory_order_acquire);
+      seen = posted.load(std::memory_order_acquire);
+      try {
+        (*job)();
+      } catch (...) {
+        error = std::current_exception();
+      }
+      finished.store(seen, std::memory_order_release);
+      finished.notify_one();
+    }
+  }
+
+  void run(const std::function<void()>& f) {
+    std::lock_guard<std::mutex> lock(callers);
+    job = &f;
+    error = nullptr;
+    const uint32_t ticket = posted.load(std::memory_order_relaxed) + 1;
+    posted.store(ticket, std::memory_order_release);
+    posted.notify_one();
+    for (uint32_t now; (now = finished.load(std::memory_order_acquire)) != ticket;) {
+      finished.wait(now, std::memory_order_acquire);
+    }
+    if (error) std::rethrow_exception(error);
+  }
+};
+
+}  // namespace
+
+void on_kernel_thread(const std::function<void()>& f) {
+  static std::mutex start;
+  static KernelThread* kernel = nullptr;
+  KernelThread* k;
+  {
+    std::lock_guard<std::mutex> lock(start);
+    // a forked child has no kernel thread: start its own (the parent's is left as it was)
+    if (kernel == nullptr || kernel->pid != getpid()) kernel = new KernelThread();
+    k = kernel;
+  }
+  if (std::this_thread::get_id() == k->id) return f();  // already there (a kernel calling another)
+  k->run(f);
 }
 
 void use_threads() {
@@ -36,8 +102,18 @@ const dnnl::memory::desc& packed_desc(int64_t k, int64_t n, dt in) {
   return it->second;
 }
 
+static int reorder_on_this_thread(int64_t k, int64_t n, int transposed, const void* from, void* to, bool pack,
+                                  dt packed_type, dt plain_type);
+
 int reorder_plain(int64_t k, int64_t n, int transposed, const void* from, void* to, bool pack, dt packed_type,
                   dt plain_type) {
+  int status = 1;
+  on_kernel_thread([&] { status = reorder_on_this_thread(k, n, transposed, from, to, pack, packed_type, plain_type); });
+  return status;
+}
+
+static int reorder_on_this_thread(int64_t k, int64_t n, int transposed, const void* from, void* to, bool pack,
+                                  dt packed_type, dt plain_type) {
   try {
     dnnl::memory::desc plain({k, n}, plain_type, transposed ? tag::ba : tag::ab);
     const dnnl::memory::desc& packed = packed_desc(k, n, packed_type);
@@ -73,12 +149,14 @@ extern "C" void opt_cpu_kernels_set_threads(int n) { opt::threads.store(n); }
 
 // The size of the team a kernel called from this thread runs with (for tests).
 extern "C" int opt_cpu_kernels_team_size() {
-  opt::use_threads();
   int size = 0;
+  opt::on_kernel_thread([&] {
+    opt::use_threads();
 #pragma omp parallel
-  {
+    {
 #pragma omp single
-    size = omp_get_num_threads();
-  }
+      size = omp_get_num_threads();
+    }
+  });
   return size;
 }

@@ -11,6 +11,9 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
+#include <functional>
+#include <optional>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -40,14 +43,33 @@ constexpr int64_t kPackRows = 32;  // the rows the weight layout is chosen for (
 
 dnnl::engine& cpu_engine();
 
-extern std::mutex mu;      // guards the primitive and layout caches (XLA may call from several threads)
-extern std::mutex run_mu;  // one product at a time: each already uses every core
+extern std::mutex mu;  // guards the primitive and layout caches (sizes are asked for from Python's threads too)
 
 // Threads for every parallel region we start or oneDNN starts for us (0: OpenMP's default). Set
 // from Python: XLA's own pool ignores OMP_NUM_THREADS, and a Ray worker has it set to its CPU
 // reservation (1 for a Serve replica), which would leave our kernels on one core while XLA uses
-// all. OpenMP keeps the count per calling thread, so each handler sets it for the XLA thread that calls it.
+// all. OpenMP keeps the count per thread: each kernel sets it on the kernel thread (below).
 void use_threads();
+
+// Runs `f` on the kernel thread, the one thread that starts every parallel region of ours and of
+// oneDNN's, and returns when it is done (rethrowing what it threw). libgomp keeps a team of workers
+// per thread that starts a parallel region, and XLA runs custom calls on whichever of its pool threads
+// is free: each of those grew a team of its own, libgomp then counted more threads than cores and
+// put its workers to sleep between regions, and every product, attention and argmax paid a futex
+// wake-up. With one starting thread there is one team, whose workers stay awake between the calls of a step.
+void on_kernel_thread(const std::function<void()>& f);
+
+// An FFI handler run on the kernel thread: XLA_FFI_DEFINE_HANDLER_SYMBOL(Name, OnKernelThread<Body>::call, ...)
+template <auto Body>
+struct OnKernelThread;
+template <class... Args, ffi::Error (*Body)(Args...)>
+struct OnKernelThread<Body> {
+  static ffi::Error call(Args... args) {
+    std::optional<ffi::Error> result;
+    on_kernel_thread([&] { result.emplace(Body(std::move(args)...)); });
+    return std::move(*result);
+  }
+};
 
 // The layout oneDNN's matmul picks for a [K, N] weight of type `in` (float32 results either way;
 // int8 weights are multiplied by int8 rows with per-column weight scales).

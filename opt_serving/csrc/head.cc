@@ -150,7 +150,6 @@ static ffi::Error GreedyHead(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ffi
                                          std::to_string(n) + "] head " + std::to_string(wd.get_size()));
     }
     dnnl::matmul prim = head_matmul_for(m, k, n);
-    std::lock_guard<std::mutex> lock(run_mu);
     // kept between calls: a fresh [M, N] float32 buffer each step is page faults on every step
     static std::vector<uint16_t> xb;
     static std::vector<float> approx;
@@ -193,7 +192,7 @@ static ffi::Error GreedyHead(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ffi
   return ffi::Error::Success();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(OptGreedyHead, GreedyHead,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptGreedyHead, OnKernelThread<GreedyHead>::call,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()

@@ -168,7 +168,6 @@ ffi::Error check_shapes(const char* name, ffi::Buffer<ffi::F32>& x, ffi::AnyBuff
 }
 
 void run(dnnl::matmul& prim, std::unordered_map<int, dnnl::memory>& args) {
-  std::lock_guard<std::mutex> lock(run_mu);
   dnnl::stream stream(cpu_engine());
   prim.execute(stream, args);
   stream.wait();
@@ -202,7 +201,6 @@ static ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ffi::Bu
     const bool has_bias = bias.element_count() > 0;
     const dnnl::memory::desc& wd = packed_desc(k, n);
     if (m <= kSmallRows && streams_as_rows(wd, k, n)) {
-      std::lock_guard<std::mutex> lock(run_mu);
       small_rows(x.typed_data(), m, k, n, static_cast<const float*>(packed.untyped_data()),
                  has_bias ? bias.typed_data() : nullptr, relu, y->typed_data());
       return ffi::Error::Success();
@@ -240,11 +238,10 @@ static ffi::Error MatmulLowp(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ffi
     const dnnl::memory::desc& wd = packed_desc(k, n, type);
     dnnl::matmul prim = matmul_for(m, k, n, has_bias, relu, type);
     dnnl::engine& eng = cpu_engine();
-    // kept between calls (one product runs at a time): fresh buffers each step are page faults
+    // kept between calls (one kernel runs at a time, on the kernel thread): fresh buffers each step are page faults
     static std::vector<int8_t> xq;
     static std::vector<uint16_t> xb;
     static std::vector<float> row_scale;
-    std::lock_guard<std::mutex> lock(run_mu);
     void* src_data;
     if (type == dt::s8) {
       xq.resize(m * k);
@@ -278,7 +275,7 @@ static ffi::Error MatmulLowp(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ffi
   return ffi::Error::Success();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(OptOnednnMatmul, Matmul,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptOnednnMatmul, OnKernelThread<Matmul>::call,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
@@ -286,7 +283,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptOnednnMatmul, Matmul,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("relu"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(OptOnednnMatmulLowp, MatmulLowp,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptOnednnMatmulLowp, OnKernelThread<MatmulLowp>::call,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()

@@ -38,6 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
                    help="prompts longer than N tokens are prefilled N at a time, between decode steps, so "
                         "running streams keep their pace (0: whole prefills)")
+    p.add_argument("--prefill-budget", type=int, default=None, metavar="T",
+                   help="prompt tokens prefilled in chunks per engine iteration, across the long prompts "
+                        "waiting, oldest first (default: one chunk); more: shorter waits for a first token "
+                        "under a burst of long prompts, longer pauses of the running streams")
     p.add_argument("--max-batch-size", type=int, default=16, help="decode slots (requests advanced per step)")
     p.add_argument("--max-seq-len", type=int, default=None, help="prompt + generated tokens (default: the model's)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond which the answer is 429")
@@ -160,7 +164,7 @@ def serve_args_from(args: argparse.Namespace):
     path, tokenizer = (None if a is None else os.path.abspath(a) for a in (args.path, args.tokenizer))
     return ServeArgs(engine=args.engine, model=args.model, path=path, dummy=args.dummy, seed=args.seed,
                      tokenizer=tokenizer, dtype=args.dtype, quantize=args.quantize, prefill_chunk=args.prefill_chunk,
-                     max_batch_size=args.max_batch_size,
+                     prefill_budget=args.prefill_budget, max_batch_size=args.max_batch_size,
                      max_seq_len=args.max_seq_len, max_queue=args.max_queue, request_timeout=args.request_timeout,
                      api_keys=keys,
                      num_replicas=args.num_replicas, graceful_shutdown_timeout_s=args.drain_timeout,

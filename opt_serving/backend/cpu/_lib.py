@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -20,6 +21,11 @@ MATMUL_LOWP = "opt_onednn_matmul_lowp"
 def _load() -> Optional[ctypes.CDLL]:
     if not LIBRARY.exists():
         return None
+    # libgomp reads this once, when it is loaded (with the extension, just below): how long the kernels' team
+    # worker spins for the next parallel region before it sleeps. Its default (300000 rounds, ~3 ms) kept it
+    # spinning through XLA's own multithreaded ops between two products and slowed large batches; at 0 every
+    # region paid a wake-up. A setting of the user's is kept.
+    os.environ.setdefault("GOMP_SPINCOUNT", "30000")
     try:
         lib = ctypes.CDLL(str(LIBRARY))
     except OSError:  # built against a oneDNN that is gone: the plain XLA path still works
