@@ -252,8 +252,8 @@ def _sample_loop(cfg, params, ids, mask, st, max_new, new_bucket, pad, output_sc
     reads only the entries written so far, the cache is full-size from the start and there is
     one loop.
 
-    Steps where every row takes the plain argmax (sampling.plain_argmax) go through opt.lm_argmax,
-    which with the backend's screened greedy head never makes the logits."""
+    Steps where every row takes the plain argmax (sampling.plain_argmax) go through opt.lm_argmax: no
+    sampling processors, and with the backend's screened greedy head not even the logits."""
     b, s = ids.shape
     total = s + new_bucket
     windows = [total] if backend.attention else decode_windows(s, total)
@@ -261,13 +261,13 @@ def _sample_loop(cfg, params, ids, mask, st, max_new, new_bucket, pad, output_sc
     h, cache = opt.start(cfg, params, ids, mask, windows[0] - s, backend, return_hidden=True)
     state = sampling.init_state(ids, mask, cfg.vocab_size, total)
     scores_buf = jnp.zeros((new_bucket if output_scores else 0, b, cfg.vocab_size), jnp.float32)
-    screened = backend.greedy_head and not output_scores
+    plain_when_greedy = not output_scores
 
     def choice(h, state):
         return processed_choice(opt.lm_logits(params, h, backend), state, st, backend.argmax)
 
     def pick(h, state, unfinished, scores_buf, i):  # h: final hidden states [B, D]
-        if screened:
+        if plain_when_greedy:
             tok = jax.lax.cond(sampling.plain_argmax(state, st),
                                lambda: opt.lm_argmax(params, h, sampling.held_back(state, st), backend),
                                lambda: choice(h, state)[0])

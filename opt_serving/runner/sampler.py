@@ -130,8 +130,8 @@ class Sampler:
         def choose(params, h, state, settings, active, want_scores, want_top):
             """One token per row from the final hidden states h [B, D], scored when `want_scores`, appended
             to the rows that are `active`. When no row wants scores and every active row takes the plain
-            argmax, a backend with the screened greedy head never makes the logits (opt.lm_argmax); the
-            scores are then NaN."""
+            argmax, the step skips the sampling processors and the scores (opt.lm_argmax: the logits and one
+            argmax, or with the screened greedy head not even the logits); the scores are then NaN."""
             def full():
                 logits = opt.lm_logits(params, h, backend)  # [B, V]
                 tok, _ = sampling.sample(logits, state, settings, backend.argmax)
@@ -140,8 +140,7 @@ class Sampler:
             def plain():
                 tok = opt.lm_argmax(params, h, sampling.held_back(state, settings), backend)
                 return (tok, jnp.full(tok.shape, jnp.nan, jnp.float32), *no_top(h.shape[0]))
-            out = jax.lax.cond(~want_scores & sampling.plain_argmax(state, settings, active), plain, full) \
-                if backend.greedy_head else full()
+            out = jax.lax.cond(~want_scores & sampling.plain_argmax(state, settings, active), plain, full)
             # free slots keep their state, so their positions never run past the cache
             state = sampling.update_state(state, out[0], active)
             return state, out
