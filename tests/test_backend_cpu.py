@@ -20,7 +20,7 @@ from conftest import TINY
 
 needs_kernels = pytest.mark.skipif(_lib.load() is None, reason="opt_serving/_cpu_kernels.so not built")
 needs_head = pytest.mark.skipif(not head.supported(),
-                                reason="no native bfloat16 products on this CPU (or the kernels are not built)")
+                                reason="no native int8 (VNNI, AMX) or bfloat16 products on this CPU (or no kernels)")
 CFG = TINY
 
 
@@ -129,7 +129,9 @@ def test_pack_params_round_trip():
     assert backend.products and backend.greedy_head == head.supported()
     layer = packed["layers_0"]
     assert sorted(layer["fc1"]) == ["bias", "packed"] and sorted(layer["self_attn"]["qkv_proj"]) == ["bias", "packed"]
-    assert sorted(packed["lm_head"]) == (["bf16", "packed", "row_norms"] if backend.greedy_head else ["packed"])
+    screen = {"int8": ["l1_norms", "s8", "s8_scales"], "bfloat16": ["bf16"]}[head.screens()[0]] \
+        if backend.greedy_head else []
+    assert sorted(packed["lm_head"]) == sorted(["packed"] + (["row_norms"] + screen if screen else []))
     back = backend.plain(packed, param_tree.param_tree_shapes(CFG, fused_qkv=True))
     assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(params)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(back),
@@ -196,18 +198,26 @@ def _near_ties(rng, v, k, m):
     return e, x
 
 
+def _int8(a):
+    """Each row rounded to int8 with its own scale (max |a| / 127), as the int8 screen does."""
+    s = np.abs(a).max(-1, keepdims=True).astype(np.float64) / 127
+    return np.round(a / s) * s
+
+
 @needs_head
-def test_screened_greedy_tokens_are_the_exact_argmax():
+@pytest.mark.parametrize("kind", head.screens() if head.supported() else ["none"])
+def test_screened_greedy_tokens_are_the_exact_argmax(kind):
     m = 48
     e, x = _near_ties(np.random.default_rng(0), 3000, 64, m)
-    packed_head = head.pack_head(e)
+    packed_head = head.pack_head(e, kind=kind)
     params = {"lm_head": packed_head, "embed_tokens": {"embedding": jnp.asarray(e)}}
     got = np.asarray(jax.jit(head.greedy_tokens)(params, x))
     exact = x.astype(np.float64) @ e.T.astype(np.float64)
     np.testing.assert_array_equal(got, exact.argmax(-1))
     assert (got[:32:2] == np.arange(0, 64, 4)).all() and (got[1:32:2] == np.arange(3, 64, 4)).all()
-    # the bfloat16 products alone get some of the near-ties wrong: the exact rescoring decided them
-    screen = _bf16(x).astype(np.float64) @ _bf16(e).T.astype(np.float64)
+    # the bfloat16 or int8 products alone get some of the near-ties wrong: the exact rescoring decided them
+    rounded = _bf16 if kind == "bfloat16" else _int8
+    screen = rounded(x).astype(np.float64) @ rounded(e).T.astype(np.float64)
     assert (screen.argmax(-1)[:32] != got[:32]).any()
     # a token left out (EOS held back): the exact argmax of the others; in a near-tie, the other of the pair
     exclude = np.where(np.arange(m) % 3 == 0, exact.argmax(-1), -1).astype(np.int32)
@@ -219,13 +229,16 @@ def test_screened_greedy_tokens_are_the_exact_argmax():
     # leading dimensions are kept, and the row norms bound every row of e from above
     assert head.greedy_tokens(params, jnp.asarray(x)[None]).shape == (1, m)
     assert (np.asarray(packed_head["row_norms"]) >= np.linalg.norm(e.astype(np.float64), axis=1)).all()
+    if kind == "int8":
+        assert (np.asarray(packed_head["l1_norms"]) >= np.abs(e.astype(np.float64)).sum(1)).all()
 
 
 @needs_head
-def test_screened_greedy_tokens_on_inputs_the_bound_does_not_cover():
+@pytest.mark.parametrize("kind", head.screens() if head.supported() else ["none"])
+def test_screened_greedy_tokens_on_inputs_the_bound_does_not_cover(kind):
     rng = np.random.default_rng(1)
     e = rng.standard_normal((500, 16)).astype(np.float32)
-    params = {"lm_head": head.pack_head(e), "embed_tokens": {"embedding": jnp.asarray(e)}}
+    params = {"lm_head": head.pack_head(e, kind=kind), "embed_tokens": {"embedding": jnp.asarray(e)}}
     x = rng.standard_normal((3, 16)).astype(np.float32)
     x[0] = 0.0         # every logit ties at 0: the first token, as jnp.argmax
     x[1, 3] = np.nan   # every logit NaN: the first NaN wins, as jnp.argmax
@@ -234,12 +247,12 @@ def test_screened_greedy_tokens_on_inputs_the_bound_does_not_cover():
     # a weight with no finite norm has no error bound: no screened head for it
     e[7, 2] = np.inf
     with pytest.raises(ValueError, match="non-finite"):
-        head.pack_head(e)
+        head.pack_head(e, kind=kind)
     tree = param_tree.init_params(CFG, seed=1)
     tree["embed_tokens"] = {"embedding": jnp.asarray(tree["embed_tokens"]["embedding"]).at[3, 1].set(jnp.nan)}
     backend = for_params(tree)
     assert backend.products and not backend.greedy_head
-    assert "bf16" not in backend.prepare(tree)["lm_head"]
+    assert sorted(backend.prepare(tree)["lm_head"]) == ["packed"]
 
 
 @needs_kernels

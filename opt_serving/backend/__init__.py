@@ -32,7 +32,7 @@ class Backend:
     """How the model's operations run (see the module docstring); every field False is plain XLA."""
     products: bool = False     # dense layers and logits: oneDNN products on weights packed by `prepare`
     attention: bool = False    # decode steps: the kernel reading only the cache entries written so far
-    greedy_head: bool = False  # greedy steps: the screened bfloat16 head, never the float32 logits
+    greedy_head: bool = False  # greedy steps: the screened (int8 or bfloat16) head, never the float32 logits
     cpu_argmax: bool = False   # the argmax kernel (on a CPU; traced for every platform)
     # the dense weights' format (products.FORMATS): "float32" the params' own kernels (whatever their dtype);
     # "bfloat16" float32 params whose packed products run on bfloat16 copies; "int8" model/quantize.py's
@@ -110,7 +110,7 @@ class Backend:
     def prepare(self, params: dict) -> dict:
         """The params in the layout this backend reads: with packed products every dense weight packed
         (`kernel` -> `packed`) and a packed copy of the tied embedding (`lm_head`, with the screened head's
-        bfloat16 copy and row norms when greedy_head); as they are otherwise. Numbers unchanged."""
+        int8 or bfloat16 copy and row norms when greedy_head: head.pack_head); as they are otherwise. Numbers unchanged."""
         if not self.products:
             return params
         device = next(iter(devices(params)))

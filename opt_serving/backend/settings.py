@@ -12,7 +12,7 @@ class BackendSettings:
 
     kernels      OPT_SERVING_ONEDNN: "0" turns the CPU kernels off (plain XLA everywhere; the extension
                  is not even loaded)
-    bf16_screen  OPT_SERVING_BF16_SCREEN: "0" turns the screened bfloat16 greedy head off (greedy steps
+    bf16_screen  OPT_SERVING_BF16_SCREEN: "0" turns the screened (int8 or bfloat16) greedy head off (greedy steps
                  make the float32 logits)
     cpu_threads  OPT_SERVING_CPU_THREADS: the kernels' threads (default: every CPU this process may run on)
     cext         OPT_SERVING_NO_CEXT: "1" makes packing.py keep its pure-Python versions

@@ -3,7 +3,7 @@
 //   products.cc   oneDNN matrix products on weights packed once at load (float32, bfloat16, int8)
 //   argmax.cc     jnp.argmax over a row at memory speed
 //   attention.cc  a decode step's attention over the cache entries written so far
-//   head.cc       greedy tokens from the LM head, screened in bfloat16 and decided in float32
+//   head.cc       greedy tokens from the LM head, screened in int8 or bfloat16 and decided exactly
 // A packed buffer's layout is the one oneDNN's matmul picks on this CPU with this oneDNN, so it
 // is only valid in the process that made it: nothing packed is ever written to disk.
 #pragma once

@@ -52,8 +52,19 @@ double head_bound_factor(int64_t k) {
 // `exclude`, from its screened logits `a` (ours: the excluded one is set to -inf); `all` scores
 // every token exactly (an input the bound does not cover).
 __attribute__((target_clones("avx512f", "avx2", "default")))
-int64_t head_row(const float* x, float* a, const float* e, const float* norms, int64_t k, int64_t n,
-                 float r, bool all, int64_t exclude, std::vector<int64_t>& cand) {
+// Each token's radius: rad_j = c.w[0] u[0][j] + c.w[1] u[1][j] + c.w[2] u[2][j] (a null u: no term)
+struct Radius {
+  const float* u[3];
+  float w[3];
+  float operator()(int64_t j) const {
+    float r = 1e-30f;
+    for (int t = 0; t < 3; ++t) r += u[t] ? w[t] * u[t][j] : 0.f;
+    return r;
+  }
+};
+
+int64_t head_row(const float* x, float* a, const float* e, int64_t k, int64_t n, const Radius& rad, bool all,
+                 int64_t exclude, std::vector<int64_t>& cand) {
   cand.clear();
   if (all) {
     for (int64_t j = 0; j < n; ++j) {
@@ -72,8 +83,8 @@ int64_t head_row(const float* x, float* a, const float* e, const float* norms, i
       float lo_max = -std::numeric_limits<float>::infinity(), up_max = lo_max;
 #pragma omp simd reduction(max : lo_max, up_max)
       for (int64_t j = j0; j < j1; ++j) {
-        const float rad = r * norms[j] + 1e-30f;
-        const float lo = a[j] - rad, up = a[j] + rad;
+        const float r = rad(j);
+        const float lo = a[j] - r, up = a[j] + r;
         lo_max = lo > lo_max ? lo : lo_max;
         up_max = up > up_max ? up : up_max;
       }
@@ -83,7 +94,7 @@ int64_t head_row(const float* x, float* a, const float* e, const float* norms, i
     for (int64_t b = 0; b < blocks; ++b) {
       if (!(upper_of[b] >= lower)) continue;
       for (int64_t j = b * kBlock, j1 = std::min(n, j + kBlock); j < j1; ++j) {
-        if (a[j] + (r * norms[j] + 1e-30f) >= lower) cand.push_back(j);
+        if (a[j] + rad(j) >= lower) cand.push_back(j);
       }
     }
   }
@@ -181,9 +192,9 @@ static ffi::Error GreedyHead(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ffi
       std::vector<int64_t> cand;
 #pragma omp for schedule(static)
       for (int64_t r = 0; r < m; ++r) {
-        tok[r] = static_cast<int32_t>(head_row(xs + r * k, approx.data() + r * n, embedding.typed_data(),
-                                               norms.typed_data(), k, n, radius[r], all[r],
-                                               exclude.typed_data()[r], cand));
+        const Radius rad{{norms.typed_data(), nullptr, nullptr}, {radius[r], 0.f, 0.f}};
+        tok[r] = static_cast<int32_t>(head_row(xs + r * k, approx.data() + r * n, embedding.typed_data(), k, n,
+                                               rad, all[r], exclude.typed_data()[r], cand));
       }
     }
   } catch (const dnnl::error& e) {
@@ -196,6 +207,183 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptGreedyHead, OnKernelThread<GreedyHead>::call,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
+// ---------------------------------------------------------------------------------------------
+// The same screen in int8, where oneDNN's int8 products run on VNNI or AMX (int32 sums that never saturate): the
+// head read at a quarter of float32's bytes, half of bfloat16's.
+//
+// The bound. Row j of the head is e_j ~ s_j q_j (q_j int8, s_j = max_i |e_ij| / 127, so each d_ij = e_ij - s_j q_ij
+// has |d_ij| <= s_j / 2), the input x ~ t p (t = max_i |x_i| / 127, |f_i| = |x_i - t p_i| <= t / 2). As
+// x_i e_ij - t p_i s_j q_ij = t p_i d_ij + f_i s_j q_ij + f_i d_ij,
+//   |x . e_j - t s_j p . q_j| <= s_j/2 (||x||_1 + K t/2) + t/2 (||e_j||_1 + K s_j/2) + K t s_j / 4
+//                              = s_j (||x||_1 / 2 + 3 K t / 4) + t ||e_j||_1 / 2.
+// p . q_j is exact in int32; making it float32, then the products by s_j and by t, round three times: at most
+// 4 2^-24 t s_j sum_i |p_i||q_ij| <= 4 2^-24 127 s_j (||x||_1 + K t / 2). As in the bfloat16 screen, g_K ||x|| ||e_j||
+// more covers the float32 logit a plain product would compute, (1 + 2^-12) the screen's own float32 arithmetic
+// (here r_j >= s_j ||x||_1 / 2 >= |a_j| / 254, so a_j -/+ r_j rounds by under 2^-16 of r_j), 1e-30 flushed
+// denormals. ||e_j||_1 and ||e_j|| are computed at packing time (rounded up).
+//
+//   opt_head8_supported()                                1 when oneDNN's int8 products here are VNNI or AMX
+//   opt_head8_pack(e, K, N, out, scales, l1, norms)      e row-major [N, K] float32 -> the packed int8 [K, N] head
+//                                                        (its size: opt_onednn_packed_bytes_as(K, N, 2)), s_j, norms
+//   OptGreedyHead8 (FFI handler)                         tok[M] as OptGreedyHead, from that head
+namespace {
+
+dnnl::matmul head8_matmul_for(int64_t m, int64_t k, int64_t n) {
+  const dnnl::memory::desc& w = packed_desc(k, n, dt::s8);
+  static std::map<std::tuple<int64_t, int64_t, int64_t>, dnnl::matmul> prims;
+  std::lock_guard<std::mutex> lock(mu);
+  auto key = std::make_tuple(m, k, n);
+  auto it = prims.find(key);
+  if (it == prims.end()) {
+    dnnl::primitive_attr attr;
+    attr.set_scales_mask(DNNL_ARG_WEIGHTS, 1 << 1);
+    dnnl::memory::desc src({m, k}, dt::s8, tag::ab), dst({m, n}, dt::f32, tag::ab);
+    it = prims.emplace(key, dnnl::matmul(dnnl::matmul::primitive_desc(cpu_engine(), src, w, dst, attr))).first;
+  }
+  return it->second;
+}
+
+// x [k] -> p (int8) with t = max |x_i| / 127 (1 for a zero row), each p_i the nearest integer to x_i / t
+float quantize_row(const float* x, int64_t k, int8_t* p) {
+  float top = 0.f;
+  for (int64_t i = 0; i < k; ++i) top = std::max(top, std::fabs(x[i]));
+  const float t = top > 0.f ? top / 127.f : 1.f;
+  for (int64_t i = 0; i < k; ++i) {
+    p[i] = static_cast<int8_t>(std::max(-127.0, std::min(127.0, std::nearbyint(static_cast<double>(x[i]) / t))));
+  }
+  return t;
+}
+
+}  // namespace
+
+extern "C" int opt_head8_supported() {
+  try {
+    dnnl::memory::desc src({kPackRows, 64}, dt::s8, tag::ab), w({64, 1024}, dt::s8, tag::any),
+        dst({kPackRows, 1024}, dt::f32, tag::ab);
+    dnnl::primitive_attr attr;
+    attr.set_scales_mask(DNNL_ARG_WEIGHTS, 1 << 1);
+    dnnl::matmul::primitive_desc pd(cpu_engine(), src, w, dst, attr);
+    const std::string impl = pd.impl_info_str();
+    return impl.find("vnni") != std::string::npos || impl.find("amx") != std::string::npos;
+  } catch (...) {
+    return 0;
+  }
+}
+
+// e: the float32 embedding, row-major [N, K]. Writes the packed int8 [K, N] head, each row's scale s_j and its
+// L1 and L2 norms (rounded up). Returns 2 when e holds a non-finite number (no bound then).
+extern "C" int opt_head8_pack(const float* e, int64_t k, int64_t n, void* out, float* scales, float* l1,
+                              float* norms) {
+  std::vector<int8_t> q(static_cast<size_t>(k * n));
+  for (int64_t j = 0; j < n; ++j) {
+    const float* row = e + j * k;
+    double s1 = 0.0, s2 = 0.0;
+    float top = 0.f;
+    for (int64_t i = 0; i < k; ++i) {
+      s1 += std::fabs(static_cast<double>(row[i]));
+      s2 += static_cast<double>(row[i]) * row[i];
+      top = std::max(top, std::fabs(row[i]));
+    }
+    if (!std::isfinite(s1) || !std::isfinite(s2)) return 2;
+    const float s = top > 0.f ? top / 127.f : 1.f;
+    scales[j] = s;
+    for (int64_t i = 0; i < k; ++i) {
+      q[j * k + i] = static_cast<int8_t>(std::max(-127.0, std::min(127.0, std::nearbyint(row[i] / static_cast<double>(s)))));
+    }
+    const float inf = std::numeric_limits<float>::infinity();
+    l1[j] = std::nextafter(static_cast<float>(s1 * (1 + 1e-7)), inf);
+    norms[j] = std::nextafter(static_cast<float>(std::sqrt(s2) * (1 + 1e-7)), inf);
+  }
+  return reorder_plain(k, n, /*transposed=*/1, q.data(), out, /*pack=*/true, dt::s8, dt::s8);
+}
+
+static ffi::Error GreedyHead8(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ffi::Buffer<ffi::F32> embedding,
+                              ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> l1, ffi::Buffer<ffi::F32> norms,
+                              ffi::Buffer<ffi::S32> exclude, ffi::ResultBuffer<ffi::S32> out) {
+  use_threads();
+  auto xd = x.dimensions(), ed = embedding.dimensions();
+  const size_t nv = ed.size() == 2 ? static_cast<size_t>(ed[0]) : 0;
+  if (xd.size() != 2 || ed.size() != 2 || xd[1] != ed[1] || norms.element_count() != nv ||
+      scales.element_count() != nv || l1.element_count() != nv ||
+      out->element_count() != static_cast<size_t>(xd[0]) || exclude.element_count() != static_cast<size_t>(xd[0])) {
+    return ffi::Error::InvalidArgument(
+        "opt_greedy_head8: x must be [M, K], embedding [N, K], scales, l1 and norms [N], exclude and out [M]");
+  }
+  const int64_t m = xd[0], k = xd[1], n = ed[0];
+  if (n > (1 << 20)) return ffi::Error::InvalidArgument("opt_greedy_head8: a vocabulary over 2^20 tokens");
+  if (m == 0) return ffi::Error::Success();
+  try {
+    const dnnl::memory::desc& wd = packed_desc(k, n, dt::s8);
+    if (packed.size_bytes() != wd.get_size()) {
+      return ffi::Error::InvalidArgument("opt_greedy_head8: the packed head has " + std::to_string(packed.size_bytes()) +
+                                         " bytes, a packed int8 [" + std::to_string(k) + ", " + std::to_string(n) +
+                                         "] head " + std::to_string(wd.get_size()));
+    }
+    dnnl::matmul prim = head8_matmul_for(m, k, n);
+    static std::vector<int8_t> xq;
+    static std::vector<float> approx;
+    xq.resize(m * k);
+    approx.resize(m * n);
+    const float* xs = x.typed_data();
+    std::vector<float> t(m), c1(m), c2(m), c3(m);
+    std::vector<char> all(m);
+    const double g = k * std::ldexp(1.0, -24) / (1.0 - k * std::ldexp(1.0, -24));
+    const double safety = (1 + std::ldexp(1.0, -12)) * (1 + 1e-6);  // the screen's float32 arithmetic, rounded up
+    float max_norm = 0.f;
+    for (int64_t j = 0; j < n; ++j) max_norm = std::max(max_norm, norms.typed_data()[j]);
+    for (int64_t r = 0; r < m; ++r) {
+      const float* xr = xs + r * k;
+      double x1 = 0.0;
+      for (int64_t i = 0; i < k; ++i) x1 += std::fabs(static_cast<double>(xr[i]));
+      const double xn = std::sqrt(dot_exact(xr, xr, k));
+      // a non-finite input, or one whose logits could overflow float32, is scored exactly
+      all[r] = !std::isfinite(xn) || xn * max_norm > 1e37;
+      t[r] = all[r] ? 1.f : quantize_row(xr, k, xq.data() + r * k);
+      if (all[r]) std::fill(xq.begin() + r * k, xq.begin() + (r + 1) * k, 0);
+      const double tr = t[r];
+      c1[r] = static_cast<float>((x1 / 2 + 3 * k * tr / 4 + 508 * std::ldexp(1.0, -24) * (x1 + k * tr / 2)) * safety);
+      c2[r] = static_cast<float>(tr / 2 * safety);
+      c3[r] = static_cast<float>(g * xn * safety);
+    }
+    dnnl::engine& eng = cpu_engine();
+    dnnl::memory src({{m, k}, dt::s8, tag::ab}, eng, xq.data());
+    dnnl::memory wts(wd, eng, packed.untyped_data());
+    dnnl::memory dst({{m, n}, dt::f32, tag::ab}, eng, approx.data());
+    dnnl::memory sc({{n}, dt::f32, tag::a}, eng, const_cast<float*>(scales.typed_data()));
+    dnnl::stream stream(eng);
+    prim.execute(stream, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wts}, {DNNL_ARG_DST, dst},
+                          {DNNL_ARG_ATTR_SCALES | DNNL_ARG_WEIGHTS, sc}});
+    stream.wait();
+    int32_t* tok = out->typed_data();
+#pragma omp parallel
+    {
+      std::vector<int64_t> cand;
+#pragma omp for schedule(static)
+      for (int64_t r = 0; r < m; ++r) {
+        float* a = approx.data() + r * n;
+        for (int64_t j = 0; j < n; ++j) a[j] *= t[r];
+        const Radius rad{{scales.typed_data(), l1.typed_data(), norms.typed_data()}, {c1[r], c2[r], c3[r]}};
+        tok[r] = static_cast<int32_t>(head_row(xs + r * k, a, embedding.typed_data(), k, n, rad, all[r],
+                                               exclude.typed_data()[r], cand));
+      }
+    }
+  } catch (const dnnl::error& e) {
+    return ffi::Error::Internal(std::string("opt_greedy_head8: ") + e.what());
+  }
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OptGreedyHead8, OnKernelThread<GreedyHead8>::call,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

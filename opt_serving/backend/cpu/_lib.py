@@ -14,7 +14,7 @@ from opt_serving.backend.settings import BackendSettings
 
 LIBRARY = Path(__file__).resolve().parents[2] / "_cpu_kernels.so"
 MATMUL, ARGMAX, ATTENTION, GREEDY_HEAD = "opt_onednn_matmul", "opt_argmax", "opt_decode_attention", "opt_greedy_head"
-MATMUL_LOWP = "opt_onednn_matmul_lowp"
+MATMUL_LOWP, GREEDY_HEAD8 = "opt_onednn_matmul_lowp", "opt_greedy_head8"
 
 
 @functools.cache
@@ -47,10 +47,13 @@ def _load() -> Optional[ctypes.CDLL]:
     lib.opt_head_packed_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64]
     lib.opt_head_pack.restype = ctypes.c_int
     lib.opt_head_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    lib.opt_head8_pack.restype = ctypes.c_int
+    lib.opt_head8_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 4
     lib.opt_cpu_kernels_set_threads.argtypes = [ctypes.c_int]
     lib.opt_cpu_kernels_set_threads(BackendSettings().threads())
     for target, fn in ((MATMUL, lib.OptOnednnMatmul), (MATMUL_LOWP, lib.OptOnednnMatmulLowp), (ARGMAX, lib.OptArgmax),
-                       (ATTENTION, lib.OptDecodeAttention), (GREEDY_HEAD, lib.OptGreedyHead)):
+                       (ATTENTION, lib.OptDecodeAttention), (GREEDY_HEAD, lib.OptGreedyHead),
+                       (GREEDY_HEAD8, lib.OptGreedyHead8)):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform="cpu")
     return lib
 
