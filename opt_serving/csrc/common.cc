@@ -102,6 +102,35 @@ const dnnl::memory::desc& packed_desc(int64_t k, int64_t n, dt in) {
   return it->second;
 }
 
+// int8 products leave the bias and ReLU to the caller: they come after the row scale, which oneDNN (3.2) cannot
+// apply per row without falling back to its reference kernel.
+dnnl::matmul matmul_for(int64_t m, int64_t k, int64_t n, bool bias, bool relu, dt in) {
+  using Key = std::tuple<int64_t, int64_t, int64_t, bool, bool, dt>;  // m, k, n, bias, relu, weight type
+  const dnnl::memory::desc& w = packed_desc(k, n, in);
+  static std::map<Key, dnnl::matmul> prims;
+  std::lock_guard<std::mutex> lock(mu);
+  Key key{m, k, n, bias, relu, in};
+  auto it = prims.find(key);
+  if (it == prims.end()) {
+    dnnl::primitive_attr attr;
+    if (in == dt::s8) {
+      attr.set_scales_mask(DNNL_ARG_WEIGHTS, 1 << 1);
+    } else if (relu) {
+      dnnl::post_ops ops;
+      ops.append_eltwise(dnnl::algorithm::eltwise_relu, 0.f, 0.f);
+      attr.set_post_ops(ops);
+    }
+    dnnl::memory::desc src({m, k}, in, tag::ab);
+    dnnl::memory::desc dst({m, n}, dt::f32, tag::ab);
+    dnnl::matmul::primitive_desc pd =
+        bias && in != dt::s8
+            ? dnnl::matmul::primitive_desc(cpu_engine(), src, w, dnnl::memory::desc({1, n}, dt::f32, tag::ab), dst, attr)
+            : dnnl::matmul::primitive_desc(cpu_engine(), src, w, dst, attr);
+    it = prims.emplace(key, dnnl::matmul(pd)).first;
+  }
+  return it->second;
+}
+
 static int reorder_on_this_thread(int64_t k, int64_t n, int transposed, const void* from, void* to, bool pack,
                                   dt packed_type, dt plain_type);
 

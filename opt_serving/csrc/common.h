@@ -13,6 +13,7 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <initializer_list>
 #include <optional>
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -74,6 +75,11 @@ struct OnKernelThread<Body> {
 // The layout oneDNN's matmul picks for a [K, N] weight of type `in` (float32 results either way;
 // int8 weights are multiplied by int8 rows with per-column weight scales).
 const dnnl::memory::desc& packed_desc(int64_t k, int64_t n, dt in = dt::f32);
+
+// The matmul (cached) of [M, K] rows of type `in` by a packed [K, N] weight of that type (packed_desc) into float32
+// [M, N]: with a bias [1, N] and a fused ReLU for float32 and bfloat16; int8 takes a scale per column instead
+// (DNNL_ARG_ATTR_SCALES | DNNL_ARG_WEIGHTS) and leaves bias and ReLU to the caller.
+dnnl::matmul matmul_for(int64_t m, int64_t k, int64_t n, bool bias, bool relu, dt in = dt::f32);
 
 // Copy between a plain row-major [K, N] (or [N, K], transposed) weight of type `plain_type` and
 // the packed one of type `packed_type` (oneDNN rounds to nearest even going to bfloat16). 0 on success.

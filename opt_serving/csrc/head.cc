@@ -29,19 +29,6 @@ namespace {
 
 const dnnl::memory::desc& head_packed_desc(int64_t k, int64_t n) { return packed_desc(k, n, dt::bf16); }
 
-dnnl::matmul head_matmul_for(int64_t m, int64_t k, int64_t n) {
-  const dnnl::memory::desc& w = head_packed_desc(k, n);
-  static std::map<std::tuple<int64_t, int64_t, int64_t>, dnnl::matmul> prims;
-  std::lock_guard<std::mutex> lock(mu);
-  auto key = std::make_tuple(m, k, n);
-  auto it = prims.find(key);
-  if (it == prims.end()) {
-    dnnl::memory::desc src({m, k}, dt::bf16, tag::ab), dst({m, n}, dt::f32, tag::ab);
-    it = prims.emplace(key, dnnl::matmul(dnnl::matmul::primitive_desc(cpu_engine(), src, w, dst))).first;
-  }
-  return it->second;
-}
-
 double head_bound_factor(int64_t k) {
   const double u = std::ldexp(1.0, -8), g = k * std::ldexp(1.0, -24) / (1.0 - k * std::ldexp(1.0, -24));
   // the last factor: float32 rounding in the screen's own a_j -/+ r_j (at most ~2^-15 of r_j)
@@ -108,19 +95,54 @@ int64_t head_row(const float* x, float* a, const float* e, int64_t k, int64_t n,
   return best;
 }
 
-}  // namespace
-
-extern "C" int opt_head_supported() {
-  try {
-    dnnl::memory::desc src({kPackRows, 64}, dt::bf16, tag::ab), w({64, 1024}, dt::bf16, tag::any),
-        dst({kPackRows, 1024}, dt::f32, tag::ab);
-    dnnl::matmul::primitive_desc pd(cpu_engine(), src, w, dst);
-    const std::string impl = pd.impl_info_str();
-    return impl.find("bf16") != std::string::npos || impl.find("amx") != std::string::npos;
-  } catch (...) {
-    return 0;
+// Each row's token (tok[M]) from its screened logits approx [M, N], first multiplied by row_scale[r] where that is
+// given, and its radius; `all` rows score every token exactly. Both screens end here.
+void decide_rows(const float* xs, float* approx, const float* e, int64_t m, int64_t k, int64_t n,
+                 const std::vector<Radius>& rads, const std::vector<char>& all, const int32_t* exclude,
+                 const float* row_scale, int32_t* tok) {
+#pragma omp parallel
+  {
+    std::vector<int64_t> cand;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < m; ++r) {
+      float* a = approx + r * n;
+      if (row_scale != nullptr) {
+        for (int64_t j = 0; j < n; ++j) a[j] *= row_scale[r];
+      }
+      tok[r] = static_cast<int32_t>(head_row(xs + r * k, a, e, k, n, rads[r], all[r], exclude[r], cand));
+    }
   }
 }
+
+float largest(const float* v, int64_t n) {
+  float top = 0.f;
+  for (int64_t j = 0; j < n; ++j) top = std::max(top, v[j]);
+  return top;
+}
+
+// A non-finite input, or one whose logits could overflow float32 (|x| |e_j| past 1e37), is scored exactly.
+bool scored_exactly(double x_norm, float max_norm) { return !std::isfinite(x_norm) || x_norm * max_norm > 1e37; }
+
+// Does oneDNN's matmul of `type` rows by `type` weights run on an implementation whose name has one of `marks`?
+bool native_products(dt type, std::initializer_list<const char*> marks) {
+  try {
+    dnnl::memory::desc src({kPackRows, 64}, type, tag::ab), w({64, 1024}, type, tag::any),
+        dst({kPackRows, 1024}, dt::f32, tag::ab);
+    dnnl::primitive_attr attr;
+    if (type == dt::s8) attr.set_scales_mask(DNNL_ARG_WEIGHTS, 1 << 1);
+    const std::string impl = dnnl::matmul::primitive_desc(cpu_engine(), src, w, dst, attr).impl_info_str();
+    for (const char* mark : marks) {
+      if (impl.find(mark) != std::string::npos) return true;
+    }
+    return false;
+  } catch (...) {
+    return false;
+  }
+}
+
+}  // namespace
+
+extern "C" int opt_head_supported() { return native_products(dt::bf16, {"bf16", "amx"}); }
 
 extern "C" int64_t opt_head_packed_bytes(int64_t k, int64_t n) {
   try {
@@ -160,23 +182,22 @@ static ffi::Error GreedyHead(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ffi
                                          " bytes, a packed bfloat16 [" + std::to_string(k) + ", " +
                                          std::to_string(n) + "] head " + std::to_string(wd.get_size()));
     }
-    dnnl::matmul prim = head_matmul_for(m, k, n);
+    dnnl::matmul prim = matmul_for(m, k, n, false, false, dt::bf16);
     // kept between calls: a fresh [M, N] float32 buffer each step is page faults on every step
     static std::vector<uint16_t> xb;
     static std::vector<float> approx;
     xb.resize(m * k);
     approx.resize(m * n);
     const float* xs = x.typed_data();
-    std::vector<float> radius(m);
+    std::vector<Radius> rads(m);
     std::vector<char> all(m);
     const double c = head_bound_factor(k);
-    float max_norm = 0.f;
-    for (int64_t j = 0; j < n; ++j) max_norm = std::max(max_norm, norms.typed_data()[j]);
+    const float max_norm = largest(norms.typed_data(), n);
     for (int64_t r = 0; r < m; ++r) {
       const double xn = std::sqrt(dot_exact(xs + r * k, xs + r * k, k));
-      // a non-finite input, or one whose logits could overflow float32, is scored exactly
-      all[r] = !std::isfinite(xn) || xn * max_norm > 1e37;
-      radius[r] = static_cast<float>(c * xn * (1 + 1e-6));  // rounded up past float32's rounding
+      all[r] = scored_exactly(xn, max_norm);
+      // rounded up past float32's rounding
+      rads[r] = Radius{{norms.typed_data(), nullptr, nullptr}, {static_cast<float>(c * xn * (1 + 1e-6)), 0.f, 0.f}};
       for (int64_t i = 0; i < k; ++i) xb[r * k + i] = all[r] ? 0 : to_bf16(xs[r * k + i]);
     }
     dnnl::engine& eng = cpu_engine();
@@ -186,17 +207,8 @@ static ffi::Error GreedyHead(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ffi
     dnnl::stream stream(eng);
     prim.execute(stream, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wts}, {DNNL_ARG_DST, dst}});
     stream.wait();
-    int32_t* tok = out->typed_data();
-#pragma omp parallel
-    {
-      std::vector<int64_t> cand;
-#pragma omp for schedule(static)
-      for (int64_t r = 0; r < m; ++r) {
-        const Radius rad{{norms.typed_data(), nullptr, nullptr}, {radius[r], 0.f, 0.f}};
-        tok[r] = static_cast<int32_t>(head_row(xs + r * k, approx.data() + r * n, embedding.typed_data(), k, n,
-                                               rad, all[r], exclude.typed_data()[r], cand));
-      }
-    }
+    decide_rows(xs, approx.data(), embedding.typed_data(), m, k, n, rads, all, exclude.typed_data(), nullptr,
+                out->typed_data());
   } catch (const dnnl::error& e) {
     return ffi::Error::Internal(std::string("opt_greedy_head: ") + e.what());
   }
@@ -233,21 +245,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptGreedyHead, OnKernelThread<GreedyHead>::call,
 //   OptGreedyHead8 (FFI handler)                         tok[M] as OptGreedyHead, from that head
 namespace {
 
-dnnl::matmul head8_matmul_for(int64_t m, int64_t k, int64_t n) {
-  const dnnl::memory::desc& w = packed_desc(k, n, dt::s8);
-  static std::map<std::tuple<int64_t, int64_t, int64_t>, dnnl::matmul> prims;
-  std::lock_guard<std::mutex> lock(mu);
-  auto key = std::make_tuple(m, k, n);
-  auto it = prims.find(key);
-  if (it == prims.end()) {
-    dnnl::primitive_attr attr;
-    attr.set_scales_mask(DNNL_ARG_WEIGHTS, 1 << 1);
-    dnnl::memory::desc src({m, k}, dt::s8, tag::ab), dst({m, n}, dt::f32, tag::ab);
-    it = prims.emplace(key, dnnl::matmul(dnnl::matmul::primitive_desc(cpu_engine(), src, w, dst, attr))).first;
-  }
-  return it->second;
-}
-
 // x [k] -> p (int8) with t = max |x_i| / 127 (1 for a zero row), each p_i the nearest integer to x_i / t
 float quantize_row(const float* x, int64_t k, int8_t* p) {
   float top = 0.f;
@@ -261,19 +258,7 @@ float quantize_row(const float* x, int64_t k, int8_t* p) {
 
 }  // namespace
 
-extern "C" int opt_head8_supported() {
-  try {
-    dnnl::memory::desc src({kPackRows, 64}, dt::s8, tag::ab), w({64, 1024}, dt::s8, tag::any),
-        dst({kPackRows, 1024}, dt::f32, tag::ab);
-    dnnl::primitive_attr attr;
-    attr.set_scales_mask(DNNL_ARG_WEIGHTS, 1 << 1);
-    dnnl::matmul::primitive_desc pd(cpu_engine(), src, w, dst, attr);
-    const std::string impl = pd.impl_info_str();
-    return impl.find("vnni") != std::string::npos || impl.find("amx") != std::string::npos;
-  } catch (...) {
-    return 0;
-  }
-}
+extern "C" int opt_head8_supported() { return native_products(dt::s8, {"vnni", "amx"}); }
 
 // e: the float32 embedding, row-major [N, K]. Writes the packed int8 [K, N] head, each row's scale s_j and its
 // L1 and L2 norms (rounded up). Returns 2 when e holds a non-finite number (no bound then).
@@ -324,31 +309,30 @@ static ffi::Error GreedyHead8(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ff
                                          " bytes, a packed int8 [" + std::to_string(k) + ", " + std::to_string(n) +
                                          "] head " + std::to_string(wd.get_size()));
     }
-    dnnl::matmul prim = head8_matmul_for(m, k, n);
+    dnnl::matmul prim = matmul_for(m, k, n, false, false, dt::s8);
     static std::vector<int8_t> xq;
     static std::vector<float> approx;
     xq.resize(m * k);
     approx.resize(m * n);
     const float* xs = x.typed_data();
-    std::vector<float> t(m), c1(m), c2(m), c3(m);
+    std::vector<float> t(m);
+    std::vector<Radius> rads(m);
     std::vector<char> all(m);
     const double g = k * std::ldexp(1.0, -24) / (1.0 - k * std::ldexp(1.0, -24));
     const double safety = (1 + std::ldexp(1.0, -12)) * (1 + 1e-6);  // the screen's float32 arithmetic, rounded up
-    float max_norm = 0.f;
-    for (int64_t j = 0; j < n; ++j) max_norm = std::max(max_norm, norms.typed_data()[j]);
+    const float max_norm = largest(norms.typed_data(), n);
     for (int64_t r = 0; r < m; ++r) {
       const float* xr = xs + r * k;
       double x1 = 0.0;
       for (int64_t i = 0; i < k; ++i) x1 += std::fabs(static_cast<double>(xr[i]));
       const double xn = std::sqrt(dot_exact(xr, xr, k));
-      // a non-finite input, or one whose logits could overflow float32, is scored exactly
-      all[r] = !std::isfinite(xn) || xn * max_norm > 1e37;
+      all[r] = scored_exactly(xn, max_norm);
       t[r] = all[r] ? 1.f : quantize_row(xr, k, xq.data() + r * k);
       if (all[r]) std::fill(xq.begin() + r * k, xq.begin() + (r + 1) * k, 0);
       const double tr = t[r];
-      c1[r] = static_cast<float>((x1 / 2 + 3 * k * tr / 4 + 508 * std::ldexp(1.0, -24) * (x1 + k * tr / 2)) * safety);
-      c2[r] = static_cast<float>(tr / 2 * safety);
-      c3[r] = static_cast<float>(g * xn * safety);
+      rads[r] = Radius{{scales.typed_data(), l1.typed_data(), norms.typed_data()},
+                       {static_cast<float>((x1 / 2 + 3 * k * tr / 4 + 508 * std::ldexp(1.0, -24) * (x1 + k * tr / 2)) * safety),
+                        static_cast<float>(tr / 2 * safety), static_cast<float>(g * xn * safety)}};
     }
     dnnl::engine& eng = cpu_engine();
     dnnl::memory src({{m, k}, dt::s8, tag::ab}, eng, xq.data());
@@ -359,19 +343,8 @@ static ffi::Error GreedyHead8(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ff
     prim.execute(stream, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wts}, {DNNL_ARG_DST, dst},
                           {DNNL_ARG_ATTR_SCALES | DNNL_ARG_WEIGHTS, sc}});
     stream.wait();
-    int32_t* tok = out->typed_data();
-#pragma omp parallel
-    {
-      std::vector<int64_t> cand;
-#pragma omp for schedule(static)
-      for (int64_t r = 0; r < m; ++r) {
-        float* a = approx.data() + r * n;
-        for (int64_t j = 0; j < n; ++j) a[j] *= t[r];
-        const Radius rad{{scales.typed_data(), l1.typed_data(), norms.typed_data()}, {c1[r], c2[r], c3[r]}};
-        tok[r] = static_cast<int32_t>(head_row(xs + r * k, a, embedding.typed_data(), k, n, rad, all[r],
-                                               exclude.typed_data()[r], cand));
-      }
-    }
+    decide_rows(xs, approx.data(), embedding.typed_data(), m, k, n, rads, all, exclude.typed_data(), t.data(),
+                out->typed_data());
   } catch (const dnnl::error& e) {
     return ffi::Error::Internal(std::string("opt_greedy_head8: ") + e.what());
   }

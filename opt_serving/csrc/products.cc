@@ -25,36 +25,6 @@ enum WeightType : int { kF32 = 0, kBF16 = 1, kS8 = 2 };
 
 dt packed_type(int type) { return type == kS8 ? dt::s8 : type == kBF16 ? dt::bf16 : dt::f32; }
 
-using Key = std::tuple<int64_t, int64_t, int64_t, bool, bool, dt>;  // m, k, n, bias, relu, weight type
-
-// int8 products leave the bias and ReLU to the epilogue: they come after the row scale, which oneDNN
-// (3.2) cannot apply per row without falling back to its reference kernel.
-dnnl::matmul matmul_for(int64_t m, int64_t k, int64_t n, bool bias, bool relu, dt in = dt::f32) {
-  const dnnl::memory::desc& w = packed_desc(k, n, in);
-  static std::map<Key, dnnl::matmul> prims;
-  std::lock_guard<std::mutex> lock(mu);
-  Key key{m, k, n, bias, relu, in};
-  auto it = prims.find(key);
-  if (it == prims.end()) {
-    dnnl::primitive_attr attr;
-    if (in == dt::s8) {
-      attr.set_scales_mask(DNNL_ARG_WEIGHTS, 1 << 1);
-    } else if (relu) {
-      dnnl::post_ops ops;
-      ops.append_eltwise(dnnl::algorithm::eltwise_relu, 0.f, 0.f);
-      attr.set_post_ops(ops);
-    }
-    dnnl::memory::desc src({m, k}, in, tag::ab);
-    dnnl::memory::desc dst({m, n}, dt::f32, tag::ab);
-    dnnl::matmul::primitive_desc pd =
-        bias && in != dt::s8
-            ? dnnl::matmul::primitive_desc(cpu_engine(), src, w, dnnl::memory::desc({1, n}, dt::f32, tag::ab), dst, attr)
-            : dnnl::matmul::primitive_desc(cpu_engine(), src, w, dst, attr);
-    it = prims.emplace(key, dnnl::matmul(pd)).first;
-  }
-  return it->second;
-}
-
 // A few rows (a decode step at batch 1-4) over the BA16a64b layout oneDNN packs these weights
 // in: oneDNN's kernels take ~15% longer than XLA's matrix-vector products there, and such a
 // step is a plain stream over the weights. In that layout the 64 columns of block nb are
@@ -263,9 +233,7 @@ static ffi::Error MatmulLowp(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ffi
     } else if (has_bias) {
       args.emplace(DNNL_ARG_BIAS, dnnl::memory({{1, n}, dt::f32, tag::ab}, eng, bias.typed_data()));
     }
-    dnnl::stream stream(eng);
-    prim.execute(stream, args);
-    stream.wait();
+    run(prim, args);
     if (type == dt::s8) {
       epilogue(y->typed_data(), m, n, row_scale.data(), has_bias ? bias.typed_data() : nullptr, relu);
     }
