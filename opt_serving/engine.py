@@ -61,7 +61,7 @@ class Engine:
         self._cv = threading.Condition()
         self._closing = False
         self._thread: Optional[threading.Thread] = None
-        self._steps = self._step_tokens = self._prefills = self._generated = self._prompt_tokens = 0
+        self._steps = self._step_tokens = self._prefills = self._joined = self._generated = self._prompt_tokens = 0
         self._last_batch = 0
         self._active_hist: collections.Counter[int] = collections.Counter()
         if start:
@@ -136,7 +136,7 @@ class Engine:
             return EngineStats(
                 queue_length=len(self._queue), running=self._running(),
                 num_slots=self.num_slots, steps=self._steps, step_tokens=self._step_tokens,
-                prefills=self._prefills, generated_tokens=self._generated,
+                prefills=self._prefills, joined=self._joined, generated_tokens=self._generated,
                 prompt_tokens=self._prompt_tokens, last_step_batch=self._last_batch,
                 active_per_step=dict(self._active_hist))
 
@@ -223,6 +223,7 @@ class Engine:
             with self._cv:  # a slot is kept for each prompt being prefilled in chunks
                 free = self._slots.count(None) - self._chunked.held
                 admit = admission.take(self._queue, free, self._chunked)
+            admit = [req for req in admit if not self._join(req)]
             for req, prefix in zip(admit, admission.prefill_whole(self.model, admit)):
                 try:
                     if isinstance(prefix, BaseException):
@@ -258,6 +259,23 @@ class Engine:
             except Exception as e:  # this request fails, the others carry on
                 self._fail(req, e)
         self._progressed()
+
+    def _join(self, req: EngineRequest) -> bool:
+        """Start a short prompt in a free slot with its prefill in the next decode step, where the slot model
+        takes it (`join`); the step gives its first token. False: prefill it first."""
+        join = getattr(self.model, "join", None)
+        if join is None or req.settings.max_tokens <= 0:  # (scoring only: prefilled, never stepped)
+            return False
+        slot = self._slots.index(None)
+        if not join(req.prompt, req.settings, slot):
+            return False
+        with self._cv:
+            self._prefills += 1
+            self._joined += 1
+            self._prompt_tokens += len(req.prompt)
+        req.slot = slot
+        self._slots[slot] = req
+        return True
 
     def _admit(self, req: EngineRequest, slot: int, prefix: Prefix) -> None:
         with self._cv:

@@ -62,6 +62,7 @@ class EngineStats:
     steps: int                # decode steps run
     step_tokens: int          # tokens produced by decode steps (sum of active slots per step)
     prefills: int
+    joined: int               # of those, prompts prefilled inside a decode step (its first token is a step token)
     generated_tokens: int     # all generated tokens, prefill's first tokens included
     prompt_tokens: int
     last_step_batch: int      # active slots in the latest step

@@ -105,7 +105,9 @@ def test_greedy_matches_hf_with_requests_joining_and_leaving(engine, hf):
         assert (c.ids, c.finish) == (hf_greedy(hf, p, m), "length")
     after = engine.stats()
     steps, step_tokens = after.steps - before.steps, after.step_tokens - before.step_tokens
-    assert step_tokens == sum(max_tokens) - len(PROMPTS)  # the first tokens come from prefill
+    # the first tokens of prompts prefilled on their own come from prefill; of those that joined, from a step
+    assert after.joined - before.joined == sum(len(p) <= engine.model.join_tokens for p in PROMPTS) > 0
+    assert step_tokens == sum(max_tokens) - len(PROMPTS) + after.joined - before.joined
     assert step_tokens > steps  # slots shared decode steps
     assert after.running == 0
 
@@ -342,6 +344,74 @@ def test_batched_prefill_gives_exactly_the_prefixes_of_one_by_one(model8, monkey
         assert a.state not in stage.pending and b.state not in stage.sampler.pending
 
 
+JOIN_SETTINGS = [SlotSettings(max_tokens=8), SlotSettings(max_tokens=8, temperature=0.9, seed=5, top_k=20),
+                 SlotSettings(max_tokens=8, temperature=0.7, top_p=0.8, seed=11, repetition_penalty=1.4),
+                 SlotSettings(max_tokens=8, min_tokens=6, stop_token_ids=(2,), bad_words_ids=((9,), (3, 4))),
+                 SlotSettings(max_tokens=8, top_logprobs=True, presence_penalty=0.5, no_repeat_ngram_size=2)]
+
+
+def test_a_joining_prompt_gets_the_tokens_of_a_prefilled_one(model8):
+    """A prompt whose prefill rides in a decode step (`join`) gets the tokens (sampled ones too: the same
+    sampling state) and the scores that prefilling it on its own and inserting it gives, beside other rows."""
+    rng = np.random.default_rng(4)
+    for n, s in zip([3, 8, 1, 6, 12], JOIN_SETTINGS):
+        prompt = [2] + rng.integers(4, CFG.vocab_size, n - 1).tolist()
+        other = model8.prefill([2, 17, 18, 19], SlotSettings())  # a running row in every step
+        model8.insert(other, 5)
+        prefix = model8.prefill(prompt, s)
+        model8.insert(prefix, 0)
+        assert model8.join(prompt, s, 3)
+        inserted, joined = [prefix.first], []
+        try:
+            while len(joined) < s.max_tokens:
+                result = model8.step()
+                inserted.append(result.token(0))
+                joined.append(result.token(3))
+        finally:
+            for slot in (0, 3, 5):
+                model8.free(slot)
+        inserted = inserted[:s.max_tokens]
+        assert [t.id for t in joined] == [t.id for t in inserted], s
+        assert [t.logprob for t in joined] == pytest.approx([t.logprob for t in inserted], abs=1e-4)
+        assert [[i for i, _ in t.top] for t in joined] == [[i for i, _ in t.top] for t in inserted]
+        assert len(joined[0].top) == (MAX_TOP_LOGPROBS if s.top_logprobs else 0)
+
+
+def test_what_joins_a_step_and_what_does_not(model8):
+    """A step takes at most four prompts in the smallest block that holds them; a prompt longer than the
+    largest block, one asking for prompt scores, or one over the block's room is refused (prefilled instead);
+    a joined prompt freed before its step never runs."""
+    s = SlotSettings(max_tokens=4)
+    assert model8.join_blocks == (8, 16) and model8.join_tokens == 16
+    assert not model8.join([2] * 17, s, 0)
+    assert not model8.join([2, 5], SlotSettings(prompt_logprobs=True), 0)
+    assert all(model8.join([2, 5 + i, 6], s, slot) for i, slot in enumerate((0, 1, 2, 3)))  # 12 tokens
+    assert not model8.join([2], s, 4)  # a fifth prompt
+    model8.free(2)
+    assert model8.join([2, 9, 9, 9], s, 4)  # 13 tokens...
+    assert not model8.join([2, 9, 9, 9], s, 6)  # ... and 17 would not fit
+    block = model8._block(model8._joins[0])
+    assert len(block.ids) == 16 and block.settings == (s,) * 4
+    assert block.rows.tolist() == [0] * 3 + [1] * 3 + [3] * 3 + [4] * 4 + [8] * 3  # padding: out of range
+    assert block.entries.tolist()[:6] == [0, 1, 2, 0, 1, 2] and block.seg.tolist()[-3:] == [4] * 3
+    result = model8.step()
+    stage = model8.stages.stages[0]
+    assert np.asarray(stage.sampler.active[0]).tolist() == [True, True, False, True, True, False, False, False]
+    assert model8._lengths.tolist() == [4, 4, 0, 4, 5, 0, 0, 0]  # prompt and first token
+    mask = np.asarray(stage.caches[0]["mask"])
+    assert mask[4, :4].all() and mask[4].sum() == 4  # its prompt (its first token goes in at the next step)
+    assert mask[2, 1:].sum() == 0  # the freed one: nothing (a free row's decode writes its entry 0)
+    one = model8.prefill([2, 9, 9, 9], s)
+    assert result.token(4).id == one.first.id
+    model8.discard(one)
+    for slot in (0, 1, 3, 4):
+        model8.free(slot)
+    assert model8.join([2, 3], s, 0)
+    assert len(model8._block(model8._joins[0]).ids) == 8  # the smallest block
+    model8.free(0)
+    assert model8._joins[0] == []
+
+
 def run_queued(model, jobs, collect=Collect, chunk=256):
     """`run_all` on a new engine whose scheduler starts only once every job is queued: it admits them at once.
     `chunk`: the engine's prefill_chunk."""
@@ -363,7 +433,10 @@ def test_a_burst_of_requests_is_prefilled_together_and_matches_hf(model8, hf, mo
     passes = CountPasses(model8, monkeypatch)
     prompts = [[2] + list(range(10 + 7 * i, 10 + 7 * i + n)) for i, n in enumerate([3, 6, 1, 7, 4, 5, 2, 6])]
     cols = run_queued(model8, [(p, SlotSettings(max_tokens=6, prompt_logprobs=p is prompts[0])) for p in prompts])
-    assert passes.sizes == [(8, 4), (8, 4)]
+    # the prompts of 7, 2 and 5 tokens join the first decode step (a block of 16 tokens: a cache of 32 takes
+    # no larger one); the first (it asks for prompt scores) and the four that no longer fit are prefilled together
+    assert (MAX_SEQ, model8.join_blocks, model8.join_tokens) == (32, (8, 16), 16)
+    assert passes.sizes == [(8, 4), (8, 1)]
     for p, c in zip(prompts, cols):
         assert (c.ids, c.finish) == (hf_greedy(hf, p, 6), "length")
     lp = log_softmax(hf_logits(hf, prompts[0]))
@@ -413,11 +486,11 @@ def test_a_finished_request_has_left_its_slot_when_its_last_token_arrives():
 def test_warmup_compiled_every_shape(engine, model):
     stage = model.stages.stages[0]
     s = stage.sampler
-    compiled = (stage._prefill, s._first, s._split_rows, s._choose, s._insert, s._free,
-                stage._insert_cache, stage._resize, stage._step, stage._free)
+    compiled = (stage._prefill, s._first, s._split_rows, s._choose, s._insert, s._free, s._choose_joining,
+                stage._insert_cache, stage._resize, stage._step, stage._step_joining, stage._free)
     sizes = [f._cache_size() for f in compiled]
     jobs = [([2] + [7] * (n - 1), SlotSettings(max_tokens=MAX_SEQ - n, temperature=0.5, top_p=0.9, seed=n))
-            for n in (1, 15, 16, 17, 31)]
+            for n in (1, 15, 16, 17, 31, 3, 9)]
     run_all(engine, jobs)
     assert [f._cache_size() for f in compiled] == sizes
 
@@ -514,8 +587,9 @@ def test_running_requests_get_tokens_between_the_chunks_of_a_long_prompt(model, 
     finally:
         del model.prefill_chunk
     first_long = events.index(("token", "long"))
-    assert events[:first_long] == [("token", "short"), ("chunk", 0), ("token", "short"), ("chunk", 8),
-                                   ("token", "short"), ("chunk", 16)]  # 22 tokens: three chunks
+    # the short prompt joins the first decode step, which runs after the iteration's chunk
+    assert events[:first_long] == [("chunk", 0), ("token", "short"), ("chunk", 8), ("token", "short"),
+                                   ("chunk", 16)]  # 22 tokens: three chunks
     assert events[first_long + 1] == ("token", "short")  # then both decode together
     assert (short.ids, long.ids) == (hf_greedy(hf, PROMPTS[2], 20), hf_greedy(hf, LONG[1], 6))
 
@@ -561,8 +635,8 @@ def test_a_budget_of_two_chunks_prefills_two_between_decode_steps(model, hf):
 
     events, (short, long) = _logged_run(model, submit, prefill_chunk=8, prefill_budget=16)
     first_long = events.index(("token", "long"))
-    assert events[:first_long] == [("token", "short"), ("chunk", "long", 0), ("chunk", "long", 8),
-                                   ("token", "short"), ("chunk", "long", 16)]  # 22 tokens: three chunks
+    assert events[:first_long] == [("chunk", "long", 0), ("chunk", "long", 8), ("token", "short"),
+                                   ("chunk", "long", 16)]  # 22 tokens: three chunks
     assert (short.ids, long.ids) == (hf_greedy(hf, PROMPTS[2], 20), hf_greedy(hf, LONG[1], 6))
 
 
@@ -577,7 +651,7 @@ def test_a_short_prompt_behind_two_long_ones_starts_at_once(model, hf):
         return logs
 
     events, (a, b, short) = _logged_run(model, submit, prefill_chunk=8)
-    assert events[0] == ("token", "short")
+    assert events[:2] == [("chunk", "a", 0), ("token", "short")]  # it joins the first decode step
     chunks = [ev[1:] for ev in events if ev[0] == "chunk"]
     assert chunks == [("a", 0), ("a", 8), ("a", 16), ("b", 0), ("b", 8), ("b", 16), ("b", 24)]  # 17 and 28 tokens
     assert events.index(("token", "a")) < events.index(("chunk", "b", 0))

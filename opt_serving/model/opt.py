@@ -230,17 +230,19 @@ def _prefill_attend(k_cache, v_cache, attention_mask):
     return attend
 
 
+def _decode_reference(q, ks, vs, m):
+    """A decode step's attention, the model's own: q [B, H, D] over ks, vs [B, H, n, D] where m [B, n]."""
+    scores = jnp.einsum("bhd,bhtd->bht", q, ks)
+    probs = _masked_softmax(scores, m[:, None, :]).astype(q.dtype)
+    return jnp.einsum("bht,bhtd->bhd", probs, vs)
+
+
 def _decode_attend(k_cache, v_cache, mask, write_index, read_len=None, backend: Backend = XLA):
     """One new token per row, written at that row's own index, attending to its valid entries.
 
     With `read_len` (traced) every valid entry and write_index lie below it: a decode step's
     cost is reading the cache, so a backend with the attention kernel reads only entries
     0..read_len-1 (Backend.decode_attention); otherwise the whole cache is read."""
-    def reference(q, ks, vs, m):  # [B, H, D], [B, H, n, D], [B, H, n, D], [B, n]
-        scores = jnp.einsum("bhd,bhtd->bht", q, ks)
-        probs = _masked_softmax(scores, m[:, None, :]).astype(q.dtype)
-        return jnp.einsum("bht,bhtd->bhd", probs, vs)
-
     def attend(q, k, v):  # each [B, 1, H, D]
         if jnp.ndim(write_index) == 0:  # every row writes the same entry: an in-place slice update
             at = (0, 0, write_index, 0)  # [B, H, 1, D] into [B, H, max_len, D]
@@ -250,7 +252,7 @@ def _decode_attend(k_cache, v_cache, mask, write_index, read_len=None, backend: 
             rows = jnp.arange(q.shape[0])
             kc = k_cache.at[rows, :, write_index].set(k[:, 0].astype(k_cache.dtype))  # scatter [B,H,D]
             vc = v_cache.at[rows, :, write_index].set(v[:, 0].astype(v_cache.dtype))
-        ctx = backend.decode_attention(q[:, 0], kc, vc, mask, read_len, reference)
+        ctx = backend.decode_attention(q[:, 0], kc, vc, mask, read_len, _decode_reference)
         return ctx[:, None], (kc, vc)
     return attend
 
@@ -332,6 +334,49 @@ def _decode(cfg, params, cache, tokens, positions, write_index, read_len=None, r
         {"params": params}, tokens[:, None], positions[:, None], attends, return_hidden=return_hidden)
     new_cache = {"k": tuple(c[0] for c in caches), "v": tuple(c[1] for c in caches), "mask": mask}
     return out[:, 0], new_cache
+
+
+def _joining_attend(k_cache, v_cache, mask, write_index, read_len, rows, entries, seg, backend: Backend = XLA):
+    """A decode step of the cache's B rows (as `_decode_attend`) with a block of T prompt tokens in the same
+    pass: token t goes to cache row rows[t] (B: padding, dropped) at entry entries[t] and attends causally
+    to the tokens of its own prompt (seg[t]) in the block. A joining row's own decode write must be out of
+    range (dropped): the decode rows' and the block's k/v then go in with one scatter, in place, before the
+    decode attention reads the cache."""
+    b = write_index.shape[0]
+    at_rows, at_entries = jnp.concatenate([jnp.arange(b), rows]), jnp.concatenate([write_index, entries])
+    allowed = (seg[:, None] == seg[None, :]) & (entries[None, :] <= entries[:, None])  # [T, T]
+
+    def attend(q, k, v):  # each [1, B + T, H, D]: the decode rows' tokens, then the block's
+        kc = k_cache.at[at_rows, :, at_entries].set(k[0].astype(k_cache.dtype), mode="drop")  # [B + T, H, D]
+        vc = v_cache.at[at_rows, :, at_entries].set(v[0].astype(v_cache.dtype), mode="drop")
+        ctx = backend.decode_attention(q[0, :b], kc, vc, mask, read_len, _decode_reference)  # [B, H, D]
+        qb, kb, vb = q[0, b:], k[0, b:], v[0, b:]  # [T, H, D]
+        probs = _masked_softmax(jnp.einsum("qhd,khd->hqk", qb, kb), allowed[None]).astype(q.dtype)
+        ctx_b = jnp.einsum("hqk,khd->qhd", probs, vb)  # [T, H, D]
+        return jnp.concatenate([ctx, ctx_b])[None], (kc, vc)
+    return attend
+
+
+def _decode_joining(cfg, params, cache, tokens, positions, write_index, read_len, block, stage: StageSpec | None = None,
+                    backend: Backend = XLA):
+    """A decode step of the cache's B rows (as `_decode`, hidden states) with prompts joining free rows in
+    the same pass, so their tokens share its products: `block` = (ids [T] (or on a stage that is not first
+    nothing: `tokens` are then the previous stage's hidden states [B + T, D]), rows [T], entries [T], seg
+    [T]), see `_joining_attend`. A joining row's cache row starts afresh: valid are its prompt's entries.
+    -> (hidden states [B + T, D], cache)."""
+    ids, rows, entries, seg = block
+    b, n = positions.shape[0], cache["mask"].shape[1]
+    joining = jnp.zeros(b, jnp.bool_).at[rows].set(True, mode="drop")
+    write_index = jnp.where(joining, n, write_index)  # a joining row's decode writes nothing (out of range)
+    mask = cache["mask"].at[jnp.arange(b), write_index].set(True, mode="drop")
+    attends = [_joining_attend(kc, vc, mask, write_index, read_len, rows, entries, seg, backend)
+               for kc, vc in zip(cache["k"], cache["v"])]
+    first = stage is None or stage.first
+    x = jnp.concatenate([tokens, ids])[None] if first else tokens[None]  # [1, B + T] or [1, B + T, D]
+    out, caches = OPT(cfg, cache["k"][0].dtype, is_fused(params), stage, backend).apply(
+        {"params": params}, x, jnp.concatenate([positions, entries])[None], attends, return_hidden=True)
+    mask = mask.at[rows].set(False, mode="drop").at[rows, entries].set(True, mode="drop")
+    return out[0], {"k": tuple(c[0] for c in caches), "v": tuple(c[1] for c in caches), "mask": mask}
 
 
 prefill = jax.jit(_prefill, static_argnums=(0,), static_argnames=("all_logits", "backend"),

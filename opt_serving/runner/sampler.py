@@ -150,7 +150,22 @@ class Sampler:
             return (jax.tree_util.tree_map(put, state, row_state),
                     jax.tree_util.tree_map(put, settings, row_settings), active.at[slot].set(True))
 
+        def join(state, settings, active, prompts, mask, lengths, row_settings, rows):
+            """Prompts joining rows of the group (rows [J]; out of range: none) start their sampling state."""
+            rows_state = prompt_state(prompts, mask, lengths, prompts.shape[0], L, V)
+            put = lambda a, r: a.at[rows].set(r.astype(a.dtype), mode="drop")  # noqa: E731
+            return (jax.tree_util.tree_map(put, state, rows_state), jax.tree_util.tree_map(put, settings, row_settings),
+                    active.at[rows].set(True, mode="drop"))
+
+        def choose_joining(params, h, state, settings, active, want_scores, want_top, joining):
+            # the joining rows' state first, in the same computation: dispatched apart, it would run beside the
+            # step's products (it does not wait for them) and slow them down
+            state, settings, active = join(state, settings, active, *joining)
+            state, out = choose(params, h, state, settings, active, want_scores, want_top)
+            return state, settings, active, out
+
         self._first = jax.jit(first, static_argnums=(6,))
+        self._choose_joining = jax.jit(choose_joining, donate_argnums=(2, 3, 4))
         self._chunked_first = jax.jit(functools.partial(chunked_first, history_len=L, vocab=V))
         self._choose = jax.jit(choose, donate_argnums=(2,))
         self._insert = jax.jit(insert, donate_argnums=(0, 1, 2))
@@ -195,10 +210,20 @@ class Sampler:
     def drop(self, handle: int) -> None:
         self.pending.pop(handle, None)
 
-    def choose(self, params, group: int, h, want_scores: bool, want_top: bool):
-        """-> (tokens, logprobs, top ids, top logprobs) of the group's rows, as numpy."""
-        self.state[group], out = self._choose(params, h, self.state[group], self.settings[group],
-                                              self.active[group], np.bool_(want_scores), np.bool_(want_top))
+
+    def choose(self, params, group: int, h, want_scores: bool, want_top: bool, join=None):
+        """-> (tokens, logprobs, top ids, top logprobs) of the group's rows, as numpy. With `join` (a
+        `JoinBlock`), its prompts take their rows first: their tokens are their first."""
+        g = group
+        if join is None:
+            self.state[g], out = self._choose(params, h, self.state[g], self.settings[g], self.active[g],
+                                              np.bool_(want_scores), np.bool_(want_top))
+        else:
+            joining = (join.prompts, join.mask, join.lengths, settings_rows(join.settings, join.prompts.shape[0]),
+                       join.last_rows)
+            self.state[g], self.settings[g], self.active[g], out = self._choose_joining(
+                params, h, self.state[g], self.settings[g], self.active[g], np.bool_(want_scores),
+                np.bool_(want_top), joining)
         return tuple(np.asarray(a) for a in out)
 
     def free(self, group: int, row: int) -> None:

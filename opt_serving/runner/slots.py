@@ -25,8 +25,9 @@ import numpy as np
 
 from opt_serving.model import kv_cache
 from opt_serving.runner.stage import cache_windows, prefill_buckets
-from opt_serving.runner.types import (MAX_TOP_LOGPROBS, PREFILL_BATCH_TOKENS, PREFILL_MIN_BUCKET, PartialPrefill,
-                                      Prefix, SlotSettings, StepResult, TokenInfo)
+from opt_serving.runner.types import (JOIN_BLOCKS, JOIN_PROMPTS, MAX_TOP_LOGPROBS, PREFILL_BATCH_TOKENS,
+                                      PREFILL_MIN_BUCKET, JoinBlock, PartialPrefill, Prefix, SlotSettings, StepResult,
+                                      TokenInfo)
 
 
 class Stages(Protocol):
@@ -89,6 +90,10 @@ class Slots:
         self._flights: collections.deque = collections.deque()  # (group, future, slots sent), oldest first
         self._stale: set[int] = set()   # slots freed or refilled while their group was in flight
         self._handles = itertools.count()
+        # the block sizes a step's joining prompts go in (each prompt leaves room in the cache for a token)
+        self.join_blocks = tuple(b for b in JOIN_BLOCKS if b < self.max_seq_len) or (self.max_seq_len - 1,)
+        self.join_tokens = self.join_blocks[-1]  # the most prompt tokens a step takes
+        self._joins: list[list] = [[] for _ in range(groups)]  # per group: (slot, tokens, settings) for its next step
 
     def group_of(self, slot: int) -> tuple[int, int]:
         """(group, row) of a slot: consecutive slots alternate groups."""
@@ -197,6 +202,41 @@ class Slots:
     def discard(self, prefix: Prefix) -> None:
         self._to_all("drop", prefix.state)
 
+    # ---- joining: a short prompt's prefill rides in a decode step ----
+    def join(self, tokens: Sequence[int], settings: SlotSettings, slot: int) -> bool:
+        """Let a short prompt take a free slot in its group's next decode step, its tokens in that step's
+        pass (`JoinBlock`); the step gives its first token. False where it does not fit the block (too long,
+        the block full, prompt scores asked): prefill it instead."""
+        g, _ = self.group_of(slot)
+        pending = self._joins[g]
+        if (settings.prompt_logprobs or not 0 < len(tokens) <= self.join_tokens or len(pending) >= JOIN_PROMPTS
+                or sum(len(t) for _, t, _ in pending) + len(tokens) > self.join_tokens):
+            return False
+        pending.append((slot, [int(t) for t in tokens], settings))
+        self._want_top[slot] = settings.top_logprobs
+        self._want_lp[slot] = settings.logprob
+        return True
+
+    def _block(self, joins: list) -> JoinBlock:
+        """The stages' view of a group's joining prompts."""
+        rows, n = self.num_slots // self.groups, sum(len(tokens) for _, tokens, _ in joins)
+        t = next(b for b in self.join_blocks if b >= n)
+        ids = np.full(t, self.cfg.pad_token_id, np.int32)
+        at_rows, entries = np.full(t, rows, np.int32), np.zeros(t, np.int32)
+        seg = np.full(t, JOIN_PROMPTS, np.int32)
+        last, last_rows = np.zeros(JOIN_PROMPTS, np.int32), np.full(JOIN_PROMPTS, rows, np.int32)
+        prompts, mask = np.zeros((JOIN_PROMPTS, t), np.int32), np.zeros((JOIN_PROMPTS, t), np.int32)
+        lengths = np.zeros(JOIN_PROMPTS, np.int32)
+        at = 0
+        for j, (slot, tokens, _) in enumerate(joins):
+            n, row = len(tokens), self.group_of(slot)[1]
+            ids[at:at + n], at_rows[at:at + n], entries[at:at + n], seg[at:at + n] = tokens, row, np.arange(n), j
+            last[j], last_rows[j] = at + n - 1, row
+            prompts[j, :n], mask[j, :n], lengths[j] = tokens, 1, n
+            at += n
+        return JoinBlock(ids, at_rows, entries, seg, last, last_rows, prompts, mask, lengths,
+                         tuple(s for _, _, s in joins))
+
     # ---- slots ----
     def _in_flight(self, g: int) -> bool:
         return any(f[0] == g for f in self._flights)
@@ -214,6 +254,7 @@ class Slots:
 
     def free(self, slot: int) -> None:
         g, row = self.group_of(slot)
+        self._joins[g] = [j for j in self._joins[g] if j[0] != slot]
         if self._in_flight(g):
             self._stale.add(slot)
         self._to_all("free", g, row)
@@ -228,17 +269,23 @@ class Slots:
         slots = self._group_slots(g)
         lengths = self._lengths[slots]
         busy = lengths > 0
-        want_top = bool(self._want_top[slots][busy].any())
-        want_scores = want_top or bool(self._want_lp[slots][busy].any())
         positions = np.where(busy, lengths - 1, 0).astype(np.int32)
+        joins, self._joins[g] = self._joins[g], []
+        block = self._block(joins) if joins else None
+        for slot, tokens, _ in joins:  # a joining row holds its prompt after this step (its token: +1)
+            self._lengths[slot] = len(tokens)
+        lengths = self._lengths[slots]
+        sent = lengths > 0
+        want_top = bool(self._want_top[slots][sent].any())
+        want_scores = want_top or bool(self._want_lp[slots][sent].any())
         x, window, read_len = self._next[slots], self.window_needed(g), int(lengths.max())
         for i in range(self.stages.n):
-            x = self.stages.call(i, "decode", g, x, positions, window, read_len, want_scores, want_top)
-        self._flights.append((g, x, slots[busy]))
+            x = self.stages.call(i, "decode", g, x, positions, window, read_len, want_scores, want_top, block)
+        self._flights.append((g, x, slots[sent]))
 
     def step(self) -> StepResult:
         for g in range(self.groups):  # every idle group with work goes into the stages
-            if not self._in_flight(g) and self._lengths[self._group_slots(g)].any():
+            if not self._in_flight(g) and (self._joins[g] or self._lengths[self._group_slots(g)].any()):
                 self._send_decode(g)
         g, future, sent = self._flights.popleft()
         tok, lp, top_ids, top_lp = self.stages.get(future)
@@ -272,6 +319,17 @@ class Slots:
                 self.insert(prefix, 0, keep=True)
             self._lengths[0] = w  # the step reads the whole window
             self.step()
+            for b in self.join_blocks:  # and steps with prompts joining (group 0's next rows) in each block size
+                joiners = range(self.groups, self.num_slots, self.groups)[:JOIN_PROMPTS]
+                if not joiners:
+                    break
+                self._lengths[0] = w
+                for slot in joiners:  # the prompts fill the block
+                    n = -(-b // len(joiners))
+                    self.join([self.cfg.bos_token_id] * n, SlotSettings(), slot)
+                self.step()
+                for slot in joiners:
+                    self.free(slot)
             self.free(0)
         for prefix in prefixes:
             self.discard(prefix)

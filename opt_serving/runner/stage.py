@@ -25,7 +25,7 @@ import numpy as np
 from opt_serving.backend import Backend
 from opt_serving.model import kv_cache, layout, opt
 from opt_serving.runner.sampler import Sampler, split_rows
-from opt_serving.runner.types import PREFILL_MIN_BUCKET, SlotSettings
+from opt_serving.runner.types import PREFILL_MIN_BUCKET, JoinBlock, SlotSettings
 
 
 def cache_windows(max_seq_len: int) -> list[int]:
@@ -80,6 +80,16 @@ class StageSlots:
             return opt._decode(cfg, params, cache, x, pos, pos, read_len=read_len, return_hidden=True, stage=stage,
                                backend=backend)
 
+        def step_joining(params, cache, x, pos, read_len, block, last, last_rows):
+            # as `step`, with prompts joining free rows in the same pass (opt._decode_joining); the last stage
+            # hands the sampler each joining row's hidden state at its prompt's last token
+            h, cache = opt._decode_joining(cfg, params, cache, x, pos, pos, read_len, block, stage=stage,
+                                           backend=backend)
+            if stage.last:  # [B + T, D] -> [B, D]
+                b = pos.shape[0]
+                h = h[:b].at[last_rows].set(h[b + last], mode="drop")
+            return h, cache
+
         def seq_prefill(params, cache, x, mask, all_logits):
             return opt._prefill(cfg, params, cache, x, mask, all_logits=all_logits, stage=stage, backend=backend)
 
@@ -93,6 +103,7 @@ class StageSlots:
         self._prefill = jax.jit(prefill)
         self._chunk = jax.jit(chunk, donate_argnums=(1,))
         self._step = jax.jit(step, donate_argnums=(1,))
+        self._step_joining = jax.jit(step_joining, donate_argnums=(1,))
         self._insert_cache = jax.jit(lambda cache, pcache, row: kv_cache._insert(cache, pcache, row),
                                      donate_argnums=(0,))
         self._resize = jax.jit(lambda cache, n: kv_cache._resize(cache, n), static_argnums=(1,))
@@ -139,15 +150,22 @@ class StageSlots:
 
     # ---- decode ----
     def decode(self, group: int, x, positions, window: int, read_len: int, want_scores: bool = True,
-               want_top: bool = True):
+               want_top: bool = True, join: Optional[JoinBlock] = None):
         """One decode step of a group's rows: x is the newest tokens [rows] (first stage) or the previous
         stage's hidden states [rows, D]; positions [rows] (0 for free rows). The cache is fitted to
-        `window` first. Returns hidden states, or on the last stage the chosen tokens and their scores."""
+        `window` first. With `join`, prompts joining free rows ride in the same pass (hidden states then
+        [rows + T, D] between stages) and their rows' tokens are their first. Returns hidden states, or on
+        the last stage the chosen tokens and their scores."""
         self._fit_cache(group, window, shrink=not self.backend.attention)
-        h, self.caches[group] = self._step(self.params, self.caches[group], x, positions, np.int32(read_len))
+        if join is None:
+            h, self.caches[group] = self._step(self.params, self.caches[group], x, positions, np.int32(read_len))
+        else:
+            block = (join.ids, join.rows, join.entries, join.seg)
+            h, self.caches[group] = self._step_joining(self.params, self.caches[group], x, positions,
+                                                       np.int32(read_len), block, join.last, join.last_rows)
         if self.sampler is None:
             return h
-        return self.sampler.choose(self.params, group, h, want_scores, want_top)
+        return self.sampler.choose(self.params, group, h, want_scores, want_top, join)
 
     def free(self, group: int, row: int) -> None:
         self.caches[group] = self._free(self.caches[group], np.int32(row))

@@ -17,6 +17,11 @@ PREFILL_MIN_BUCKET = 8  # short prompts (chat turns, benchmarks) are not padded 
 # mostly reads the weights, so several share a pass almost for free, and a pass of 32 tokens is already
 # close to compute-bound (figures: benchmark/README.md). A prompt alone takes the whole pass, hence the small number.
 PREFILL_BATCH_TOKENS = 32
+# Short prompts can join free slots in the next decode step: their tokens ride in the step's products, in a
+# block of the smallest of these sizes that holds them (at most JOIN_PROMPTS prompts), where a prefill pass of
+# their own reads every weight again for a handful of tokens. On a CPU a step's products are already
+# compute-bound at 32 rows, so a block's padding costs as much as its prompts: hence several sizes.
+JOIN_BLOCKS, JOIN_PROMPTS = (8, 16, 32), 4
 # bad words live in fixed-shape per-slot arrays so the decode step compiles once
 MAX_BAD_WORDS, MAX_BAD_WORD_LEN = 8, 8
 
@@ -80,6 +85,22 @@ class PartialPrefill:
     size: int                        # entries of the request's cache (its prefill bucket)
     state: Any                       # the slot model's own (the runner: a handle on the stages' rows)
     done: int = 0                    # prompt tokens prefilled so far
+
+
+@dataclasses.dataclass
+class JoinBlock:
+    """Prompts joining free rows of a group in its next decode step (`Slots.join`), as the stages take them:
+    a block of T tokens (the prompts one after another, then padding) and, for the sampler, J prompts."""
+    ids: np.ndarray          # int32 [T] the tokens
+    rows: np.ndarray         # int32 [T] the group row each token's k/v go to (padding: the group's rows, dropped)
+    entries: np.ndarray      # int32 [T] its cache entry, which is its position
+    seg: np.ndarray          # int32 [T] its prompt (padding: J)
+    last: np.ndarray         # int32 [J] each prompt's last token in the block (0 for no prompt)
+    last_rows: np.ndarray    # int32 [J] each prompt's row (the group's rows for no prompt)
+    prompts: np.ndarray      # int32 [J, T] each prompt, right-padded (pads 0)
+    mask: np.ndarray         # int32 [J, T] its real tokens
+    lengths: np.ndarray      # int32 [J]
+    settings: tuple          # the prompts' SlotSettings
 
 
 @dataclasses.dataclass
