@@ -6,8 +6,9 @@
     pipeline, over one micro-batch group of them: `StepResult.rows`), `free(slot)`. Sampling settings are
     per-slot arrays, so requests with different settings share a step.
   * `Engine`, this module, the scheduler: a bounded queue and a background thread that admits queued requests into free
-    slots (prefilled together when the slot model has `prefill_batch`; a prompt longer than `prefill_chunk`
-    a chunk per iteration, between decode steps: admission.py), steps, and hands each request its
+    slots (a short prompt joins the next decode step where the slot model has `join`; the others are prefilled,
+    together when it has `prefill_batch`; a prompt longer than `prefill_chunk` a chunk per iteration, between
+    decode steps: admission.py), steps, and hands each request its
     tokens through a callback (called on the engine thread; the
     generator forwards them to asyncio with `loop.call_soon_threadsafe`). EOS, max_tokens, the context limit,
     a callback asking to stop (stop strings) and `cancel()` (client disconnects) free the slot before the next

@@ -733,3 +733,12 @@ def test_the_prefill_chunk_option_reaches_the_engine(monkeypatch):
     build_generator(ServeArgs(prefill_chunk="32"))
     assert seen["prefill_chunk"] == 32
     assert Engine(FakeSlots(), start=False, prefill_chunk=8).prefill_chunk is None
+
+
+def test_prefill_widths_pad_long_prompts_by_at_most_half():
+    from opt_serving.runner.stage import prefill_bucket, prefill_buckets
+    assert prefill_buckets(1024) == [8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024]
+    assert prefill_buckets(MAX_SEQ) == [8, 16, 32] and prefill_buckets(100) == [8, 16, 32, 64, 96, 100]
+    assert [prefill_bucket(n, 1024) for n in (1, 9, 65, 97, 300, 513, 1024)] == [8, 16, 96, 128, 384, 768, 1024]
+    with pytest.raises(ValueError, match="does not fit"):
+        prefill_bucket(1025, 1024)

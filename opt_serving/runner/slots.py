@@ -11,6 +11,13 @@ through the stages, then waits for the oldest one and returns its tokens (`StepR
 engine hands those out, the other groups are in the stages. With one group it is a plain synchronous
 step. A slot freed or refilled while its group is in flight gets no token from that flight.
 
+Joining (`join`): a short prompt takes a free slot in its group's next decode step. Its tokens ride in that
+step's products beside the decode rows (a `JoinBlock` of 8, 16 or 32 tokens, up to four prompts; its k/v go
+straight into the slot's cache row, opt._decode_joining), and the step chooses its first token as it chooses
+the others'. A prefill pass of its own would read every weight again for a handful of tokens, about the cost
+of a decode step. Longer prompts, prompts whose scores are asked for, and those a full block leaves over are
+prefilled (`prefill_batch`) and inserted.
+
 Chunked prefill (`open_prefill`, `prefill_chunk`): a long prompt goes through the stages a fixed number of
 tokens at a time (opt._extend) into its own batch-1 cache of its prefill bucket, as a whole prefill's, so
 the engine can run decode steps between its chunks; the last chunk chooses the first token.
@@ -24,9 +31,9 @@ from typing import Any, Optional, Protocol, Sequence
 import numpy as np
 
 from opt_serving.model import kv_cache
-from opt_serving.runner.stage import cache_windows, prefill_buckets
+from opt_serving.runner.stage import cache_windows, prefill_bucket, prefill_buckets
 from opt_serving.runner.types import (JOIN_BLOCKS, JOIN_PROMPTS, MAX_TOP_LOGPROBS, PREFILL_BATCH_TOKENS,
-                                      PREFILL_MIN_BUCKET, JoinBlock, PartialPrefill, Prefix, SlotSettings, StepResult,
+                                      JoinBlock, PartialPrefill, Prefix, SlotSettings, StepResult,
                                       TokenInfo)
 
 
@@ -112,7 +119,7 @@ class Slots:
         pipeline's stages work on consecutive passes at once."""
         groups: dict[int, list[int]] = collections.defaultdict(list)
         for i, tokens in enumerate(prompts):
-            groups[kv_cache.bucket_length(len(tokens), self.max_seq_len, PREFILL_MIN_BUCKET)].append(i)
+            groups[prefill_bucket(len(tokens), self.max_seq_len)].append(i)
         passes = []
         for bucket, todo in groups.items():
             rows = self.batch_rows.get(bucket, 1)
@@ -151,7 +158,7 @@ class Slots:
         (`size`: more entries, as warm-up asks); nothing runs yet. `discard_partial` lets it go."""
         if settings.prompt_logprobs:
             raise ValueError("prompt scores come from a whole prefill (prefill), not a chunked one")
-        size = size or kv_cache.bucket_length(len(tokens), self.max_seq_len, PREFILL_MIN_BUCKET)
+        size = size or prefill_bucket(len(tokens), self.max_seq_len)
         return PartialPrefill(list(tokens), settings, chunk, size, next(self._handles))
 
     def prefill_chunk(self, job: PartialPrefill) -> Optional[Prefix]:

@@ -35,10 +35,19 @@ def cache_windows(max_seq_len: int) -> list[int]:
 
 
 def prefill_buckets(max_seq_len: int) -> list[int]:
-    """The padded prompt widths prefill compiles for: powers of two from 8, then max_seq_len."""
+    """The padded prompt widths prefill compiles for: powers of two from 8, and from 64 on also 1.5 times
+    them (96, 192, 384, ...), then max_seq_len. A prompt's pass computes its padding too: with powers of two
+    alone, prompts spread over 64-512 tokens computed a third more than their tokens, with these a sixth."""
     L = max_seq_len
-    return sorted({kv_cache.bucket_length(n, L, PREFILL_MIN_BUCKET)
-                   for n in [1] + [2 ** i for i in range(3, 16)] + [L] if n <= L})
+    widths = [2 ** i for i in range(3, 17)] + [3 * 2 ** i for i in range(5, 16)]
+    return sorted({min(max(w, PREFILL_MIN_BUCKET), L) for w in widths if w < L} | {L})
+
+
+def prefill_bucket(n: int, max_seq_len: int) -> int:
+    """The prefill width of a prompt of n tokens (at most max_seq_len)."""
+    if not 0 < n <= max_seq_len:
+        raise ValueError(f"a prompt of {n} tokens does not fit a context of {max_seq_len}")
+    return next(b for b in prefill_buckets(max_seq_len) if b >= n)
 
 
 class StageSlots:
