@@ -270,18 +270,19 @@ class Engine:
         slot = self._slots.index(None)
         if not join(req.prompt, req.settings, slot):
             return False
-        with self._cv:
-            self._prefills += 1
-            self._joined += 1
-            self._prompt_tokens += len(req.prompt)
+        self._count_prefill(req, joined=True)
         req.slot = slot
         self._slots[slot] = req
         return True
 
-    def _admit(self, req: EngineRequest, slot: int, prefix: Prefix) -> None:
+    def _count_prefill(self, req: EngineRequest, joined: bool = False) -> None:
         with self._cv:
             self._prefills += 1
+            self._joined += joined
             self._prompt_tokens += len(req.prompt)
+
+    def _admit(self, req: EngineRequest, slot: int, prefix: Prefix) -> None:
+        self._count_prefill(req)
         if prefix.prompt is not None and self._emit(req, EngineOutput(prefix.prompt, is_prompt=True)):
             self._discard(prefix)
             return

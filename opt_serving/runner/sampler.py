@@ -210,7 +210,6 @@ class Sampler:
     def drop(self, handle: int) -> None:
         self.pending.pop(handle, None)
 
-
     def choose(self, params, group: int, h, want_scores: bool, want_top: bool, join=None):
         """-> (tokens, logprobs, top ids, top logprobs) of the group's rows, as numpy. With `join` (a
         `JoinBlock`), its prompts take their rows first: their tokens are their first."""

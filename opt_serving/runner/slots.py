@@ -226,8 +226,8 @@ class Slots:
 
     def _block(self, joins: list) -> JoinBlock:
         """The stages' view of a group's joining prompts."""
-        rows, n = self.num_slots // self.groups, sum(len(tokens) for _, tokens, _ in joins)
-        t = next(b for b in self.join_blocks if b >= n)
+        rows, total = self.num_slots // self.groups, sum(len(tokens) for _, tokens, _ in joins)
+        t = next(b for b in self.join_blocks if b >= total)
         ids = np.full(t, self.cfg.pad_token_id, np.int32)
         at_rows, entries = np.full(t, rows, np.int32), np.zeros(t, np.int32)
         seg = np.full(t, JOIN_PROMPTS, np.int32)
@@ -320,20 +320,17 @@ class Slots:
         group 0 compiles all."""
         # b - 1 prompt tokens fill prefill bucket b
         prefixes = [self.prefill([self.cfg.bos_token_id] * (b - 1), SlotSettings()) for b in self.buckets]
+        joiners = range(self.groups, self.num_slots, self.groups)[:JOIN_PROMPTS]  # group 0's rows after slot 0
         for w in cache_windows(self.max_seq_len):  # growing: each window's inserts, then its step
             fits = [prefix for b, prefix in zip(self.buckets, prefixes) if b <= w]
             for prefix in fits[-1:] + fits:  # the largest first grows the cache to w: then each goes into w
                 self.insert(prefix, 0, keep=True)
             self._lengths[0] = w  # the step reads the whole window
             self.step()
-            for b in self.join_blocks:  # and steps with prompts joining (group 0's next rows) in each block size
-                joiners = range(self.groups, self.num_slots, self.groups)[:JOIN_PROMPTS]
-                if not joiners:
-                    break
+            for b in self.join_blocks if joiners else ():  # and steps with prompts joining, each block size
                 self._lengths[0] = w
                 for slot in joiners:  # the prompts fill the block
-                    n = -(-b // len(joiners))
-                    self.join([self.cfg.bos_token_id] * n, SlotSettings(), slot)
+                    self.join([self.cfg.bos_token_id] * -(-b // len(joiners)), SlotSettings(), slot)
                 self.step()
                 for slot in joiners:
                     self.free(slot)

@@ -17,6 +17,7 @@ hidden states. The other stages hand their hidden states on.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import jax
@@ -34,6 +35,7 @@ def cache_windows(max_seq_len: int) -> list[int]:
     return sorted({kv_cache.bucket_length(n, L) for n in [1] + [2 ** i for i in range(4, 16)] + [L] if n <= L})
 
 
+@functools.lru_cache(maxsize=None)  # read for every prompt admitted (prefill_bucket)
 def prefill_buckets(max_seq_len: int) -> list[int]:
     """The padded prompt widths prefill compiles for: powers of two from 8, and from 64 on also 1.5 times
     them (96, 192, 384, ...), then max_seq_len. A prompt's pass computes its padding too: with powers of two
