@@ -284,12 +284,14 @@ def test_decode_attention_reads_only_the_written_entries(d, n):
     mask[:, :n] = True
     mask[1, :4] = False  # a left-padded row
     mask[2, 3] = False  # a hole
+    mask[0, n - 3:] = False  # a row whose entries end early (each row reads to its own last valid entry)
     k[:, :, n:], v[:, :, n:] = 1e30, np.nan  # past read_len: must never be read
     ref_scores = np.einsum("bhd,bhtd->bht", q, k[:, :, :n]).astype(np.float64)
     ref_scores[~np.broadcast_to(mask[:, None, :n], ref_scores.shape)] = -np.inf
     p = np.exp(ref_scores - ref_scores.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
     ref = np.einsum("bht,bhtd->bhd", p, v[:, :, :n])
+    k[0, :, n - 3:], v[0, :, n - 3:] = np.nan, np.nan  # past row 0's end: never read
     zeros = lambda q, k, v, m: jnp.zeros_like(q)  # noqa: E731  (the non-CPU fallback: must not be what runs)
     got = jax.jit(lambda *a: attention.decode_attention(*a, jnp.int32(n), zeros))(q, k, v, mask)
     np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5)

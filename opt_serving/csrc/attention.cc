@@ -10,10 +10,11 @@ using namespace opt;
 // (never the case in generate()) get zeros.
 __attribute__((target_clones("avx512f", "avx2", "default")))
 static void attend_rows(const float* q, const float* k, const float* v, const bool* mask, int64_t b_count,
-                        int64_t h_count, int64_t t_count, int64_t d, int64_t n, float* out) {
+                        int64_t h_count, int64_t t_count, int64_t d, const int64_t* ends, float* out) {
 #pragma omp parallel for schedule(static)
   for (int64_t bh = 0; bh < b_count * h_count; ++bh) {
-    const int64_t b = bh / h_count;
+    const int64_t b = bh / h_count, n = ends[b];
+    const int64_t n_next = bh + 1 < b_count * h_count ? ends[(bh + 1) / h_count] : 0;
     const float* qr = q + bh * d;
     const float* kr = k + bh * t_count * d;
     const float* vr = v + bh * t_count * d;
@@ -28,7 +29,7 @@ static void attend_rows(const float* q, const float* k, const float* v, const bo
     float scores[4096];
     float best = -std::numeric_limits<float>::infinity();
     for (int64_t t = 0; t < n; ++t) {
-      if (has_next) {
+      if (has_next && t < n_next) {
         for (int64_t j = 0; j < d; j += 16) __builtin_prefetch(kn + t * d + j);
       }
       if (!m[t]) continue;
@@ -42,7 +43,7 @@ static void attend_rows(const float* q, const float* k, const float* v, const bo
     if (best == -std::numeric_limits<float>::infinity()) continue;
     float total = 0.f;
     for (int64_t t = 0; t < n; ++t) {
-      if (has_next) {
+      if (has_next && t < n_next) {
         for (int64_t j = 0; j < d; j += 16) __builtin_prefetch(vn + t * d + j);
       }
       if (!m[t]) continue;
@@ -100,12 +101,14 @@ OPT_AVX512 static inline __m512 exp_nonpositive(__m512 x) {
 
 template <int NV>
 OPT_AVX512 static void attend_rows_avx512(const float* q, const float* k, const float* v, const bool* mask,
-                                          int64_t b_count, int64_t h_count, int64_t t_count, int64_t n, float* out) {
+                                          int64_t b_count, int64_t h_count, int64_t t_count, const int64_t* ends,
+                                          float* out) {
   constexpr int64_t d = 16 * NV;
   const float neg_inf = -std::numeric_limits<float>::infinity();
 #pragma omp parallel for schedule(static)
   for (int64_t bh = 0; bh < b_count * h_count; ++bh) {
-    const int64_t b = bh / h_count;
+    const int64_t b = bh / h_count, n = ends[b];
+    const int64_t n_next = bh + 1 < b_count * h_count ? ends[(bh + 1) / h_count] : 0;
     const float* kr = k + bh * t_count * d;
     const float* vr = v + bh * t_count * d;
     const bool* m = mask + b * t_count;
@@ -125,7 +128,7 @@ OPT_AVX512 static void attend_rows_avx512(const float* q, const float* k, const 
         part[i] = _mm512_setzero_ps();
         if (i >= count) continue;
         const float* kt = kr + (t0 + i) * d;
-        if (has_next) {
+        if (has_next && t0 + i < n_next) {
           for (int j = 0; j < NV; ++j) __builtin_prefetch(kn + (t0 + i) * d + 16 * j);
         }
         for (int j = 0; j < NV; ++j) part[i] = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(kt + 16 * j), part[i]);
@@ -153,7 +156,7 @@ OPT_AVX512 static void attend_rows_avx512(const float* q, const float* k, const 
     __m512 acc[NV];
     for (int j = 0; j < NV; ++j) acc[j] = _mm512_setzero_ps();
     for (int64_t t = 0; t < n; ++t) {
-      if (has_next) {
+      if (has_next && t < n_next) {
         for (int j = 0; j < NV; ++j) __builtin_prefetch(vn + t * d + 16 * j);
       }
       if (scores[t] == 0.f) continue;  // masked (its v may be anything) or underflowed
@@ -179,22 +182,32 @@ static ffi::Error DecodeAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32>
   const int64_t t_count = kd[2];
   if (t_count > 4096) return ffi::Error::InvalidArgument("opt_decode_attention: at most 4096 entries");
   const int64_t n = std::max<int64_t>(0, std::min<int64_t>(read_len.typed_data()[0], t_count));
+  // Each row reads up to its own last valid entry: rows of a step hold contexts of different lengths (a
+  // long prompt beside short ones), and reading all of them to the longest one's end read up to twice the
+  // bytes. The mask is B x n bools, read once here.
+  std::vector<int64_t> ends(qd[0]);
+  const bool* mk = mask.typed_data();
+  for (int64_t b = 0; b < qd[0]; ++b) {
+    int64_t e = n;
+    while (e > 0 && !mk[b * t_count + e - 1]) --e;
+    ends[b] = e;
+  }
 #if defined(__x86_64__)
   // OPT_SERVING_NO_AVX512 (any value): the portable code (tests compare the two)
   static const bool avx512 = __builtin_cpu_supports("avx512f") && std::getenv("OPT_SERVING_NO_AVX512") == nullptr;
   if (avx512 && qd[2] == 64) {
     attend_rows_avx512<4>(q.typed_data(), k.typed_data(), v.typed_data(), mask.typed_data(), qd[0], qd[1], t_count,
-                          n, out->typed_data());
+                          ends.data(), out->typed_data());
     return ffi::Error::Success();
   }
   if (avx512 && qd[2] == 128) {
     attend_rows_avx512<8>(q.typed_data(), k.typed_data(), v.typed_data(), mask.typed_data(), qd[0], qd[1], t_count,
-                          n, out->typed_data());
+                          ends.data(), out->typed_data());
     return ffi::Error::Success();
   }
 #endif
   attend_rows(q.typed_data(), k.typed_data(), v.typed_data(), mask.typed_data(), qd[0], qd[1], t_count,
-              qd[2], n, out->typed_data());
+              qd[2], ends.data(), out->typed_data());
   return ffi::Error::Success();
 }
 
