@@ -73,9 +73,12 @@ def load_engine(model_name: str, path=None, dtype: str = "float32", num_slots: i
     """An engine over `runner.load.load_slots(model_name, path, ...)` (every plan: one device, a
     tensor-parallel mesh, pipeline stages on a Ray cluster; `plan` takes dummy, seed, tensor_parallel,
     pipeline_parallel, device_memory, micro_batches), compiled before it returns when `warmup` (the
-    chunked prefill's step too: `prefill_chunk`, `prefill_budget`, see engine.Engine)."""
+    chunked prefill's step too: `prefill_chunk`, `prefill_budget`, see engine.Engine). What it compiles is kept
+    on disk for the next start (xla_cache)."""
+    from opt_serving import xla_cache
     from opt_serving.engine import Engine
     from opt_serving.runner.load import load_slots
+    xla_cache.enable()
     slots = load_slots(model_name, path, dtype=dtype, num_slots=num_slots, max_seq_len=max_seq_len, **plan)
     engine = Engine(slots, max_queue=max_queue, start=False, prefill_chunk=prefill_chunk,
                     prefill_budget=prefill_budget)

@@ -279,8 +279,10 @@ def test_cancel_frees_the_slot_at_once(engine, hf):
 
 def test_the_cache_window_only_grows_where_steps_read_just_the_written_entries(model, hf):
     """With the CPU attention kernel a step reads only the entries written so far: a bigger window costs
-    nothing there and a shrink would copy the whole cache. Otherwise the window follows the longest slot."""
+    nothing there and a shrink would copy the whole cache, so windows start at KERNEL_MIN_WINDOW (here the
+    whole context) and only grow. Otherwise the window follows the longest slot."""
     from opt_serving.model.kv_cache import cache_max_len
+    from opt_serving.runner.stage import KERNEL_MIN_WINDOW, cache_windows
     long, short = [2] + list(range(10, 30)), [2, 40]  # 21 + 4 tokens: window 32; 2 + 4: window 16
     e = Engine(model)
     try:
@@ -291,6 +293,9 @@ def test_the_cache_window_only_grows_where_steps_read_just_the_written_entries(m
     assert (c.ids, d.ids) == (hf_greedy(hf, long, 4), hf_greedy(hf, short, 4))
     stage = model.stages.stages[0]
     assert cache_max_len(stage.caches[0]) == (32 if stage.backend.attention else 16)
+    assert stage.windows == ([min(KERNEL_MIN_WINDOW, MAX_SEQ)] if stage.backend.attention else [16, 32])
+    assert cache_windows(2048, KERNEL_MIN_WINDOW) == [256, 512, 1024, 2048]
+    assert cache_windows(2048) == [16, 32, 64, 128, 256, 512, 1024, 2048]
 
 
 @pytest.fixture(scope="module")

@@ -81,6 +81,25 @@ def test_cached_decoding_equals_full_forward():
         np.testing.assert_allclose(np.asarray(logits), full[:, t], atol=1e-5)
 
 
+def test_a_long_prompts_attention_by_query_blocks_equals_the_whole():
+    """Past PREFILL_BLOCKED_FROM tokens the queries go in blocks, each over the keys before its end (the last
+    block shorter here); every real token's output is that of the whole masked S x S attention."""
+    s = opt.PREFILL_BLOCKED_FROM + 37
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, s, 3, 8)).astype(np.float32) for _ in range(3))
+    mask = np.ones((2, s), np.int32)
+    mask[1, :5] = 0  # a left-padded row
+    got = np.asarray(jax.jit(opt._causal_attention)(q, k, v, mask))
+    scores = np.einsum("bqhd,bkhd->bhqk", q, k).astype(np.float64)
+    allowed = np.tril(np.ones((s, s), bool))[None, None] & mask[:, None, None, :].astype(bool)
+    scores = np.where(allowed, scores, -np.inf)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    want = np.einsum("bhqk,bkhd->bqhd", p / p.sum(-1, keepdims=True), v)
+    real = mask.astype(bool)
+    np.testing.assert_allclose(got[real], want[real], rtol=2e-5, atol=2e-5)
+    assert s > opt.PREFILL_QUERY_BLOCK * 4  # more than one block ran
+
+
 def test_rows_decode_at_their_own_cache_index():
     """Two rows at different lengths in one decode batch each match their own single-row run."""
     cfg = PRE_LN

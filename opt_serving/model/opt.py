@@ -211,15 +211,32 @@ def _masked_softmax(scores, mask):
     return jax.nn.softmax(scores, axis=-1)
 
 
+# a long prompt's queries go a block at a time, each over the keys before it; measured faster only past 512
+# tokens (the scores above the diagonal are then most of the attention's work), so shorter prompts go whole
+PREFILL_QUERY_BLOCK, PREFILL_BLOCKED_FROM = 128, 513
+
+
+def _causal_attention(q, k, v, attention_mask):
+    """Causal attention of S tokens q, k, v [B, S, H, D] where attention_mask [B, S] -> [B, S, H, D]. From
+    PREFILL_BLOCKED_FROM tokens the queries go a block at a time, each over the keys up to its own end: the
+    scores above the diagonal are never made (a prompt of 1024 tokens computes 9/16 of the full S x S)."""
+    s = q.shape[1]
+    block = PREFILL_QUERY_BLOCK if s >= PREFILL_BLOCKED_FROM else s
+    out = []
+    for i0 in range(0, s, block):
+        i1 = min(i0 + block, s)
+        causal = jnp.arange(i0, i1)[:, None] >= jnp.arange(i1)[None, :]  # [Q, K]
+        mask = causal[None, None] & attention_mask[:, None, None, :i1].astype(jnp.bool_)  # [B, 1, Q, K]
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q[:, i0:i1], k[:, :i1])
+        probs = _masked_softmax(scores, mask).astype(q.dtype)
+        out.append(jnp.einsum("bhqk,bkhd->bqhd", probs, v[:, :i1]))
+    return out[0] if len(out) == 1 else jnp.concatenate(out, axis=1)
+
+
 def _prefill_attend(k_cache, v_cache, attention_mask):
     """Causal self-attention over the prompt; writes k/v into entries 0..S-1."""
     def attend(q, k, v):  # each [B, S, H, D]
-        s = q.shape[1]
-        causal = jnp.tril(jnp.ones((s, s), jnp.bool_))
-        mask = causal[None, None] & attention_mask[:, None, None, :].astype(jnp.bool_)  # [B,1,S,S]
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k)
-        probs = _masked_softmax(scores, mask).astype(q.dtype)
-        ctx = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+        ctx = _causal_attention(q, k, v, attention_mask)
         zero = jnp.int32(0)
         # [B, H, S, D] into the cache's [B, H, max_len, D]
         kc = jax.lax.dynamic_update_slice(k_cache, k.transpose(0, 2, 1, 3).astype(k_cache.dtype),

@@ -91,6 +91,9 @@ class StageActor:
 
     def __init__(self, cfg, spec, folder, params, dtype, tp, rows, groups, max_seq_len, name=""):
         import jax
+
+        from opt_serving import xla_cache
+        xla_cache.enable()  # a restarted stage loads its steps instead of compiling them
         self.name = name
         from opt_serving.runner.stage import StageSlots
         mesh = None

@@ -10,7 +10,8 @@ Prompts are right-padded to a bucket (powers of two from 8), so a slot's tokens 
 0..n-1 and each decode writes at the token's own position. A group's cache holds only the window its
 longest slot needs (powers of two from 16): it grows and shrinks a window at a time, where slicing a
 window out of a full-length cache made XLA copy it every step. With the backend's attention kernel, which
-reads only the entries written so far, it only grows (a shrink copies the whole cache for nothing).
+reads only the entries written so far, it only grows (a shrink copies the whole cache for nothing), and
+from 256 entries (KERNEL_MIN_WINDOW): smaller windows would cost nothing a step but their compiles.
 
 The last stage also chooses the tokens (`Sampler`): what leaves it is tokens and scores, never
 hidden states. The other stages hand their hidden states on.
@@ -29,10 +30,16 @@ from opt_serving.runner.sampler import Sampler, split_rows
 from opt_serving.runner.types import PREFILL_MIN_BUCKET, JoinBlock, SlotSettings
 
 
-def cache_windows(max_seq_len: int) -> list[int]:
-    """The cache sizes a group's cache steps through: powers of two from 16, then max_seq_len."""
+# The smallest cache window where the attention kernel reads only the entries written so far: a step then
+# costs the same in any window, so the small ones only cost start-up (every window compiles each step).
+KERNEL_MIN_WINDOW = 256
+
+
+def cache_windows(max_seq_len: int, smallest: int = kv_cache.MIN_BUCKET) -> list[int]:
+    """The cache sizes a group's cache steps through: powers of two from `smallest` (16), then max_seq_len."""
     L = max_seq_len
-    return sorted({kv_cache.bucket_length(n, L) for n in [1] + [2 ** i for i in range(4, 16)] + [L] if n <= L})
+    return sorted({kv_cache.bucket_length(n, L, smallest) for n in [1] + [2 ** i for i in range(4, 16)] + [L]
+                   if n <= L})
 
 
 @functools.lru_cache(maxsize=None)  # read for every prompt admitted (prefill_bucket)
@@ -65,7 +72,8 @@ class StageSlots:
         self.cfg, self.spec, self.params, self.backend = cfg, stage, params, backend
         self.rows, self.groups = rows, groups
         self.max_seq_len = min(max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.windows = cache_windows(self.max_seq_len)
+        smallest = KERNEL_MIN_WINDOW if backend.attention else kv_cache.MIN_BUCKET
+        self.windows = cache_windows(self.max_seq_len, smallest)
         dtype = opt.param_dtype(params)
         scfg = cfg.replace(num_hidden_layers=stage.num_layers)
         self._new_cache = lambda batch, n: kv_cache.init_cache(scfg, batch, n, dtype)

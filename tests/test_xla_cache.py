@@ -1,0 +1,48 @@
+"""xla_cache: compiled steps kept on disk, so a second start loads what the first compiled."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+# One process: enable the cache as the engine does, compile a few programs, report the cache's hits and misses
+# and where it pointed JAX.
+CHILD = textwrap.dedent("""
+    import json, jax, jax.numpy as jnp
+    from jax import monitoring
+    counts = {"hits": 0}
+    def on(event, **kw):
+        if event == "/jax/compilation_cache/cache_hits":
+            counts["hits"] += 1
+    monitoring.register_event_listener(on)
+    from opt_serving import xla_cache
+    folder = xla_cache.enable()
+    for n in (3, 5, 7):
+        jax.jit(lambda x: jnp.tanh(x) * n + jnp.arange(n, dtype=x.dtype).sum())(jnp.ones(n)).block_until_ready()
+    print(json.dumps({"folder": None if folder is None else str(folder), **counts,
+                      "dir": jax.config.jax_compilation_cache_dir}))
+""")
+
+
+def _start(**env_vars):
+    """A process with these environment variables (None: unset)."""
+    env = {k: v for k, v in {**os.environ, "JAX_PLATFORMS": "cpu", **env_vars}.items() if v is not None}
+    out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_start_loads_what_the_first_compiled(tmp_path):
+    folder = tmp_path / "xla"
+    first, second = (_start(OPT_SERVING_COMPILE_CACHE=str(folder)) for _ in range(2))
+    assert first["folder"] == second["folder"] == first["dir"] == str(folder)
+    assert first["hits"] == 0 and second["hits"] >= 3  # the three programs (and the arrays' own) loaded
+    assert any(folder.iterdir())
+
+
+def test_the_cache_lives_under_the_users_cache_folder_unless_turned_off(tmp_path):
+    default = _start(OPT_SERVING_COMPILE_CACHE=None, XDG_CACHE_HOME=str(tmp_path))
+    assert default["folder"] == str(tmp_path / "opt_serving" / "xla")
+    off = _start(OPT_SERVING_COMPILE_CACHE="0", XDG_CACHE_HOME=str(tmp_path / "other"))
+    assert off["folder"] is None and off["dir"] in (None, "") and off["hits"] == 0
+    assert not (tmp_path / "other").exists()
