@@ -29,7 +29,7 @@ def _start(**env_vars):
     env = {k: v for k, v in {**os.environ, "JAX_PLATFORMS": "cpu", **env_vars}.items() if v is not None}
     out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return {**json.loads(out.stdout.strip().splitlines()[-1]), "stderr": out.stderr}
 
 
 def test_a_second_start_loads_what_the_first_compiled(tmp_path):
@@ -46,3 +46,17 @@ def test_the_cache_lives_under_the_users_cache_folder_unless_turned_off(tmp_path
     off = _start(OPT_SERVING_COMPILE_CACHE="0", XDG_CACHE_HOME=str(tmp_path / "other"))
     assert off["folder"] is None and off["dir"] in (None, "") and off["hits"] == 0
     assert not (tmp_path / "other").exists()
+
+
+def test_a_corrupt_cache_entry_is_compiled_again(tmp_path):
+    """A truncated or overwritten entry (a process killed while writing it, a full disk) costs a compile and a
+    warning naming it, never a failed start."""
+    folder = tmp_path / "xla"
+    _start(OPT_SERVING_COMPILE_CACHE=str(folder))
+    entries = [p for p in folder.iterdir() if p.name.endswith("-cache")]
+    assert entries
+    for p in entries:
+        p.write_bytes(b"not an executable")
+    again = _start(OPT_SERVING_COMPILE_CACHE=str(folder))
+    assert again["hits"] == 0 and again["folder"] == str(folder)
+    assert "Error reading persistent compilation cache entry" in again["stderr"]
