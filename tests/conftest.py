@@ -12,7 +12,7 @@ ASSETS = Path(__file__).resolve().parents[1] / ".." / "shared" / "opt-assets"
 
 # Tests compile afresh and write nothing under the user's home (test_xla_cache.py turns the cache on in
 # processes of its own); the servers and Ray workers tests start inherit this.
-os.environ["OPT_SERVING_COMPILE_CACHE"] = "0"
+os.environ.setdefault("OPT_SERVING_COMPILE_CACHE", "0")
 
 # The tiny pre-LN model most unit tests build: two layers of four heads, milliseconds to run.
 TINY = OPTConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
