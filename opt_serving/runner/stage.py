@@ -80,6 +80,11 @@ class StageSlots:
         self._empty_cache = lambda: self._new_cache(rows, self.windows[0])  # smallest window
         self.caches = [self._empty_cache() for _ in range(groups)]
         self.pending: dict[int, dict] = {}  # handle -> a prefilled request's batch-1 cache, until inserted
+        # the one device of a stage that is not tensor-parallel: arrays a step made are committed to it and fresh
+        # zeros are not, and jit compiles each apart
+        devices = {d for leaf in jax.tree_util.tree_leaves(params) if hasattr(leaf, "sharding")
+                   for d in leaf.sharding.device_set}
+        self._device = next(iter(devices)) if len(devices) == 1 else None
         self.sampler = Sampler(cfg, backend, rows, groups, self.max_seq_len) if stage.last else None
 
         def prefill(params, x, mask):
@@ -147,7 +152,12 @@ class StageSlots:
         returns its hidden states; the last returns None, or on the last chunk (`final`: the whole prompt's
         ids, mask [1, L] and length, its last position in the chunk, its settings) the first token as
         `prefill` returns it."""
-        cache = self._new_cache(1, size) if start == 0 else self.pending[handle]
+        if start == 0:
+            cache = self._new_cache(1, size)
+            if self._device is not None:  # placed as the later chunks' caches are: one compile for both
+                cache = jax.device_put(cache, self._device)
+        else:
+            cache = self.pending[handle]
         h, self.pending[handle] = self._chunk(self.params, cache, x, np.int32(start), mask)
         if self.sampler is None:
             return h
