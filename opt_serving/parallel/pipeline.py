@@ -156,6 +156,9 @@ class StageActor:
     def end_warmup(self):
         self.slots.end_warmup()
 
+    def cache_windows(self) -> list[int]:
+        return self.slots.cache_windows()
+
     def ready(self) -> bool:
         return True
 

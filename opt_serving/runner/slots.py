@@ -31,7 +31,7 @@ from typing import Any, Optional, Protocol, Sequence
 import numpy as np
 
 from opt_serving.model import kv_cache
-from opt_serving.runner.stage import cache_windows, prefill_bucket, prefill_buckets
+from opt_serving.runner.stage import prefill_bucket, prefill_buckets
 from opt_serving.runner.types import (JOIN_BLOCKS, JOIN_PROMPTS, MAX_TOP_LOGPROBS, PREFILL_BATCH_TOKENS,
                                       JoinBlock, PartialPrefill, Prefix, SlotSettings, StepResult,
                                       TokenInfo)
@@ -321,7 +321,11 @@ class Slots:
         # b - 1 prompt tokens fill prefill bucket b
         prefixes = [self.prefill([self.cfg.bos_token_id] * (b - 1), SlotSettings()) for b in self.buckets]
         joiners = range(self.groups, self.num_slots, self.groups)[:JOIN_PROMPTS]  # group 0's rows after slot 0
-        for w in cache_windows(self.max_seq_len):  # growing: each window's inserts, then its step
+        # the stages' own windows (from 256 where the attention kernel reads only the written entries): a
+        # smaller one would only run its steps again in the stages' smallest
+        windows = sorted(set().union(*self.stages.get([self.stages.call(i, "cache_windows")
+                                                       for i in range(self.stages.n)])))
+        for w in windows:  # growing: each window's inserts, then its step
             fits = [prefix for b, prefix in zip(self.buckets, prefixes) if b <= w]
             for prefix in fits[-1:] + fits:  # the largest first grows the cache to w: then each goes into w
                 self.insert(prefix, 0, keep=True)

@@ -201,6 +201,10 @@ class StageSlots:
         if self.sampler is not None:
             self.sampler.free(group, row)
 
+    def cache_windows(self) -> list[int]:
+        """The cache sizes this stage's groups step through (warm-up compiles each)."""
+        return list(self.windows)
+
     def _fit_cache(self, group: int, need: int, shrink: bool) -> None:
         """Resize a group's cache to the smallest window holding `need` entries, one window at a time (so
         only neighbouring sizes compile); without `shrink` it only grows."""
