@@ -1,6 +1,7 @@
 """The CPU kernels (opt_serving/csrc via backend/cpu/), module by module, against numpy: products on packed
 weights (products.py), the decode attention (attention.py), argmax and the screened greedy head (head.py),
 and the extension's loading and threads (_lib.py)."""
+import json
 import os
 import platform
 import subprocess
@@ -317,6 +318,33 @@ def test_kernels_use_every_cpu_whatever_omp_num_threads_says():
     assert team(OMP_NUM_THREADS="1") == (cpus, cpus)
     assert team(OMP_NUM_THREADS="1", OPT_SERVING_CPU_THREADS="1") == (1, 1)
     assert BackendSettings(cpu_threads=3).threads() == 3
+
+
+@needs_kernels
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs for a team to pin")
+def test_the_kernel_team_holds_a_cpu_each_and_nothing_else_is_pinned():
+    # left to the scheduler, the kernel thread and its worker sometimes shared one CPU and took turns in
+    # time slices; the team is pinned (the i-th thread to the i-th CPU the process may use), the process's
+    # other threads are not, and OPT_SERVING_PIN_THREADS=0 pins nothing
+    probe = """
+import json, os, jax
+from opt_serving.backend import BackendSettings, choose
+from opt_serving.backend.cpu import _lib
+choose(jax.devices('cpu')[:1], 'float32', BackendSettings.from_env())
+team = _lib.load().opt_cpu_kernels_team_size()
+sets = [sorted(os.sched_getaffinity(int(t))) for t in os.listdir('/proc/self/task')]
+print(json.dumps([team, sorted(os.sched_getaffinity(0)), sorted(s[0] for s in sets if len(s) == 1)]))
+"""
+
+    def run(**env):
+        return json.loads(subprocess.run([sys.executable, "-c", probe], env={**os.environ, **env}, check=True,
+                                         capture_output=True, text=True).stdout)
+    team, allowed, pinned = run()
+    assert team == len(allowed) and pinned == allowed  # one thread on each CPU
+    team, allowed, pinned = run(OPT_SERVING_PIN_THREADS="0")
+    assert team == len(allowed) and pinned == []
+    team, allowed, pinned = run(OPT_SERVING_CPU_THREADS="1")
+    assert team == 1 and pinned == []  # one thread: the scheduler places it
 
 
 @needs_kernels

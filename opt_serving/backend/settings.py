@@ -17,7 +17,9 @@ class BackendSettings:
     cpu_threads  OPT_SERVING_CPU_THREADS: the kernels' threads (default: every CPU this process may run on)
     cext         OPT_SERVING_NO_CEXT: "1" makes packing.py keep its pure-Python versions
 
-    OPT_SERVING_NO_AVX512 is read by csrc/attention.cc itself (the decode attention's portable code).
+    OPT_SERVING_NO_AVX512 is read by csrc/attention.cc itself (the decode attention's portable code), and
+    OPT_SERVING_PIN_THREADS by csrc/common.cc: "0" leaves the kernels' team unpinned (by default each of its
+    threads holds one CPU of the process's).
     """
     kernels: bool = True
     bf16_screen: bool = True

@@ -86,7 +86,14 @@ dnnl::matmul matmul_for(int64_t m, int64_t k, int64_t n, bool bias, bool relu, d
 int reorder_plain(int64_t k, int64_t n, int transposed, const void* from, void* to, bool pack,
                   dt packed_type = dt::f32, dt plain_type = dt::f32);
 
-uint16_t to_bf16(float f);  // round to nearest even; finite inputs only (the caller checks)
+// round to nearest even; finite inputs only (the caller checks). Inline: the row conversions call it per
+// element, and a call the compiler cannot see into keeps those loops scalar.
+inline uint16_t to_bf16(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  b += 0x7fffu + ((b >> 16) & 1u);
+  return static_cast<uint16_t>(b >> 16);
+}
 
 double dot_exact(const float* x, const float* w, int64_t k);
 
