@@ -273,14 +273,16 @@ def test_lm_argmax_with_and_without_the_screened_head():
 # ---- attention.py ----
 
 @needs_kernels
+@pytest.mark.parametrize("cache", ["float32", "bfloat16", "bits"])
 @pytest.mark.parametrize("d, n", [(16, 11), (64, 11), (64, 16), (64, 33), (128, 17), (128, 40)])
-def test_decode_attention_reads_only_the_written_entries(d, n):
+def test_decode_attention_reads_only_the_written_entries(d, n, cache):
     """head_dim 64 and 128 take the AVX-512 code where the CPU has it (16 keys at a time: n across
-    a block edge), other sizes the portable code."""
+    a block edge), other sizes the portable code; a bfloat16 cache is read as the float32 numbers it holds."""
     rng = np.random.default_rng(0)
     b, h, t = 3, 4, 48
     q = rng.standard_normal((b, h, d)).astype(np.float32)
-    k, v = (rng.standard_normal((b, h, t, d)).astype(np.float32) for _ in range(2))
+    dtype = jnp.dtype("float32" if cache == "float32" else "bfloat16")  # bits: bfloat16 kept as uint16
+    k, v = (rng.standard_normal((b, h, t, d)).astype(dtype).astype(np.float32) for _ in range(2))
     mask = np.zeros((b, t), bool)
     mask[:, :n] = True
     mask[1, :4] = False  # a left-padded row
@@ -294,6 +296,9 @@ def test_decode_attention_reads_only_the_written_entries(d, n):
     ref = np.einsum("bht,bhtd->bhd", p, v[:, :, :n])
     k[0, :, n - 3:], v[0, :, n - 3:] = np.nan, np.nan  # past row 0's end: never read
     zeros = lambda q, k, v, m: jnp.zeros_like(q)  # noqa: E731  (the non-CPU fallback: must not be what runs)
+    k, v = k.astype(dtype), v.astype(dtype)  # exact: they hold bfloat16 numbers
+    if cache == "bits":
+        k, v = k.view(np.uint16), v.view(np.uint16)
     got = jax.jit(lambda *a: attention.decode_attention(*a, jnp.int32(n), zeros))(q, k, v, mask)
     np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5)
 

@@ -11,7 +11,7 @@ import torch
 
 from opt_serving.backend import BackendSettings
 from opt_serving.backend.cpu import _lib, head
-from opt_serving.model import layout, quantize, weights
+from opt_serving.model import layout, opt, quantize, weights
 from opt_serving.model.wrapper import OPTModel, get_model
 from opt_serving.testing import checkpoints
 
@@ -74,6 +74,37 @@ def test_bfloat16_products_within_their_measured_bound(cfg):
     assert m.backend.products and m.backend.weights == "bfloat16" and m.dtype == np.float32
     err, agree = compare(ref, np.asarray(m(seq)))
     assert err < 0.03 and agree >= 0.96, (err, agree)  # measured: 0.5-1.0%, 98.8-100%
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["int8", "bfloat16"])
+def test_decode_steps_read_a_bfloat16_cache_within_the_formats_bound(fmt):
+    """bfloat16 and int8 weights keep the KV cache in bfloat16 (as its bits, uint16); teacher-forced decode
+    steps read it back. Their logits stay within the format's bound of the float32 model's."""
+    if fmt == "bfloat16" and not head.supported():
+        pytest.skip("no native bfloat16 products on this CPU")
+    cfg = PRE_LN
+    p32 = peaked_params(cfg)
+    seq = np.random.RandomState(4).randint(3, cfg.vocab_size, (4, 24)).astype(np.int32)
+    ref = np.asarray(OPTModel(cfg, p32)(seq))  # [B, S, V]
+    if fmt == "int8":
+        backend, params = layout.runtime_params(quantize.quantize_params(p32), BackendSettings(), weights="int8")
+        m = OPTModel(cfg, params, backend=backend)
+    else:
+        m = OPTModel(cfg, p32, weights="bfloat16")
+    assert m.backend.attention and opt.cache_dtype(m.fused_params, m.backend) == opt.BF16_BITS
+    cache = m.init_cache(4, 24)
+    assert cache["k"][0].dtype == np.uint16
+    first, cache = m.prefill(cache, seq[:, :8], np.ones((4, 8), np.int32))
+    steps = [np.asarray(first)[:, -1]]
+    for t in range(8, 23):  # each token at its position, read back from the cache by the next
+        logits, cache = m.decode(cache, seq[:, t], np.full(4, t, np.int32), np.full(4, t, np.int32))
+        steps.append(np.asarray(logits))
+    err, agree = compare(ref[:, 7:23], np.stack(steps, 1))
+    bound = (0.06, 0.94) if fmt == "int8" else (0.03, 0.96)  # the formats' bounds above, cache included
+    assert err < bound[0] and agree >= bound[1], (err, agree)
+    k = opt.from_cache(cache["k"][0], np.float32)  # what was written: bfloat16 numbers, entries 0..22
+    assert np.all(np.isfinite(np.asarray(k))) and np.asarray(cache["mask"])[:, :23].all()
 
 
 @needs_kernels

@@ -7,25 +7,35 @@ using namespace opt;
 // XLA's dots read the cache's whole static window; this reads only the entries written so
 // far (one contiguous [read_len, D] run per row and head), so generate() keeps one
 // full-size cache and a step still reads only what it needs. Rows with no valid entry
-// (never the case in generate()) get zeros.
+// (never the case in generate()) get zeros. The cache is float32 or bfloat16 (`KV`: float or uint16_t, the
+// bfloat16 bits): a bfloat16 cache is half the bytes a step reads, and a step's attention is a read of them.
+static inline float kv_float(float x) { return x; }
+static inline float kv_float(uint16_t x) {
+  const uint32_t b = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+template <typename KV>
 __attribute__((target_clones("avx512f", "avx2", "default")))
-static void attend_rows(const float* q, const float* k, const float* v, const bool* mask, int64_t b_count,
+static void attend_rows(const float* q, const KV* k, const KV* v, const bool* mask, int64_t b_count,
                         int64_t h_count, int64_t t_count, int64_t d, const int64_t* ends, float* out) {
 #pragma omp parallel for schedule(static)
   for (int64_t bh = 0; bh < b_count * h_count; ++bh) {
     const int64_t b = bh / h_count, n = ends[b];
     const int64_t n_next = bh + 1 < b_count * h_count ? ends[(bh + 1) / h_count] : 0;
     const float* qr = q + bh * d;
-    const float* kr = k + bh * t_count * d;
-    const float* vr = v + bh * t_count * d;
+    const KV* kr = k + bh * t_count * d;
+    const KV* vr = v + bh * t_count * d;
     const bool* m = mask + b * t_count;
     float* o = out + bh * d;
     // The next row-head's runs are fetched while this one computes: a run is only n x D floats,
     // short for the hardware prefetcher (OPT-125m shape, 64 rows, 40 entries, from memory: 10-14
     // GB/s without, 11-16 GB/s with, in six interleaved pairs).
     const bool has_next = bh + 1 < b_count * h_count;
-    const float* kn = kr + t_count * d;
-    const float* vn = vr + t_count * d;
+    const KV* kn = kr + t_count * d;
+    const KV* vn = vr + t_count * d;
     float scores[4096];
     float best = -std::numeric_limits<float>::infinity();
     for (int64_t t = 0; t < n; ++t) {
@@ -35,7 +45,7 @@ static void attend_rows(const float* q, const float* k, const float* v, const bo
       if (!m[t]) continue;
       float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-      for (int64_t j = 0; j < d; ++j) dot += qr[j] * kr[t * d + j];
+      for (int64_t j = 0; j < d; ++j) dot += qr[j] * kv_float(kr[t * d + j]);
       scores[t] = dot;
       best = dot > best ? dot : best;
     }
@@ -50,7 +60,7 @@ static void attend_rows(const float* q, const float* k, const float* v, const bo
       const float p = std::exp(scores[t] - best);
       total += p;
 #pragma omp simd
-      for (int64_t j = 0; j < d; ++j) o[j] += p * vr[t * d + j];
+      for (int64_t j = 0; j < d; ++j) o[j] += p * kv_float(vr[t * d + j]);
     }
     const float inv = 1.f / total;
     for (int64_t j = 0; j < d; ++j) o[j] *= inv;
@@ -99,8 +109,15 @@ OPT_AVX512 static inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-template <int NV>
-OPT_AVX512 static void attend_rows_avx512(const float* q, const float* k, const float* v, const bool* mask,
+// 16 cache entries -> float32 lanes
+OPT_AVX512 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+OPT_AVX512 static inline __m512 load16(const uint16_t* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+template <int NV, typename KV>
+OPT_AVX512 static void attend_rows_avx512(const float* q, const KV* k, const KV* v, const bool* mask,
                                           int64_t b_count, int64_t h_count, int64_t t_count, const int64_t* ends,
                                           float* out) {
   constexpr int64_t d = 16 * NV;
@@ -109,13 +126,13 @@ OPT_AVX512 static void attend_rows_avx512(const float* q, const float* k, const 
   for (int64_t bh = 0; bh < b_count * h_count; ++bh) {
     const int64_t b = bh / h_count, n = ends[b];
     const int64_t n_next = bh + 1 < b_count * h_count ? ends[(bh + 1) / h_count] : 0;
-    const float* kr = k + bh * t_count * d;
-    const float* vr = v + bh * t_count * d;
+    const KV* kr = k + bh * t_count * d;
+    const KV* vr = v + bh * t_count * d;
     const bool* m = mask + b * t_count;
     float* o = out + bh * d;
     const bool has_next = bh + 1 < b_count * h_count;  // prefetched as in attend_rows
-    const float* kn = kr + t_count * d;
-    const float* vn = vr + t_count * d;
+    const KV* kn = kr + t_count * d;
+    const KV* vn = vr + t_count * d;
     alignas(64) float scores[4096];
     __m512 qv[NV];
     for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(q + bh * d + 16 * i);
@@ -127,11 +144,11 @@ OPT_AVX512 static void attend_rows_avx512(const float* q, const float* k, const 
       for (int i = 0; i < 16; ++i) {
         part[i] = _mm512_setzero_ps();
         if (i >= count) continue;
-        const float* kt = kr + (t0 + i) * d;
+        const KV* kt = kr + (t0 + i) * d;
         if (has_next && t0 + i < n_next) {
           for (int j = 0; j < NV; ++j) __builtin_prefetch(kn + (t0 + i) * d + 16 * j);
         }
-        for (int j = 0; j < NV; ++j) part[i] = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(kt + 16 * j), part[i]);
+        for (int j = 0; j < NV; ++j) part[i] = _mm512_fmadd_ps(qv[j], load16(kt + 16 * j), part[i]);
         valid |= static_cast<__mmask16>(m[t0 + i] ? 1u << i : 0u);
       }
       const __m512 s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(neg_inf), sum16(part));
@@ -161,7 +178,7 @@ OPT_AVX512 static void attend_rows_avx512(const float* q, const float* k, const 
       }
       if (scores[t] == 0.f) continue;  // masked (its v may be anything) or underflowed
       const __m512 p = _mm512_set1_ps(scores[t]);
-      for (int j = 0; j < NV; ++j) acc[j] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vr + t * d + 16 * j), acc[j]);
+      for (int j = 0; j < NV; ++j) acc[j] = _mm512_fmadd_ps(p, load16(vr + t * d + 16 * j), acc[j]);
     }
     const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
     for (int j = 0; j < NV; ++j) _mm512_storeu_ps(o + 16 * j, _mm512_mul_ps(acc[j], inv));
@@ -169,15 +186,32 @@ OPT_AVX512 static void attend_rows_avx512(const float* q, const float* k, const 
 }
 #endif
 
-static ffi::Error DecodeAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+template <typename KV>
+static void attend(const float* q, const KV* k, const KV* v, const bool* mask, int64_t b_count, int64_t h_count,
+                   int64_t t_count, int64_t d, const int64_t* ends, float* out) {
+#if defined(__x86_64__)
+  // OPT_SERVING_NO_AVX512 (any value): the portable code (tests compare the two)
+  static const bool avx512 = __builtin_cpu_supports("avx512f") && std::getenv("OPT_SERVING_NO_AVX512") == nullptr;
+  if (avx512 && d == 64) return attend_rows_avx512<4>(q, k, v, mask, b_count, h_count, t_count, ends, out);
+  if (avx512 && d == 128) return attend_rows_avx512<8>(q, k, v, mask, b_count, h_count, t_count, ends, out);
+#endif
+  attend_rows(q, k, v, mask, b_count, h_count, t_count, d, ends, out);
+}
+
+// k and v: float32 or bfloat16 (as such or as its bits in uint16: the model's bfloat16 cache), both the same
+static ffi::Error DecodeAttention(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                   ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> read_len,
                                   ffi::ResultBuffer<ffi::F32> out) {
   use_threads();
   auto qd = q.dimensions(), kd = k.dimensions(), md = mask.dimensions();
+  const auto kt = k.element_type();
   if (qd.size() != 3 || kd.size() != 4 || md.size() != 2 || kd[0] != qd[0] || kd[1] != qd[1] ||
-      kd[3] != qd[2] || md[0] != qd[0] || md[1] != kd[2] || v.element_count() != k.element_count()) {
+      kd[3] != qd[2] || md[0] != qd[0] || md[1] != kd[2] || v.element_count() != k.element_count() ||
+      v.element_type() != kt ||
+      (kt != ffi::DataType::F32 && kt != ffi::DataType::BF16 && kt != ffi::DataType::U16)) {
     return ffi::Error::InvalidArgument(
-        "opt_decode_attention: q [B, H, D], k and v [B, H, T, D], mask [B, T] expected");
+        "opt_decode_attention: q [B, H, D] float32, k and v [B, H, T, D] both float32 or both bfloat16, "
+        "mask [B, T] expected");
   }
   const int64_t t_count = kd[2];
   if (t_count > 4096) return ffi::Error::InvalidArgument("opt_decode_attention: at most 4096 entries");
@@ -192,31 +226,21 @@ static ffi::Error DecodeAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32>
     while (e > 0 && !mk[b * t_count + e - 1]) --e;
     ends[b] = e;
   }
-#if defined(__x86_64__)
-  // OPT_SERVING_NO_AVX512 (any value): the portable code (tests compare the two)
-  static const bool avx512 = __builtin_cpu_supports("avx512f") && std::getenv("OPT_SERVING_NO_AVX512") == nullptr;
-  if (avx512 && qd[2] == 64) {
-    attend_rows_avx512<4>(q.typed_data(), k.typed_data(), v.typed_data(), mask.typed_data(), qd[0], qd[1], t_count,
-                          ends.data(), out->typed_data());
-    return ffi::Error::Success();
+  if (kt != ffi::DataType::F32) {
+    attend(q.typed_data(), static_cast<const uint16_t*>(k.untyped_data()), static_cast<const uint16_t*>(v.untyped_data()),
+           mk, qd[0], qd[1], t_count, qd[2], ends.data(), out->typed_data());
+  } else {
+    attend(q.typed_data(), static_cast<const float*>(k.untyped_data()), static_cast<const float*>(v.untyped_data()),
+           mk, qd[0], qd[1], t_count, qd[2], ends.data(), out->typed_data());
   }
-  if (avx512 && qd[2] == 128) {
-    attend_rows_avx512<8>(q.typed_data(), k.typed_data(), v.typed_data(), mask.typed_data(), qd[0], qd[1], t_count,
-                          ends.data(), out->typed_data());
-    return ffi::Error::Success();
-  }
-#endif
-  attend_rows(q.typed_data(), k.typed_data(), v.typed_data(), mask.typed_data(), qd[0], qd[1], t_count,
-              qd[2], ends.data(), out->typed_data());
   return ffi::Error::Success();
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OptDecodeAttention, OnKernelThread<DecodeAttention>::call,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
-

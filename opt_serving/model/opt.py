@@ -239,9 +239,9 @@ def _prefill_attend(k_cache, v_cache, attention_mask):
         ctx = _causal_attention(q, k, v, attention_mask)
         zero = jnp.int32(0)
         # [B, H, S, D] into the cache's [B, H, max_len, D]
-        kc = jax.lax.dynamic_update_slice(k_cache, k.transpose(0, 2, 1, 3).astype(k_cache.dtype),
+        kc = jax.lax.dynamic_update_slice(k_cache, to_cache(k.transpose(0, 2, 1, 3), k_cache.dtype),
                                           (zero, zero, zero, zero))
-        vc = jax.lax.dynamic_update_slice(v_cache, v.transpose(0, 2, 1, 3).astype(v_cache.dtype),
+        vc = jax.lax.dynamic_update_slice(v_cache, to_cache(v.transpose(0, 2, 1, 3), v_cache.dtype),
                                           (zero, zero, zero, zero))
         return ctx, (kc, vc)
     return attend
@@ -249,9 +249,9 @@ def _prefill_attend(k_cache, v_cache, attention_mask):
 
 def _decode_reference(q, ks, vs, m):
     """A decode step's attention, the model's own: q [B, H, D] over ks, vs [B, H, n, D] where m [B, n]."""
-    scores = jnp.einsum("bhd,bhtd->bht", q, ks)
+    scores = jnp.einsum("bhd,bhtd->bht", q, from_cache(ks, q.dtype))
     probs = _masked_softmax(scores, m[:, None, :]).astype(q.dtype)
-    return jnp.einsum("bht,bhtd->bhd", probs, vs)
+    return jnp.einsum("bht,bhtd->bhd", probs, from_cache(vs, q.dtype))
 
 
 def _decode_attend(k_cache, v_cache, mask, write_index, read_len=None, backend: Backend = XLA):
@@ -263,12 +263,12 @@ def _decode_attend(k_cache, v_cache, mask, write_index, read_len=None, backend: 
     def attend(q, k, v):  # each [B, 1, H, D]
         if jnp.ndim(write_index) == 0:  # every row writes the same entry: an in-place slice update
             at = (0, 0, write_index, 0)  # [B, H, 1, D] into [B, H, max_len, D]
-            kc = jax.lax.dynamic_update_slice(k_cache, k.transpose(0, 2, 1, 3).astype(k_cache.dtype), at)
-            vc = jax.lax.dynamic_update_slice(v_cache, v.transpose(0, 2, 1, 3).astype(v_cache.dtype), at)
+            kc = jax.lax.dynamic_update_slice(k_cache, to_cache(k.transpose(0, 2, 1, 3), k_cache.dtype), at)
+            vc = jax.lax.dynamic_update_slice(v_cache, to_cache(v.transpose(0, 2, 1, 3), v_cache.dtype), at)
         else:
             rows = jnp.arange(q.shape[0])
-            kc = k_cache.at[rows, :, write_index].set(k[:, 0].astype(k_cache.dtype))  # scatter [B,H,D]
-            vc = v_cache.at[rows, :, write_index].set(v[:, 0].astype(v_cache.dtype))
+            kc = k_cache.at[rows, :, write_index].set(to_cache(k[:, 0], k_cache.dtype))  # scatter [B,H,D]
+            vc = v_cache.at[rows, :, write_index].set(to_cache(v[:, 0], v_cache.dtype))
         ctx = backend.decode_attention(q[:, 0], kc, vc, mask, read_len, _decode_reference)
         return ctx[:, None], (kc, vc)
     return attend
@@ -280,11 +280,11 @@ def _extend_attend(k_cache, v_cache, mask, start):
     def attend(q, k, v):  # each [B, C, H, D]
         at = start[:, None] + jnp.arange(q.shape[1])  # [B, C]
         rows = jnp.arange(q.shape[0])[:, None]
-        kc = k_cache.at[rows, :, at].set(k.astype(k_cache.dtype), mode="drop")  # [B, C, H, D] entries
-        vc = v_cache.at[rows, :, at].set(v.astype(v_cache.dtype), mode="drop")
-        scores = jnp.einsum("bqhd,bhkd->bhqk", q, kc)
+        kc = k_cache.at[rows, :, at].set(to_cache(k, k_cache.dtype), mode="drop")  # [B, C, H, D] entries
+        vc = v_cache.at[rows, :, at].set(to_cache(v, v_cache.dtype), mode="drop")
+        scores = jnp.einsum("bqhd,bhkd->bhqk", q, from_cache(kc, q.dtype))
         probs = _masked_softmax(scores, mask[:, None]).astype(q.dtype)
-        return jnp.einsum("bhqk,bhkd->bqhd", probs, vc), (kc, vc)
+        return jnp.einsum("bhqk,bhkd->bqhd", probs, from_cache(vc, q.dtype)), (kc, vc)
     return attend
 
 
@@ -300,7 +300,7 @@ def _prefill(cfg, params, cache, input_ids, attention_mask, all_logits=True, ret
     instead of logits: the caller applies `lm_logits` only where it needs them (a 2048-token
     prompt's full logits are a 158 GFLOP product). A `stage` that is not first takes hidden states
     [B,S,D] as `input_ids`; one that is not last returns its hidden states [B,S,D]."""
-    dtype = cache["k"][0].dtype
+    dtype = param_dtype(params)
     b, s = attention_mask.shape
     if s > cache["mask"].shape[1]:
         raise ValueError(f"prompt of {s} tokens does not fit a cache of {cache['mask'].shape[1]}")
@@ -333,7 +333,7 @@ def _extend(cfg, params, cache, x, start, chunk_mask, return_hidden=False, stage
     mask = before[:, None] | (chunk[:, None] & (rel[:, None] <= jnp.arange(c)[None, :, None]))  # [B, C, max_len]
     attends = [_extend_attend(kc, vc, mask, start) for kc, vc in zip(cache["k"], cache["v"])]
     positions = jnp.where(chunk_mask > 0, start[:, None] + jnp.arange(c), -1)  # pads as prefill's: -1
-    out, caches = OPT(cfg, cache["k"][0].dtype, is_fused(params), stage, backend).apply(
+    out, caches = OPT(cfg, param_dtype(params), is_fused(params), stage, backend).apply(
         {"params": params}, x, positions, attends, return_hidden=return_hidden)
     return out, {"k": tuple(c[0] for c in caches), "v": tuple(c[1] for c in caches), "mask": before | chunk}
 
@@ -342,7 +342,7 @@ def _decode(cfg, params, cache, tokens, positions, write_index, read_len=None, r
             stage: StageSpec | None = None, backend: Backend = XLA):
     """See `decode`. A `stage` that is not first takes hidden states [B, D] as `tokens`; one that is
     not last returns its hidden states [B, D]."""
-    dtype = cache["k"][0].dtype
+    dtype = param_dtype(params)
     rows = jnp.arange(positions.shape[0])
     mask = cache["mask"].at[rows, write_index].set(True)
     attends = [_decode_attend(kc, vc, mask, write_index, read_len, backend)
@@ -364,8 +364,8 @@ def _joining_attend(k_cache, v_cache, mask, write_index, read_len, rows, entries
     allowed = (seg[:, None] == seg[None, :]) & (entries[None, :] <= entries[:, None])  # [T, T]
 
     def attend(q, k, v):  # each [1, B + T, H, D]: the decode rows' tokens, then the block's
-        kc = k_cache.at[at_rows, :, at_entries].set(k[0].astype(k_cache.dtype), mode="drop")  # [B + T, H, D]
-        vc = v_cache.at[at_rows, :, at_entries].set(v[0].astype(v_cache.dtype), mode="drop")
+        kc = k_cache.at[at_rows, :, at_entries].set(to_cache(k[0], k_cache.dtype), mode="drop")  # [B + T, H, D]
+        vc = v_cache.at[at_rows, :, at_entries].set(to_cache(v[0], v_cache.dtype), mode="drop")
         ctx = backend.decode_attention(q[0, :b], kc, vc, mask, read_len, _decode_reference)  # [B, H, D]
         qb, kb, vb = q[0, b:], k[0, b:], v[0, b:]  # [T, H, D]
         probs = _masked_softmax(jnp.einsum("qhd,khd->hqk", qb, kb), allowed[None]).astype(q.dtype)
@@ -390,7 +390,7 @@ def _decode_joining(cfg, params, cache, tokens, positions, write_index, read_len
                for kc, vc in zip(cache["k"], cache["v"])]
     first = stage is None or stage.first
     x = jnp.concatenate([tokens, ids])[None] if first else tokens[None]  # [1, B + T] or [1, B + T, D]
-    out, caches = OPT(cfg, cache["k"][0].dtype, is_fused(params), stage, backend).apply(
+    out, caches = OPT(cfg, param_dtype(params), is_fused(params), stage, backend).apply(
         {"params": params}, x, jnp.concatenate([positions, entries])[None], attends, return_hidden=True)
     mask = mask.at[rows].set(False, mode="drop").at[rows, entries].set(True, mode="drop")
     return out[0], {"k": tuple(c[0] for c in caches), "v": tuple(c[1] for c in caches), "mask": mask}
@@ -423,7 +423,7 @@ def start(cfg: OPTConfig, params, ids, mask, max_new: int, backend: Backend = XL
     """Prefill a new cache of `max_new` more entries than the prompt (traced: generate()'s loops) ->
     (next-token logits [B, V] (or the final hidden states [B, D]), cache)."""
     b, s = ids.shape
-    cache = init_cache(cfg, b, s + max_new, param_dtype(params))
+    cache = init_cache(cfg, b, s + max_new, cache_dtype(params, backend))
     return _prefill(cfg, params, cache, ids, mask, all_logits=False, return_hidden=return_hidden, backend=backend)
 
 
@@ -432,8 +432,7 @@ def forward(cfg: OPTConfig, params, input_ids, attention_mask=None, backend: Bac
     input_ids = jnp.asarray(input_ids)
     if attention_mask is None:
         attention_mask = jnp.ones_like(input_ids)
-    dtype = param_dtype(params)
-    cache = init_cache(cfg, input_ids.shape[0], input_ids.shape[1], dtype)
+    cache = init_cache(cfg, input_ids.shape[0], input_ids.shape[1], cache_dtype(params, backend))
     return prefill(cfg, params, cache, input_ids, jnp.asarray(attention_mask), backend=backend)[0]
 
 
@@ -442,5 +441,34 @@ def is_fused(params: dict) -> bool:
 
 
 def param_dtype(params):
-    """The model dtype (packed weights are uint8 bytes: skipped)."""
+    """The model dtype: activations' (packed weights are uint8 bytes: skipped)."""
     return next(x.dtype for x in jax.tree_util.tree_leaves(params) if jnp.issubdtype(x.dtype, jnp.floating))
+
+
+def cache_dtype(params, backend: Backend = XLA):
+    """The KV cache's dtype: the model's, but bfloat16 where the CPU's decode attention reads it beside
+    bfloat16 or int8 weights (a decode step's attention is a read of the cache: half the bytes; those formats
+    already round each product's rows). Every cache of a model follows this one rule, so the engine and
+    generate() compute the same tokens. That bfloat16 cache holds its numbers' bits as uint16: XLA's CPU
+    scatters bfloat16 by converting the whole operand to float32 and back (a decode step's one-entry write
+    then cost more than the step), uint16 in place; `to_cache` / `from_cache` read and write it."""
+    if backend.attention and backend.weights in ("bfloat16", "int8"):
+        return BF16_BITS
+    return param_dtype(params)
+
+
+BF16_BITS = jnp.dtype(jnp.uint16)  # a cache dtype: bfloat16 numbers kept as their bits (see cache_dtype)
+
+
+def to_cache(x, dtype):
+    """k or v values as a cache of `dtype` holds them."""
+    if dtype == BF16_BITS:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+    return x.astype(dtype)
+
+
+def from_cache(x, dtype):
+    """Cache entries as numbers of `dtype`."""
+    if x.dtype == BF16_BITS:
+        x = jax.lax.bitcast_convert_type(x, jnp.bfloat16)
+    return x.astype(dtype)

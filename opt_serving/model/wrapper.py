@@ -187,7 +187,7 @@ class OPTModel(Generation):
 
     # engine-facing pass-throughs
     def init_cache(self, batch: int, max_len: int):
-        return kv_cache.init_cache(self.config, batch, max_len, self.dtype)
+        return kv_cache.init_cache(self.config, batch, max_len, opt.cache_dtype(self.fused_params, self.backend))
 
     def prefill(self, cache, input_ids, attention_mask, all_logits=True):
         return opt.prefill(self.config, self.fused_params, cache, input_ids, attention_mask,

@@ -74,7 +74,7 @@ class StageSlots:
         self.max_seq_len = min(max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         smallest = KERNEL_MIN_WINDOW if backend.attention else kv_cache.MIN_BUCKET
         self.windows = cache_windows(self.max_seq_len, smallest)
-        dtype = opt.param_dtype(params)
+        dtype = opt.cache_dtype(params, backend)
         scfg = cfg.replace(num_hidden_layers=stage.num_layers)
         self._new_cache = lambda batch, n: kv_cache.init_cache(scfg, batch, n, dtype)
         self._empty_cache = lambda: self._new_cache(rows, self.windows[0])  # smallest window
