@@ -99,9 +99,12 @@ void pin_team(int n) {
     }
     return out;
   }();
-  static int pinned = 0;  // the team size last pinned
-  const char* env = std::getenv("OPT_SERVING_PIN_THREADS");
-  if (n == pinned || n < 2 || n > static_cast<int>(cpus.size()) || (env && std::string(env) == "0")) return;
+  static const bool enabled = [] {
+    const char* env = std::getenv("OPT_SERVING_PIN_THREADS");
+    return !(env && std::string(env) == "0");
+  }();
+  static int pinned = 0;  // the team size last pinned (only the kernel thread gets here)
+  if (!enabled || n == pinned || n < 2 || n > static_cast<int>(cpus.size())) return;
   pinned = n;
 #pragma omp parallel num_threads(n)
   {
