@@ -226,12 +226,13 @@ static ffi::Error DecodeAttention(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi
     while (e > 0 && !mk[b * t_count + e - 1]) --e;
     ends[b] = e;
   }
+  const void *kp = k.untyped_data(), *vp = v.untyped_data();
   if (kt != ffi::DataType::F32) {
-    attend(q.typed_data(), static_cast<const uint16_t*>(k.untyped_data()), static_cast<const uint16_t*>(v.untyped_data()),
-           mk, qd[0], qd[1], t_count, qd[2], ends.data(), out->typed_data());
+    attend(q.typed_data(), static_cast<const uint16_t*>(kp), static_cast<const uint16_t*>(vp), mk, qd[0], qd[1],
+           t_count, qd[2], ends.data(), out->typed_data());
   } else {
-    attend(q.typed_data(), static_cast<const float*>(k.untyped_data()), static_cast<const float*>(v.untyped_data()),
-           mk, qd[0], qd[1], t_count, qd[2], ends.data(), out->typed_data());
+    attend(q.typed_data(), static_cast<const float*>(kp), static_cast<const float*>(vp), mk, qd[0], qd[1], t_count,
+           qd[2], ends.data(), out->typed_data());
   }
   return ffi::Error::Success();
 }
