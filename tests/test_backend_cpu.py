@@ -1,6 +1,7 @@
 """The CPU kernels (opt_serving/csrc via backend/cpu/), module by module, against numpy: products on packed
 weights (products.py), the decode attention (attention.py), argmax and the screened greedy head (head.py),
 and the extension's loading and threads (_lib.py)."""
+import ctypes
 import json
 import os
 import platform
@@ -381,3 +382,39 @@ hold.set()
     team = BackendSettings.from_env().threads()
     assert smallest == largest == team
     assert added == team  # the kernel thread and its team's team - 1 workers
+
+
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallopt"), reason="glibc's malloc only")
+def test_keep_heap_lets_a_step_reuse_its_scratch_block_without_faulting_it_in_again():
+    # XLA allocates a call's temporaries as one block and frees it when the call ends; at 32 slots the token
+    # choice's block is larger than glibc keeps in its heap, so every decode step mapped it afresh and faulted
+    # its pages in again. keep_heap keeps such a block in the heap: a second round faults nothing in
+    probe = """
+import ctypes, json, resource
+from opt_serving.backend.cpu import heap
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+kept = heap.keep_heap()
+faults = []
+for _ in range(3):  # a step: its scratch block allocated, written, freed
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    p = libc.malloc(48 << 20)
+    ctypes.memset(p, 1, 48 << 20)
+    libc.free(p)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps([kept, faults]))
+"""
+
+    def run(**env):
+        base = {k: v for k, v in os.environ.items()
+                if k not in ("OPT_SERVING_KEEP_HEAP", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
+                             "GLIBC_TUNABLES")}
+        return json.loads(subprocess.run([sys.executable, "-c", probe], env={**base, **env}, check=True,
+                                         capture_output=True, text=True).stdout)
+    kept, faults = run()
+    assert kept and max(faults[1:]) < 16  # the block stays in the heap: written again, nothing faults in
+    kept, faults = run(OPT_SERVING_KEEP_HEAP="0")
+    assert not kept and min(faults) > 16  # glibc's own rule: mapped afresh each time (24 with 2 MB pages)
+    kept, faults = run(MALLOC_TRIM_THRESHOLD_="131072")  # the user's own setting is left alone
+    assert not kept and min(faults) > 16

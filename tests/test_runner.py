@@ -66,6 +66,18 @@ JOBS = [([2, 5, 9, 17], SlotSettings(max_tokens=6)), ([2, 40, 41], SlotSettings(
         ([2, 99], SlotSettings(max_tokens=4))]
 
 
+def test_warm_up_on_a_cpu_keeps_the_heap_for_the_steps(params, monkeypatch):
+    # once the weights are in place (not before: the load's freed float32 weights would stay in the process)
+    from opt_serving.engine import OPTSlots
+    from opt_serving.runner import stage
+    calls = []
+    monkeypatch.setattr(stage.heap, "keep_heap", lambda: calls.append(len(calls)))
+    slots = OPTSlots(CFG, params, num_slots=2, max_seq_len=32)
+    assert calls == []
+    slots.warmup()
+    assert calls == [0]
+
+
 def test_two_stages_and_two_groups_equal_one_device(params):
     from opt_serving.engine import OPTSlots
     one = OPTSlots(CFG, params, num_slots=4, max_seq_len=64)

@@ -19,7 +19,8 @@ class BackendSettings:
 
     OPT_SERVING_NO_AVX512 is read by csrc/attention.cc itself (the decode attention's portable code), and
     OPT_SERVING_PIN_THREADS by csrc/common.cc: "0" leaves the kernels' team unpinned (by default each of its
-    threads holds one CPU of the process's).
+    threads holds one CPU of the process's). OPT_SERVING_KEEP_HEAP is read by backend/cpu/heap.py: "0" leaves
+    glibc's malloc thresholds as they are.
     """
     kernels: bool = True
     bf16_screen: bool = True

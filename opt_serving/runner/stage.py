@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from opt_serving.backend import Backend
+from opt_serving.backend.cpu import heap
 from opt_serving.model import kv_cache, layout, opt
 from opt_serving.runner.sampler import Sampler, split_rows
 from opt_serving.runner.types import PREFILL_MIN_BUCKET, JoinBlock, SlotSettings
@@ -85,6 +86,7 @@ class StageSlots:
         devices = {d for leaf in jax.tree_util.tree_leaves(params) if hasattr(leaf, "sharding")
                    for d in leaf.sharding.device_set}
         self._device = next(iter(devices)) if len(devices) == 1 else None
+        self._on_cpu = bool(devices) and all(d.platform == "cpu" for d in devices)
         self.sampler = Sampler(cfg, backend, rows, groups, self.max_seq_len) if stage.last else None
 
         def prefill(params, x, mask):
@@ -223,6 +225,8 @@ class StageSlots:
             for w in reversed(self.windows[:-1]):
                 self._fit_cache(0, w, shrink=True)
         self.caches = [self._resize(self.caches[0], self.windows[0]) for _ in range(self.groups)]
+        if self._on_cpu:  # the weights are in place: from now on a step's temporaries stay in the heap
+            heap.keep_heap()
 
     def ready(self) -> bool:
         return True
