@@ -1,6 +1,6 @@
 """The CPU kernels (opt_serving/csrc via backend/cpu/), module by module, against numpy: products on packed
 weights (products.py), the decode attention (attention.py), argmax and the screened greedy head (head.py),
-and the extension's loading and threads (_lib.py)."""
+and the extension's loading and threads (_lib.py); glibc's heap kept for the steps (heap.py)."""
 import ctypes
 import json
 import os
