@@ -306,6 +306,13 @@ def test_decode_attention_reads_only_the_written_entries(d, n, cache):
 
 # ---- _lib.py ----
 
+def run_child(probe: str, drop: tuple = (), **env) -> str:
+    """The output of `probe` run in a fresh Python: this environment without `drop`, with `env`."""
+    base = {k: v for k, v in os.environ.items() if k not in drop}
+    return subprocess.run([sys.executable, "-c", probe], env={**base, **env}, check=True, capture_output=True,
+                          text=True).stdout
+
+
 @needs_kernels
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to tell 1 thread from all")
 def test_kernels_use_every_cpu_whatever_omp_num_threads_says():
@@ -317,8 +324,7 @@ def test_kernels_use_every_cpu_whatever_omp_num_threads_says():
              "print(_lib.load().opt_cpu_kernels_team_size(), s.threads())")
 
     def team(**env):
-        out = subprocess.run([sys.executable, "-c", probe], env={**os.environ, **env}, check=True,
-                             capture_output=True, text=True).stdout.split()
+        out = run_child(probe, **env).split()
         return int(out[0]), int(out[1])
     cpus = len(os.sched_getaffinity(0))
     assert team(OMP_NUM_THREADS="1") == (cpus, cpus)
@@ -343,8 +349,7 @@ print(json.dumps([team, sorted(os.sched_getaffinity(0)), sorted(s[0] for s in se
 """
 
     def run(**env):
-        return json.loads(subprocess.run([sys.executable, "-c", probe], env={**os.environ, **env}, check=True,
-                                         capture_output=True, text=True).stdout)
+        return json.loads(run_child(probe, **env))
     team, allowed, pinned = run()
     assert team == len(allowed) and pinned == allowed  # one thread on each CPU
     team, allowed, pinned = run(OPT_SERVING_PIN_THREADS="0")
@@ -377,7 +382,7 @@ ready.wait()
 print(len(os.listdir('/proc/self/task')) - before - len(callers), min(sizes), max(sizes))
 hold.set()
 """
-    out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True, text=True).stdout.split()
+    out = run_child(probe).split()
     added, smallest, largest = map(int, out)
     team = BackendSettings.from_env().threads()
     assert smallest == largest == team
@@ -407,11 +412,8 @@ print(json.dumps([kept, faults]))
 """
 
     def run(**env):
-        base = {k: v for k, v in os.environ.items()
-                if k not in ("OPT_SERVING_KEEP_HEAP", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_",
-                             "GLIBC_TUNABLES")}
-        return json.loads(subprocess.run([sys.executable, "-c", probe], env={**base, **env}, check=True,
-                                         capture_output=True, text=True).stdout)
+        own = ("OPT_SERVING_KEEP_HEAP", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
+        return json.loads(run_child(probe, drop=own, **env))
     kept, faults = run()
     assert kept and max(faults[1:]) < 16  # the block stays in the heap: written again, nothing faults in
     kept, faults = run(OPT_SERVING_KEEP_HEAP="0")
