@@ -1,6 +1,8 @@
 """alpa/ equals jax/: tensor parallel 2 and 4 (8 host devices, child process), pipeline 2, 4 and
 2 x tensor 2 (Ray stage actors; beam search on pp 2 and 2 x 2), a dead stage reported, and a
-rebuild in the same process. Ray starts are slow on 2 cores: one test holds them.
+rebuild in the same process. Ray starts are slow on 2 cores: one test holds them. int8 weights on every
+plan: a one-device stage runs jax/'s int8 products (the same numbers as jax/ int8), a tensor-parallel
+group XLA's product on the int8 numbers and their scales (the float model on the dequantized weights).
 """
 
 import time
@@ -31,6 +33,25 @@ def folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def int8_folders(folder, tmp_path_factory):
+    """(the folder quantized on disk as `convert --quantize int8` writes it, the float folder of its
+    dequantized weights: the numbers an int8 model multiplies by)."""
+    import shutil
+    from opt_serving.model import quantize
+    from opt_serving.model.weights import load_numpy_folder, save_numpy_folder
+    d = tmp_path_factory.mktemp("int8")
+    shutil.copytree(folder, d / "q8")
+    names = quantize.quantized_names(CFG)
+    for name in names:
+        quantize.quantize_file(d / "q8", name)
+    quantize.write_marker(d / "q8")
+    cfg, arrays = load_numpy_folder(folder)
+    save_numpy_folder(d / "dequantized", cfg, {k: quantize.dequantize_rows(*quantize.quantize_rows(v))
+                                               if k in names else np.asarray(v) for k, v in arrays.items()})
+    return d / "q8", d / "dequantized"
+
+
+@pytest.fixture(scope="module")
 def reference(folder):
     from opt_serving.model.wrapper import get_model
     ref = get_model("jax/opt-tiny", folder)
@@ -42,7 +63,7 @@ def test_in_8_device_subprocess():
     if MULTI:
         pytest.skip("already the child")
     out = rerun_with_8_devices(__file__)
-    assert "3 passed" in out, out[-2000:]
+    assert "4 passed" in out, out[-2000:]
 
 
 @needs8
@@ -57,6 +78,24 @@ def test_tensor_parallel_equals_jax(folder, reference, tp):
     np.testing.assert_allclose(np.asarray(model(IDS, MASK)), logits, atol=1e-4, rtol=1e-4)
     np.testing.assert_array_equal(model.generate(IDS, MASK, max_new_tokens=8), greedy)
     np.testing.assert_array_equal(model.generate(IDS, MASK, max_new_tokens=6, num_beams=3), beams)
+
+
+@needs8
+def test_int8_tensor_parallel_multiplies_the_dequantized_weights(folder, int8_folders):
+    from opt_serving.model.wrapper import get_model
+    q8, dequantized = int8_folders
+    ref = get_model("jax/opt-tiny", dequantized)
+    at_load = get_model("alpa/opt-tiny", folder, tensor_parallel=2, pipeline_parallel=1, quantize="int8")
+    from_disk = get_model("alpa/opt-tiny", q8, tensor_parallel=2, pipeline_parallel=1, quantize="int8")
+    head = at_load.fused_params["lm_head"]["qkernel"]
+    assert head.dtype == np.int8 and len(head.sharding.device_set) == 2 and at_load.plan.weights == "int8"
+    want = np.asarray(ref(IDS, MASK))
+    np.testing.assert_allclose(np.asarray(at_load(IDS, MASK)), want, atol=1e-4, rtol=1e-4)
+    np.testing.assert_array_equal(np.asarray(from_disk(IDS, MASK)), np.asarray(at_load(IDS, MASK)))
+    np.testing.assert_array_equal(at_load.generate(IDS, MASK, max_new_tokens=8),
+                                  ref.generate(IDS, MASK, max_new_tokens=8))
+    with pytest.raises(ValueError, match="quantize='int8'"):
+        get_model("alpa/opt-tiny", q8, tensor_parallel=2, pipeline_parallel=1)
 
 
 @needs8
@@ -152,3 +191,28 @@ def test_pipelines_equal_jax_and_a_dead_stage_is_reported(ray_local, folder, ref
     while ray_local.available_resources().get("CPU") != 4 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert ray_local.available_resources().get("CPU") == 4
+
+
+@no_ray_in_child
+def test_int8_pipelines_equal_jax_int8(ray_local, folder, int8_folders):
+    """pp 2 quantizes each stage's weights as it reads them: jax/ int8's numbers, stage by stage; pp 2 x tp 2
+    reads the quantized folder, each tp pair splitting int8 weights: the dequantized float model's."""
+    from opt_serving.model.wrapper import get_model
+    q8, dequantized = int8_folders
+    one = get_model("jax/opt-tiny", folder, quantize="int8")
+    model = get_model("alpa/opt-tiny", folder, pipeline_parallel=2, tensor_parallel=1, quantize="int8")
+    try:
+        np.testing.assert_allclose(model(IDS, MASK), np.asarray(one(IDS, MASK)), atol=1e-5, rtol=1e-5)
+        np.testing.assert_array_equal(model.generate(IDS, MASK, max_new_tokens=8),
+                                      one.generate(IDS, MASK, max_new_tokens=8))
+    finally:
+        model.close()
+    ref = get_model("jax/opt-tiny", dequantized)
+    model = get_model("alpa/opt-tiny", q8, pipeline_parallel=2, tensor_parallel=2, quantize="int8")
+    try:
+        assert [w["devices"] for w in model.pipeline.where()] == [2, 2]
+        np.testing.assert_allclose(model(IDS, MASK), np.asarray(ref(IDS, MASK)), atol=1e-4, rtol=1e-4)
+        np.testing.assert_array_equal(model.generate(IDS, MASK, max_new_tokens=8),
+                                      ref.generate(IDS, MASK, max_new_tokens=8))
+    finally:
+        model.close()

@@ -29,6 +29,25 @@ def test_param_count_matches_hugging_face(size):
     assert cost.weight_bytes(cfg, "float32") == 4 * n
 
 
+@pytest.mark.parametrize("cfg", [OPT_CONFIGS["tiny"], OPT_CONFIGS["tiny"].replace(word_embed_proj_dim=16,
+                                                                                 do_layer_norm_before=False)])
+def test_int8_weight_bytes_are_what_the_quantized_model_holds(cfg):
+    """The planner's int8 bytes are the bytes of model/quantize.py's params (int8 matrices, a float32 scale per
+    output channel, the float embedding for the lookup beside the head's int8 copy), tp 1 and split."""
+    from opt_serving.model import param_tree, quantize
+    import jax
+    tree = quantize.quantize_params(param_tree.init_params(cfg))
+    held = sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))
+    assert cost.weight_bytes(cfg, "float32", "int8") == held
+    assert held < 0.6 * cost.weight_bytes(cfg, "float32")
+    # a stage's share: its layers' leaves (layers_0 of the tree), and split 2 ways the split tensors halve
+    layer = sum(x.nbytes for x in jax.tree_util.tree_leaves(tree["layers_0"]))
+    assert cost.layer_bytes(cfg, 1, "float32", "int8") == layer
+    assert cost.layer_bytes(cfg, 1, "float32", "int8") / 2 < cost.layer_bytes(cfg, 2, "float32", "int8") < layer
+    with pytest.raises(ValueError, match="int4"):
+        cost.weight_bytes(cfg, "float32", "int4")
+
+
 def test_param_counts_near_published_sizes():
     published = {"125m": 125.2e6, "350m": 331e6, "1.3b": 1.316e9, "2.7b": 2.65e9, "6.7b": 6.66e9,
                  "13b": 12.85e9, "30b": 29.97e9, "66b": 65.7e9, "175b": 174.6e9}

@@ -56,6 +56,25 @@ def test_fits_in_total_but_not_per_device_says_by_how_much():
         search(OPT_CONFIGS["30b"], parse_cluster("1x4x16GB"), model="opt-30b")
 
 
+def test_int8_weights_fit_where_float16_ones_do_not():
+    cfg = OPT_CONFIGS["175b"]
+    cluster = parse_cluster("1x8x32GB")
+    with pytest.raises(NoFeasiblePlan, match="needs 349.2 GB of float16 weights"):
+        search(cfg, cluster, dtype="float16")
+    plan = search(cfg, cluster, dtype="float16", weights="int8").best
+    assert plan.weights == "int8" and plan.tp == 8
+    assert plan.max_memory_bytes <= plan.memory_limit
+    # the weights a device holds: about half of float16's (int8 matrices, float16 embedding)
+    half = cost.weight_bytes(cfg, "float16") / plan.tp / 2
+    assert 0.95 * half < plan.stages[0].param_bytes < 1.05 * half
+
+
+def test_cli_quantize_plans_int8_weights(capsys):
+    assert main(["plan", "--model", "opt-175b", "--cluster", "1x8x32GB"]) == 1
+    assert main(["plan", "--model", "opt-175b", "--cluster", "1x8x32GB", "--quantize", "int8"]) == 0
+    assert "int8 weights" in capsys.readouterr().out
+
+
 def test_30b_on_2x4x16gb():
     cfg, cluster = OPT_CONFIGS["30b"], parse_cluster("2x4x16GB")
     plan = search(cfg, cluster, model="opt-30b").best

@@ -159,8 +159,10 @@ def test_a_quantized_folder_says_how_to_load_it(int8_folders):
 def test_quantize_choices_are_checked():
     with pytest.raises(ValueError, match="int8"):
         get_model("jax/opt-tiny", dummy=True, quantize="int4")
-    with pytest.raises(NotImplementedError, match="jax/"):
-        get_model("alpa/opt-tiny", dummy=True, quantize="int8")
+    with pytest.raises(ValueError, match="jax/ and alpa/"):
+        get_model("facebook/opt-tiny", dummy=True, quantize="int8")
+    with pytest.raises(ValueError, match="float32 activations"):
+        get_model("alpa/opt-tiny", dummy=True, quantize="int8", dtype="bfloat16")
 
 
 @pytest.mark.slow

@@ -4,7 +4,9 @@ The served answers of pp = 2 (chosen by the planner itself from a small `device_
 pp = 2 x tp = 2 equal the single-device jax/ engine's on the same weights: greedy, seeded sampling,
 and eight requests at once against each alone. The two stages run on the two nodes, inside the
 replica's placement group. A killed stage fails requests with a 503 naming it, and Serve rebuilds the
-replica with its stages. Ray starts are slow on 2 cores: one cluster serves the whole module.
+replica with its stages. int8 weights pipelined over the two nodes serve the jax/ int8 engine's answers, and
+the planner gives them one device where float32 needs two. Ray starts are slow on 2 cores: one cluster
+serves the whole module.
 """
 import concurrent.futures
 import os
@@ -32,10 +34,14 @@ def folder():
 
 @pytest.fixture(scope="module")
 def reference(folder):
+    return engine_reference(folder)
+
+
+def engine_reference(folder, **kw):
     """The jax/ engine's completions (one device, this process)."""
     from opt_serving.generator import Generator
     import asyncio
-    gen = Generator.from_pretrained("jax/opt-tiny", folder, max_batch_size=8, max_seq_len=64)
+    gen = Generator.from_pretrained("jax/opt-tiny", folder, max_batch_size=8, max_seq_len=64, **kw)
 
     async def beams():
         return await gen.beam(PROMPTS[1], SamplingParams(max_tokens=8, min_tokens=8), 3)
@@ -151,6 +157,22 @@ def test_pp2_by_tp2_serves_the_same_tokens(cluster, folder, reference):
     assert len(stages_by_node()) == 2
     assert texts(cluster, GREEDY, concurrent=True) == reference["greedy"]
     assert texts(cluster, SAMPLED) == reference["sampled"]
+
+
+def test_int8_weights_pipelined_over_both_nodes_serve_the_jax_int8_engines_tokens(cluster, folder, reference):
+    from opt_serving.service.deployment import ServeArgs, placement
+    small = dict(model="alpa/opt-tiny", path=str(folder), max_batch_size=8, max_seq_len=64, device_memory="5MB")
+    planned = [ServeArgs(**small), ServeArgs(**small, quantize="int8")]
+    for args in planned:
+        placement(args)
+    # the planner counts int8 bytes: the weights that needed two stages fit one device
+    assert [(a.pipeline_parallel, a.tensor_parallel) for a in planned] == [(2, 1), (1, 1)]
+    want = engine_reference(folder, quantize="int8")
+    assert want["greedy"] != reference["greedy"]  # int8's tokens are not float32's on this model
+    deploy(folder, pipeline_parallel=2, quantize="int8")
+    assert [node for node, _, _ in stages_by_node()] == ["node0", "node1"]
+    assert texts(cluster, GREEDY, concurrent=True) == want["greedy"]
+    assert texts(cluster, SAMPLED) == want["sampled"]
 
 
 def test_an_unknown_builder_argument_is_an_error_naming_it():

@@ -62,8 +62,9 @@ def get_model(model_name: str, path: str | Path | None = None, dtype=jnp.float32
                 raise
             raise ValueError(f"{e}; any name works with a folder that has a config.json, and {path} has none") \
                 from None
-    if quantize and not model_name.startswith("jax/"):
-        raise NotImplementedError(f"{model_name}: quantize={quantize!r} runs jax/ models (one device) for now")
+    if quantize and model_name.startswith("facebook/"):
+        raise ValueError(f"{model_name}: quantize={quantize!r} applies to jax/ and alpa/ models (facebook/ is "
+                         "Hugging Face's PyTorch model, the reference)")
     if model_name.startswith("alpa/"):
         try:
             from opt_serving.parallel import backend
@@ -71,8 +72,10 @@ def get_model(model_name: str, path: str | Path | None = None, dtype=jnp.float32
             raise NotImplementedError(
                 f"{model_name}: the alpa/ backend (opt_serving.parallel.backend) is not available "
                 "in this build; use jax/ for one device") from None
+        check_quantize_dtype(quantize, dtype)
         return backend.get_alpa_model(model_name, path, dtype=dtype, tensor_parallel=tensor_parallel,
-                                      pipeline_parallel=pipeline_parallel, dummy=dummy, seed=seed, **kwargs)
+                                      pipeline_parallel=pipeline_parallel, dummy=dummy, seed=seed,
+                                      quantize=quantize, **kwargs)
     if tensor_parallel not in (None, 1) or pipeline_parallel not in (None, 1):
         raise ValueError(f"{model_name} runs on one device; use alpa/ for parallelism")
     if model_name.startswith("facebook/"):
@@ -100,8 +103,7 @@ def _weights_format(dtype, quantize: str | None) -> tuple[jnp.dtype, str]:
     elsewhere bfloat16 params as they are, which XLA on a CPU converts at each product (several times slower
     than float32: said once, at load)."""
     if quantize:
-        if dtype != jnp.float32 and jax.default_backend() == "cpu":
-            raise ValueError(f"quantize={quantize!r} keeps float32 activations on a CPU; drop dtype={dtype}")
+        check_quantize_dtype(quantize, dtype)
         return dtype, quantize
     if dtype != jnp.bfloat16 or jax.default_backend() != "cpu":
         return dtype, "float32"
@@ -111,6 +113,13 @@ def _weights_format(dtype, quantize: str | None) -> tuple[jnp.dtype, str]:
                 "bfloat16 weights run on XLA's converting path, slower than float32. Use float32, or "
                 "quantize='int8' (--quantize int8) for a quarter of the bytes.")
     return dtype, "float32"
+
+
+def check_quantize_dtype(quantize: str | None, dtype) -> None:
+    """int8 weights run beside float32 activations on a CPU (the packed int8 products'), so any other dtype
+    there is refused rather than run on XLA's converting path."""
+    if quantize and jax.default_backend() == "cpu" and model_dtype(dtype) != jnp.float32:
+        raise ValueError(f"quantize={quantize!r} keeps float32 activations on a CPU; drop dtype={dtype}")
 
 
 def _get_hf_model(model_name, path, dtype, dummy, seed):

@@ -30,8 +30,8 @@ def init_params(cfg: OPTConfig, seed: int = 0, dtype=jnp.float32, std: float = 0
 
 def stage_params(params: dict, stage: StageSpec) -> dict:
     """A whole model's param tree (checkpoint layout) cut down to one stage's: its layers numbered
-    from 0, the embeddings on the first stage, the final norm, projection and tied embedding on the
-    last."""
+    from 0, the embeddings on the first stage, the final norm, projection and tied embedding (and an int8
+    model's head) on the last."""
     out = {f"layers_{i - stage.start}": params[f"layers_{i}"] for i in range(stage.start, stage.stop)}
     keep = set()
     if stage.first or stage.last:
@@ -39,7 +39,7 @@ def stage_params(params: dict, stage: StageSpec) -> dict:
     if stage.first:
         keep |= {"embed_positions", "project_in"}
     if stage.last:
-        keep |= {"project_out", "layer_norm"}
+        keep |= {"project_out", "layer_norm", "lm_head"}
     out.update({k: v for k, v in params.items() if k in keep})
     return out
 

@@ -125,6 +125,30 @@ def load_quantized(folder: str | os.PathLike, name: str, shape) -> tuple[np.ndar
     return q, scale
 
 
+def weights_of(params: dict) -> str:
+    """A params tree's dense weights format: "int8" when it holds quantized layers (qkernel), else "float32"."""
+    return INT8 if any(True for _ in dense_paths(params, "qkernel")) else "float32"
+
+
+def tree_entries(name: str, q, scale, dtype=np.float32) -> list[tuple[tuple, np.ndarray]]:
+    """One quantized checkpoint weight (q int8 [out, in], scale [out]) -> its (Flax path, array) entries:
+    qkernel [in, out] (a transposed view) and scale for a dense layer; for the embedding its dequantized
+    lookup table and the tied head's qkernel [D, V] and scale."""
+    path, _ = weights.flax_path(name)
+    if name == "decoder.embed_tokens.weight":
+        return [(path, dequantize_rows(q, scale, dtype)), (("lm_head", "qkernel"), np.asarray(q).T),
+                (("lm_head", "scale"), np.asarray(scale, np.float32))]
+    return [(path[:-1] + ("qkernel",), np.asarray(q).T), (path[:-1] + ("scale",), np.asarray(scale, np.float32))]
+
+
+def load_weight(folder: Path, name: str, shape, quantized_folder: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(int8 [out, in], scale [out]) of one weight: read as it is from a quantized folder, quantized from a
+    plain one (memory-mapped, a block of rows at a time)."""
+    if quantized_folder:
+        return load_quantized(folder, name, shape)
+    return quantize_rows(weights.load_checked(folder, name, shape))
+
+
 def load_params(folder: str | os.PathLike, cfg: OPTConfig, dtype=None) -> dict:
     """A numpy folder (quantized or not) -> the int8 params tree, reading int8 files as they are."""
     import jax
@@ -141,12 +165,6 @@ def load_params(folder: str | os.PathLike, cfg: OPTConfig, dtype=None) -> dict:
             arr = weights.load_checked(folder, name, shape)
             weights.set_path(tree, path, jax.device_put(np.ascontiguousarray(arr, dtype=dtype)))
             continue
-        q, scale = load_quantized(folder, name, shape)
-        if name == "decoder.embed_tokens.weight":
-            weights.set_path(tree, path, jax.device_put(dequantize_rows(q, scale, dtype)))
-            path = ("lm_head", "qkernel")
-        else:
-            path = path[:-1] + ("qkernel",)
-        weights.set_path(tree, path, jax.device_put(np.ascontiguousarray(np.asarray(q).T)))
-        weights.set_path(tree, path[:-1] + ("scale",), jax.device_put(np.asarray(scale, np.float32)))
+        for at, arr in tree_entries(name, *load_quantized(folder, name, shape), dtype):
+            weights.set_path(tree, at, jax.device_put(np.ascontiguousarray(arr)))
     return tree

@@ -82,9 +82,10 @@ def plan_cluster(tensor_parallel=None, pipeline_parallel=None, device_memory=Non
 
 def plan_model(model_name: str, path=None, dtype="float32", dummy: bool = False, tensor_parallel=None,
                pipeline_parallel=None, device_memory=None, batch_size: int = 1, max_seq_len=None,
-               cluster: Cluster | None = None):
+               cluster: Cluster | None = None, quantize: str | None = None):
     """(plan, config, weights folder or None) of an alpa/ model: the planner's best plan with the given
-    degrees fixed. Raises planner.NoFeasiblePlan with `opt-serving plan`'s message when nothing fits."""
+    degrees fixed (`quantize="int8"`: planned for int8 weights). Raises planner.NoFeasiblePlan with
+    `opt-serving plan`'s message when nothing fits."""
     dtype = loader.model_dtype(dtype)
     folder = None
     if dummy:
@@ -97,29 +98,35 @@ def plan_model(model_name: str, path=None, dtype="float32", dummy: bool = False,
     cluster = cluster or plan_cluster(tensor_parallel, pipeline_parallel, device_memory)
     plan = search(cfg, cluster, model=model_name.rsplit("/", 1)[-1], batch_size=batch_size,
                   max_seq_len=max_seq_len, dtype=jnp.dtype(dtype).name, tensor_parallel=tensor_parallel,
-                  pipeline_parallel=pipeline_parallel).best
+                  pipeline_parallel=pipeline_parallel, weights=quantize or "float32").best
     return plan, cfg, folder
 
 
-def tensor_parallel_model(cfg: OPTConfig, plan: Plan, folder, dtype, seed: int = 0) -> "TensorParallelOPT":
-    """A pp = 1 plan in this process: params sharded over the first tp devices."""
+def tensor_parallel_model(cfg: OPTConfig, plan: Plan, folder, dtype, seed: int = 0,
+                          quantize: str | None = None) -> "TensorParallelOPT":
+    """A pp = 1 plan in this process: params sharded over the first tp devices (`quantize="int8"`: int8
+    weights, model/quantize.py's, split as the float ones are)."""
+    from opt_serving.model.quantize import quantize_params
     from opt_serving.parallel.sharding import load_sharded_params, make_mesh, shard_params
     if len(jax.devices()) < plan.tp:
         raise ValueError(f"the plan {plan.name} needs {plan.tp} devices in this process, it sees "
                          f"{len(jax.devices())} (on a CPU: XLA_FLAGS=--xla_force_host_platform_device_count)")
     mesh = make_mesh(jax.devices()[:plan.tp], plan.tp)
     dtype = loader.model_dtype(dtype)
-    params = (shard_params(param_tree.init_params(cfg, seed, dtype), cfg, mesh) if folder is None
-              else load_sharded_params(folder, cfg, mesh, dtype=dtype))
-    return TensorParallelOPT(cfg, params, mesh, plan)
+    if folder is None:
+        params = param_tree.init_params(cfg, seed, dtype)
+        params = shard_params(quantize_params(params) if quantize else params, cfg, mesh)
+    else:
+        params = load_sharded_params(folder, cfg, mesh, dtype=dtype, quantize=quantize)
+    return TensorParallelOPT(cfg, params, mesh, plan, weights=quantize or "float32")
 
 
 class TensorParallelOPT(wrapper.OPTModel):
     """jax/'s model over params sharded on a tp mesh; engine steps keep the cache sharded."""
 
-    def __init__(self, cfg: OPTConfig, params, mesh, plan: Plan | None = None):
+    def __init__(self, cfg: OPTConfig, params, mesh, plan: Plan | None = None, weights: str = "float32"):
         from opt_serving.parallel.sharding import ShardedOPT
-        super().__init__(cfg, params)
+        super().__init__(cfg, params, weights=weights)
         self.plan, self.mesh = plan, mesh
         self._sharded = ShardedOPT(cfg, self.fused_params, mesh, backend=self.backend)
 
@@ -280,15 +287,17 @@ class PipelinedOPT(wrapper.Generation):
 def get_alpa_model(model_name: str, path=None, dtype=jnp.float32, tensor_parallel: int | None = None,
                    pipeline_parallel: int | None = None, dummy: bool = False, seed: int = 0,
                    batch_size: int = 1, max_seq_len: int | None = None, cluster: Cluster | None = None,
-                   device_memory=None, micro_batches: int | None = None, **unused):
-    """An alpa/ model: a plan (explicit degrees kept) for the Ray cluster, then sharded or pipelined."""
+                   device_memory=None, micro_batches: int | None = None, quantize: str | None = None,
+                   **unused):
+    """An alpa/ model: a plan (explicit degrees kept) for the Ray cluster, then sharded or pipelined
+    (`quantize="int8"`: int8 weights, each stage quantizing its own, or reading them from a quantized folder)."""
     if unused:
         raise TypeError(f"get_model() got unsupported arguments: {sorted(unused)}")
     plan, cfg, folder = plan_model(model_name, path, dtype, dummy, tensor_parallel, pipeline_parallel,
-                                   device_memory, batch_size, max_seq_len, cluster)
+                                   device_memory, batch_size, max_seq_len, cluster, quantize)
     if plan.pp == 1:
-        return tensor_parallel_model(cfg, plan, folder, dtype, seed)
+        return tensor_parallel_model(cfg, plan, folder, dtype, seed, quantize)
     from opt_serving.parallel.pipeline import RayStages
     connect_ray()
-    return PipelinedOPT(cfg, RayStages(cfg, plan, folder, dtype=jnp.dtype(loader.model_dtype(dtype)).name, seed=seed),
-                        plan, micro_batches)
+    return PipelinedOPT(cfg, RayStages(cfg, plan, folder, dtype=jnp.dtype(loader.model_dtype(dtype)).name, seed=seed,
+                                       quantize=quantize), plan, micro_batches)

@@ -3,6 +3,7 @@
     opt-serving plan --model opt-175b --cluster 4x8x16GB
     opt-serving plan --model opt-30b --cluster 2x4x16GB --batch-size 16 --json
     opt-serving plan --model /path/to/numpy-folder --cluster local --calibrate
+    opt-serving plan --model opt-175b --cluster 2x8x80GB --quantize int8
 
 Exit status 0 with a plan, 1 when nothing fits (the reason in numbers on stderr),
 2 for bad arguments.
@@ -31,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=int, default=None,
                    help="prompt + generated tokens per sequence (default: the model's maximum)")
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
+    p.add_argument("--quantize", choices=["int8"], default=None,
+                   help="int8 weights with a scale per output channel (activations and KV cache stay --dtype)")
     p.add_argument("--headroom", type=float, default=0.1,
                    help="fraction of device memory kept free (default 0.1)")
     p.add_argument("--tensor-parallel", type=int, default=None, help="fix the tp degree")
@@ -87,7 +90,8 @@ def _devices(ids: tuple[int, ...]) -> str:
 def format_plan(result: SearchResult, cluster: Cluster, runners_up: int = 5) -> str:
     best = result.best
     lines = [
-        f"{best.model} on {cluster.describe()}, {best.dtype}, batch {best.batch_size}, "
+        f"{best.model} on {cluster.describe()}, {best.dtype}"
+        + (", int8 weights" if best.weights == "int8" else "") + f", batch {best.batch_size}, "
         f"max_seq_len {best.max_seq_len}, objective: {best.objective}",
         f"chosen: {best.name}  ({best.dp * best.pp * best.tp} of {cluster.num_devices} devices"
         + (f", {best.idle_devices} idle" if best.idle_devices else "") + ")"
@@ -152,7 +156,8 @@ def run(args: argparse.Namespace) -> int:
                         max_seq_len=args.max_seq_len, dtype=args.dtype, headroom=args.headroom,
                         tensor_parallel=args.tensor_parallel,
                         pipeline_parallel=args.pipeline_parallel,
-                        data_parallel=args.data_parallel, objective=args.objective)
+                        data_parallel=args.data_parallel, objective=args.objective,
+                        weights=args.quantize or "float32")
     except NoFeasiblePlan as e:
         if args.json:
             print(json.dumps({"error": str(e)}))

@@ -96,8 +96,58 @@ def total_params(cfg: OPTConfig) -> int:
             + cfg.num_hidden_layers * layer_params(cfg))
 
 
-def weight_bytes(cfg: OPTConfig, dtype: str = "float16") -> int:
-    return total_params(cfg) * dtype_bytes(dtype)
+# int8 weights (model/quantize.py): every matrix but the learned positions in int8 with a float32 scale per
+# output channel; the embedding stays in the model's dtype for the lookup, the tied head is an int8 copy of it
+WEIGHT_FORMATS = ("float32", "int8")  # "float32": the params' own dtype
+EMBED = "decoder.embed_tokens.weight"
+
+
+def check_weights(weights: str) -> str:
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"unsupported weights {weights!r}; use one of {', '.join(WEIGHT_FORMATS)}")
+    return weights
+
+
+def _tensor_bytes(name: str, shape: tuple[int, ...], tp: int, b: int, int8: bool) -> int:
+    """Bytes of one device's share of a tensor: `b` an element, or int8 and a float32 scale per output row."""
+    n = shard_elems(name, shape, tp)
+    if not int8 or len(shape) != 2 or name in (EMBED, "decoder.embed_positions.weight"):
+        return n * b
+    rows = math.ceil(shape[0] / tp) if tp_dim(name) == 0 else shape[0]
+    return n + 4 * rows
+
+
+@functools.lru_cache(maxsize=None)
+def layer_bytes(cfg: OPTConfig, tp: int = 1, dtype: str = "float16", weights: str = "float32") -> int:
+    """Bytes of one decoder layer's params on one device of a tp group."""
+    b, int8 = dtype_bytes(dtype), check_weights(weights) == "int8"
+    return sum(_tensor_bytes(k, s, tp, b, int8) for k, s in layer_param_shapes(cfg, 0).items())
+
+
+@functools.lru_cache(maxsize=None)
+def stage_param_bytes(cfg: OPTConfig, n_layers: int, first: bool, last: bool, tp: int = 1,
+                      dtype: str = "float16", weights: str = "float32") -> int:
+    """Bytes of a stage's params on one device of its tp group: its layers, the embeddings on the first stage,
+    the final norm, projection and tied embedding on the last (held once by a stage that is both)."""
+    b, int8 = dtype_bytes(dtype), check_weights(weights) == "int8"
+    g = global_param_shapes(cfg)
+    names = set()
+    if first:
+        names |= {"decoder.embed_tokens.weight", "decoder.embed_positions.weight", "decoder.project_in_dim.weight"}
+    if last:
+        names |= {"decoder.layer_norm.weight", "decoder.layer_norm.bias", "decoder.project_out_dim.weight",
+                  "decoder.embed_tokens.weight"}
+    total = n_layers * layer_bytes(cfg, tp, dtype, weights)
+    total += sum(_tensor_bytes(k, g[k], tp, b, int8) for k in names if k in g)
+    if last and int8:  # the tied head's int8 copy [D, V/tp] and its scales
+        v = math.ceil(cfg.vocab_size / tp)
+        total += v * cfg.word_embed_proj_dim + 4 * v
+    return total
+
+
+def weight_bytes(cfg: OPTConfig, dtype: str = "float16", weights: str = "float32") -> int:
+    """Bytes of the whole model's params (`weights="int8"`: quantized, as above)."""
+    return stage_param_bytes(cfg, cfg.num_hidden_layers, True, True, 1, dtype, weights)
 
 
 def matmul_params(cfg: OPTConfig) -> int:
@@ -178,23 +228,27 @@ class StageTime:
 
 def stage_time(cfg: OPTConfig, spec: DeviceSpec, n_layers: int, first: bool, last: bool,
                tp: int, batch: int, tokens: int, context: int, dtype: str = "float16",
-               pipelined: bool = False) -> StageTime:
+               pipelined: bool = False, weights: str = "float32") -> StageTime:
     """Seconds for one stage to run `tokens` new tokens for `batch` sequences (decode: tokens=1).
-    `pipelined`: the stage is one of several (pp > 1), run in its own process."""
+    `pipelined`: the stage is one of several (pp > 1), run in its own process. `weights="int8"`: the
+    products read int8 weights (a measured profile is of float weights: the roofline is used instead)."""
     b = dtype_bytes(dtype)
-    measured = spec.profile and spec.profile.times(cfg, tp, batch, tokens, context, dtype, pipelined)
+    measured = (weights == "float32" and spec.profile
+                and spec.profile.times(cfg, tp, batch, tokens, context, dtype, pipelined))
     if measured:
         total = measured.stage_s(n_layers, first, last)
         fixed = min(measured.dispatch_s, total)
         return StageTime(total - fixed, 0.0, fixed, measured=True)
     flops = n_layers * batch * layer_flops(cfg, tokens, context)
-    read = n_layers * (layer_params(cfg, tp) * b + kv_cache_bytes(cfg, batch, context, dtype, tp))
+    read = n_layers * (layer_bytes(cfg, tp, dtype, weights) + kv_cache_bytes(cfg, batch, context, dtype, tp))
     comm = n_layers * 2 * allreduce_time(batch * tokens * cfg.hidden_size * b, tp, spec)
     if first and tp > 1:   # vocab-parallel embedding: each device looks up its rows, then sum
         comm += allreduce_time(batch * tokens * cfg.word_embed_proj_dim * b, tp, spec)
     if last:               # only the last position's logits are needed to sample
         flops += batch * head_flops(cfg, 1)
-        read += head_params(cfg, tp) * b
+        read += stage_param_bytes(cfg, 0, False, True, tp, dtype, weights)
+        if weights == "int8":  # the logits read the head's int8 copy, not the embedding the last stage also holds
+            read -= shard_elems(EMBED, global_param_shapes(cfg)[EMBED], tp) * b
         comm += allgather_time(logits_bytes(cfg, batch), tp, spec)
     if spec.shared_compute:
         # host devices share the same cores: the split runs at most `pool` devices' worth faster

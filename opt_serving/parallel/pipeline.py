@@ -46,10 +46,11 @@ def stage_specs(cfg: OPTConfig, pp: int, layer_split: list[int] | None = None):
     return [StageSpec(r.start, r.stop, i == 0, i == pp - 1) for i, r in enumerate(ranges)]
 
 
-def load_stage_params(folder, cfg: OPTConfig, spec, dtype="float32", mesh=None) -> dict:
+def load_stage_params(folder, cfg: OPTConfig, spec, dtype="float32", mesh=None, quantize=None) -> dict:
     """One stage's tensors from a numpy folder, memory-mapped, into its Flax tree (layers numbered from
     0), over `mesh` (default: this process's first device); each device reads only its own slice of each
-    file. A node without the files gets an error naming the node and the path."""
+    file (`quantize="int8"`: int8 weights, quantized as they are read or read from a quantized folder). A node
+    without the files gets an error naming the node and the path."""
     import jax
     from opt_serving.model import param_tree
     from opt_serving.parallel.sharding import load_sharded_params, make_mesh
@@ -59,7 +60,9 @@ def load_stage_params(folder, cfg: OPTConfig, spec, dtype="float32", mesh=None) 
                                 "there, or use a shared file system)")
     mesh = mesh if mesh is not None else make_mesh(jax.devices()[:1], 1)
     try:
-        tree = load_sharded_params(folder, cfg, mesh, dtype=dtype, names=stage_param_names(cfg, spec))
+        # the first stage reads the embedding for its lookup: an int8 model's head made beside it is cut below
+        tree = load_sharded_params(folder, cfg, mesh, dtype=dtype, names=stage_param_names(cfg, spec),
+                                   quantize=quantize)
     except FileNotFoundError as e:
         raise FileNotFoundError(f"node {_node_name()}: {e}") from None
     return param_tree.stage_params(tree, spec)
@@ -87,9 +90,10 @@ def _node_name() -> str:
 
 class StageActor:
     """Runs inside a Ray worker: a `StageSlots` over this stage's layers, from the folder on this node
-    (or from `params`, already cut to the stage), tensor-parallel over the node's tp devices."""
+    (or from `params`, already cut to the stage), tensor-parallel over the node's tp devices. `quantize`:
+    the folder's weights as int8 (params come quantized)."""
 
-    def __init__(self, cfg, spec, folder, params, dtype, tp, rows, groups, max_seq_len, name=""):
+    def __init__(self, cfg, spec, folder, params, dtype, tp, rows, groups, max_seq_len, name="", quantize=None):
         import jax
 
         from opt_serving import xla_cache
@@ -105,7 +109,7 @@ class StageActor:
             _check_divisible(cfg, tp)
             mesh = make_mesh(jax.devices()[:tp], tp)
         if params is None:
-            params = load_stage_params(folder, cfg, spec, dtype, mesh)
+            params = load_stage_params(folder, cfg, spec, dtype, mesh, quantize)
         elif mesh is not None:
             params = _shard_stage(params, cfg, spec, mesh)
         else:
@@ -192,8 +196,10 @@ def _shard_stage(params: dict, cfg: OPTConfig, spec, mesh) -> dict:
     (sharding.py) cut to the stage the way its params were."""
     import jax
     from opt_serving.model import param_tree
+    from opt_serving.model.quantize import weights_of
     from opt_serving.parallel.sharding import param_shardings
-    return jax.device_put(params, param_tree.stage_params(param_shardings(cfg, mesh), spec))
+    return jax.device_put(params, param_tree.stage_params(param_shardings(cfg, mesh, weights=weights_of(params)),
+                                                          spec))
 
 
 def stage_bundles(plan, gpus: bool, cpus_per_stage: float = 1, extra_cpus: float = 0) -> tuple[list[dict], str]:
@@ -214,7 +220,7 @@ class RayStages:
 
     def __init__(self, cfg: OPTConfig, plan, folder=None, dtype="float32", seed: int = 0, rows: int = 1,
                  groups: int = 1, max_seq_len: int | None = None, cpus_per_stage: float = 1,
-                 placement_timeout_s: float = 120):
+                 placement_timeout_s: float = 120, quantize: str | None = None):
         import ray
         from ray.util import get_current_placement_group
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -242,8 +248,11 @@ class RayStages:
         import jax
         from opt_serving.model import param_tree
         dtype = jax.numpy.dtype(dtype).name
-        # random weights: drawn once here, as jax/ draws them, then cut per stage
+        # random weights: drawn once here, as jax/ draws them (and quantizes them), then cut per stage
         whole = param_tree.init_params(cfg, seed, dtype) if folder is None else None
+        if whole is not None and quantize:
+            from opt_serving.model.quantize import quantize_params
+            whole = quantize_params(whole)
         actor = ray.remote(StageActor)
         self.actors = []
         tag = os.urandom(4).hex()  # named (ray.util.list_named_actors finds them), owned by this process
@@ -254,7 +263,7 @@ class RayStages:
                 name=f"{STAGE_NAME_PREFIX}{tag}-{i}",
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, i)).remote(
                     cfg, spec, None if folder is None else str(folder), part, dtype, plan.tp, rows, groups,
-                    max_seq_len, _describe(i, spec)))
+                    max_seq_len, _describe(i, spec), quantize))
         del whole
         # replies nobody waits for (insert, free, drop): their errors surface later. The engine thread and a
         # beam search's thread (generation_model) both call in: the list has a lock

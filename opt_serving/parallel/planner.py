@@ -78,6 +78,7 @@ class Plan:
     throughput: float                # tokens/s, all replicas
     prefill_s: float                 # one prompt of max_seq_len/2 tokens, first token
     idle_devices: int
+    weights: str = "float32"         # "int8": int8 weights, activations and KV cache in `dtype`
 
     @property
     def name(self) -> str:
@@ -151,19 +152,15 @@ def _stage_kinds(pp: int) -> list[tuple[bool, bool]]:
 
 
 def _stage_memory(cfg: OPTConfig, n: int, first: bool, last: bool, tp: int, batch: int,
-                  micro: int, max_seq_len: int, prefill_batch: int, dtype: str) -> tuple[int, int, int]:
-    b = cost.dtype_bytes(dtype)
-    params = n * cost.layer_params(cfg, tp)
-    if first:
-        params += cost.embed_params(cfg, tp)
-    if last:   # one device group holding both stages needs embed_tokens once
-        params += cost.head_params(cfg, tp, with_embed_tokens=not first)
+                  micro: int, max_seq_len: int, prefill_batch: int, dtype: str,
+                  weights: str = "float32") -> tuple[int, int, int]:
+    params = cost.stage_param_bytes(cfg, n, first, last, tp, dtype, weights)
     kv = n * cost.kv_cache_bytes(cfg, batch, max_seq_len, dtype, tp)
     act = max(cost.activation_bytes(cfg, prefill_batch, max_seq_len, dtype, tp),
               cost.activation_bytes(cfg, micro, 1, dtype, tp))
     if last:
         act += cost.logits_bytes(cfg, max(micro, prefill_batch), tp)
-    return params * b, kv, act
+    return params, kv, act
 
 
 def _degree_problem(cfg: OPTConfig, dp: int, pp: int, tp: int) -> Rejected | None:
@@ -187,7 +184,7 @@ class _Tables:
 
 
 def _stage_tables(cfg: OPTConfig, cluster: Cluster, pp: int, tp: int, batch: int, mb: int,
-                  max_seq_len: int, prefill_batch: int, dtype: str) -> _Tables:
+                  max_seq_len: int, prefill_batch: int, dtype: str, weights: str = "float32") -> _Tables:
     L = cfg.num_hidden_layers
     # stage s sits on devices [s*tp, (s+1)*tp) of replica 0; tp divides a node, so no straddling
     nodes = [cluster.node_of(s * tp) for s in range(pp)]
@@ -201,9 +198,9 @@ def _stage_tables(cfg: OPTConfig, cluster: Cluster, pp: int, tp: int, batch: int
             key = (first, last, n)
             if key not in t.times:
                 t.times[key] = cost.stage_time(cfg, cluster.spec, n, first, last, tp, mb, 1,
-                                               max_seq_len, dtype, pipelined=pp > 1)
+                                               max_seq_len, dtype, pipelined=pp > 1, weights=weights)
                 t.mems[key] = _stage_memory(cfg, n, first, last, tp, batch, mb, max_seq_len,
-                                            prefill_batch, dtype)
+                                            prefill_batch, dtype, weights)
             t.cost_of[s, n] = t.times[key].total_s + h
             t.mem_of[s, n] = sum(t.mems[key])
     return t
@@ -247,7 +244,7 @@ def _prefill_time(cfg: OPTConfig, cluster: Cluster, stages: list[Stage], tp: int
 
 def _evaluate(cfg: OPTConfig, cluster: Cluster, model: str, dp: int, pp: int, tp: int, *,
               batch_size: int, max_seq_len: int, dtype: str, limit: float, objective: str,
-              prefill_batch: int) -> Plan | Rejected:
+              prefill_batch: int, weights: str = "float32") -> Plan | Rejected:
     problem = _degree_problem(cfg, dp, pp, tp)
     if problem is not None:
         return problem
@@ -255,7 +252,7 @@ def _evaluate(cfg: OPTConfig, cluster: Cluster, model: str, dp: int, pp: int, tp
     batch = math.ceil(batch_size / active)       # per replica
     micro = min(pp, batch) if objective == "throughput" else 1
     mb = math.ceil(batch / micro)
-    t = _stage_tables(cfg, cluster, pp, tp, batch, mb, max_seq_len, prefill_batch, dtype)
+    t = _stage_tables(cfg, cluster, pp, tp, batch, mb, max_seq_len, prefill_batch, dtype, weights)
     found = slice_layers(t.cost_of, t.mem_of, limit)
     if found is None:
         return _memory_rejection(t, dp, pp, tp, limit)
@@ -272,7 +269,7 @@ def _evaluate(cfg: OPTConfig, cluster: Cluster, model: str, dp: int, pp: int, tp
     prefill = _prefill_time(cfg, cluster, stages, tp, max_seq_len, dtype)
     return Plan(model, dp, pp, tp, tuple(stages), objective, batch_size, micro, mb, max_seq_len,
                 dtype, limit, cluster.device_memory, step, throughput, prefill,
-                cluster.num_devices - dp * pp * tp)
+                cluster.num_devices - dp * pp * tp, weights)
 
 
 def _divisors(n: int) -> list[int]:
@@ -281,7 +278,7 @@ def _divisors(n: int) -> list[int]:
 
 def _check_search_args(cfg: OPTConfig, cluster: Cluster, model: str, batch_size: int,
                        max_seq_len: int | None, dtype: str, headroom: float,
-                       objective: str | None) -> tuple[int, str]:
+                       objective: str | None, weights: str = "float32") -> tuple[int, str]:
     """Reject bad arguments and models too big for the whole cluster before searching;
     returns max_seq_len and objective with their defaults filled in."""
     if batch_size < 1:
@@ -296,12 +293,16 @@ def _check_search_args(cfg: OPTConfig, cluster: Cluster, model: str, batch_size:
     if objective not in ("latency", "throughput"):
         raise ValueError(f"objective must be 'latency' or 'throughput', got {objective!r}")
     cost.dtype_bytes(dtype)
-    weights = cost.weight_bytes(cfg, dtype)
-    if weights > cluster.total_memory:
+    need = cost.weight_bytes(cfg, dtype, weights)
+    if need > cluster.total_memory:
         raise NoFeasiblePlan(
-            f"{model or 'the model'} needs {weights / GB:.1f} GB of {dtype} weights, the cluster "
+            f"{model or 'the model'} needs {need / GB:.1f} GB of {_weights_name(dtype, weights)} weights, the cluster "
             f"has {cluster.total_memory / GB:.1f} GB ({cluster.describe()})")
     return max_seq_len, objective
+
+
+def _weights_name(dtype: str, weights: str) -> str:
+    return "int8" if weights == "int8" else dtype
 
 
 def _no_plan(model: str, cluster: Cluster, rejected: list[Rejected]) -> NoFeasiblePlan:
@@ -321,15 +322,16 @@ def search(cfg: OPTConfig, cluster: Cluster, *, model: str = "", batch_size: int
            max_seq_len: int | None = None, dtype: str = "float16", headroom: float = 0.1,
            tensor_parallel: int | None = None, pipeline_parallel: int | None = None,
            data_parallel: int | None = None, objective: str | None = None,
-           prefill_batch: int = 1) -> SearchResult:
+           prefill_batch: int = 1, weights: str = "float32") -> SearchResult:
     """Every candidate plan, feasible ones best first. Raises NoFeasiblePlan when none fits.
 
     Degrees given explicitly are kept; the others are searched. `headroom` is the fraction
     of each device's memory left free for the runtime and fragmentation. `prefill_batch`:
-    prompts prefilled at once (the engine prefills one request, then inserts it into a slot).
+    prompts prefilled at once (the engine prefills one request, then inserts it into a slot). `weights`:
+    "int8" for int8 weights (model/quantize.py; activations and the KV cache stay `dtype`).
     """
     max_seq_len, objective = _check_search_args(cfg, cluster, model, batch_size, max_seq_len,
-                                                dtype, headroom, objective)
+                                                dtype, headroom, objective, weights)
     limit = cluster.device_memory * (1 - headroom)
     N, D = cluster.num_devices, cluster.devices_per_node
     tps = [tensor_parallel] if tensor_parallel else _divisors(D)
@@ -350,7 +352,7 @@ def search(cfg: OPTConfig, cluster: Cluster, *, model: str = "", batch_size: int
                 continue
             r = _evaluate(cfg, cluster, model, dp, pp, tp, batch_size=batch_size,
                           max_seq_len=max_seq_len, dtype=dtype, limit=limit,
-                          objective=objective, prefill_batch=prefill_batch)
+                          objective=objective, prefill_batch=prefill_batch, weights=weights)
             (plans if isinstance(r, Plan) else rejected).append(r)
     if not plans:
         raise _no_plan(model, cluster, rejected)

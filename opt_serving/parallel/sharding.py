@@ -7,7 +7,9 @@ row-parallel, vocab-parallel embedding and logits, KV cache split by heads. The 
 is untouched: `opt.prefill` / `opt.decode` are jitted again with these shardings and XLA
 inserts the all-reduces.
 
-Each device reads only its slice of each memory-mapped weight file.
+Each device reads only its slice of each memory-mapped weight file. int8 weights (model/quantize.py) are
+split as the float ones: a qkernel as its kernel, a scale as its weight's output channels (row-parallel
+layers' scales whole), the tied head's int8 copy by vocabulary.
 """
 from __future__ import annotations
 
@@ -20,8 +22,10 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from opt_serving.backend import Backend
+from opt_serving.backend.tree import at as tree_at
 from opt_serving.config import OPTConfig
 from opt_serving.model import opt
+from opt_serving.model import quantize as quantization
 from opt_serving.model.kv_cache import init_cache
 from opt_serving.model.weights import flax_path, load_checked, param_shapes
 
@@ -96,11 +100,22 @@ def _flax_shape(name: str, shape) -> tuple[int, ...]:
     return tuple(shape[::-1]) if flax_path(name)[1] else tuple(shape)
 
 
-def param_shardings(cfg: OPTConfig, mesh: Mesh, rules: Rules = TP_RULES) -> dict:
-    """The Flax param tree's NamedShardings."""
+def param_shardings(cfg: OPTConfig, mesh: Mesh, rules: Rules = TP_RULES, weights: str = "float32") -> dict:
+    """The Flax param tree's NamedShardings (`weights="int8"`: model/quantize.py's tree)."""
+    quantized = set(quantization.quantized_names(cfg)) if weights == quantization.INT8 else set()
     tree: dict = {}
     for name in param_shapes(cfg):
-        _tree_set(tree, flax_path(name)[0], NamedSharding(mesh, param_spec(name, rules)))
+        path, _ = flax_path(name)
+        spec = param_spec(name, rules)
+        if name not in quantized:
+            _tree_set(tree, path, NamedSharding(mesh, spec))
+            continue
+        out = spec_for(logical_axes(name), rules)[0]  # the split of the weight's output channels ([out, in])
+        if name == "decoder.embed_tokens.weight":  # the lookup's table as it was; the head [D, V] by vocabulary
+            _tree_set(tree, path, NamedSharding(mesh, spec))
+            path, spec = ("lm_head", "qkernel"), P(None, out)
+        _tree_set(tree, path[:-1] + ("qkernel",), NamedSharding(mesh, spec))
+        _tree_set(tree, path[:-1] + ("scale",), NamedSharding(mesh, P(out)))
     return tree
 
 
@@ -111,30 +126,44 @@ def cache_shardings(cfg: OPTConfig, mesh: Mesh, rules: Rules = TP_RULES) -> dict
 
 
 def load_sharded_params(folder: str | os.PathLike, cfg: OPTConfig, mesh: Mesh,
-                        rules: Rules = TP_RULES, dtype=jnp.float32, names=None) -> dict:
+                        rules: Rules = TP_RULES, dtype=jnp.float32, names=None, quantize: str | None = None) -> dict:
     """The numpy folder -> Flax param tree sharded over `mesh`; each device reads its slice only.
-    `names`: only these checkpoint tensors (a pipeline stage's)."""
+    `names`: only these checkpoint tensors (a pipeline stage's). `quantize="int8"`: model/quantize.py's tree,
+    each weight quantized as it is read (one at a time), or read as it is from a quantized folder."""
     folder = Path(folder)
     _check_divisible(cfg, mesh.devices.size)
     np_dtype = np.dtype(jnp.dtype(dtype))
+    quantize = quantization.check_choice(quantize)
+    on_disk = quantization.folder_quantization(folder)
+    if on_disk and not quantize:
+        raise ValueError(f"{folder} holds int8 weights: load it with quantize='int8' (--quantize int8)")
+    quantized = set(quantization.quantized_names(cfg)) if quantize else set()
+    shardings = param_shardings(cfg, mesh, rules, weights=quantize or "float32")
+
+    def place(path, host, cast):
+        sharding = tree_at(shardings, path)
+        _tree_set(tree, path, jax.make_array_from_callback(
+            host.shape, sharding, lambda idx: np.ascontiguousarray(host[idx], dtype=cast or host.dtype)))
+
     tree: dict = {}
     for name, shape in param_shapes(cfg).items():
         if names is not None and name not in names:
             continue
+        if name in quantized:
+            q, scale = quantization.load_weight(folder, name, shape, bool(on_disk))
+            for path, host in quantization.tree_entries(name, q, scale, np_dtype):
+                place(path, host, None)
+            continue
         path, transpose = flax_path(name)
         src = load_checked(folder, name, shape)          # memory-mapped
-        view = src.T if transpose else src               # a view: nothing read yet
-        sharding = NamedSharding(mesh, param_spec(name, rules))
-        arr = jax.make_array_from_callback(
-            view.shape, sharding, lambda idx, v=view: np.ascontiguousarray(v[idx], dtype=np_dtype))
-        _tree_set(tree, path, arr)
+        place(path, src.T if transpose else src, np_dtype)  # a view: each device reads its slice
     return tree
 
 
 def shard_params(params: dict, cfg: OPTConfig, mesh: Mesh, rules: Rules = TP_RULES) -> dict:
-    """An in-memory param tree (e.g. dummy weights) -> sharded over `mesh`."""
+    """An in-memory param tree (e.g. dummy weights, float or int8) -> sharded over `mesh`."""
     _check_divisible(cfg, mesh.devices.size)
-    return jax.device_put(params, param_shardings(cfg, mesh, rules))
+    return jax.device_put(params, param_shardings(cfg, mesh, rules, quantization.weights_of(params)))
 
 
 class ShardedOPT:

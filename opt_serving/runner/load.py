@@ -21,27 +21,27 @@ def load_slots(model_name: str, path=None, dtype: str = "float32", num_slots: in
                device_memory=None, micro_batches: Optional[int] = None, quantize: Optional[str] = None) -> Slots:
     """Slots over the named model's weights: a numpy folder (or its parent holding `<size>-np/`), or
     random weights of the named size (`dummy`, drawn from `seed`). `micro_batches`: decode slot groups
-    of a pipelined plan (default: pp, at most one per slot). `quantize="int8"`: int8 weights (jax/ models).
+    of a pipelined plan (default: pp, at most one per slot). `quantize="int8"`: int8 weights (model/quantize.py;
+    an alpa/ plan's are split as its float ones, each pipeline stage quantizing its own).
     """
-    from opt_serving.model.loader import get_model
+    from opt_serving.model.loader import check_quantize_dtype, get_model
     dtype = resolve_dtype(dtype, cluster=model_name.startswith("alpa/"))
-    if quantize and model_name.startswith("alpa/"):
-        raise NotImplementedError(f"{model_name}: quantize={quantize!r} runs jax/ models (one device) for now")
     if model_name.startswith("alpa/"):
+        check_quantize_dtype(quantize, dtype)
         from opt_serving.parallel import backend
         plan, cfg, source = backend.plan_model(model_name, path, dtype, dummy=dummy,
                                                tensor_parallel=tensor_parallel,
                                                pipeline_parallel=pipeline_parallel,
                                                device_memory=device_memory, batch_size=num_slots,
-                                               max_seq_len=max_seq_len)
+                                               max_seq_len=max_seq_len, quantize=quantize)
         if plan.pp > 1:
             from opt_serving.parallel.pipeline import RayStages
             groups = micro_batches or plan.pp
             groups = max(g for g in range(1, min(groups, num_slots) + 1) if num_slots % g == 0)
             stages = RayStages(cfg, plan, source, dtype=dtype, seed=seed, rows=num_slots // groups,
-                               groups=groups, max_seq_len=max_seq_len)
+                               groups=groups, max_seq_len=max_seq_len, quantize=quantize)
             return Slots(cfg, stages, num_slots, groups, max_seq_len, plan=plan)
-        m = backend.tensor_parallel_model(cfg, plan, source, dtype, seed)
+        m = backend.tensor_parallel_model(cfg, plan, source, dtype, seed, quantize)
     else:
         if tensor_parallel not in (None, 1) or pipeline_parallel not in (None, 1):
             raise ValueError(f"{model_name} runs on one device; use alpa/ for parallelism")

@@ -27,6 +27,7 @@ import numpy as np
 from opt_serving.backend import Backend
 from opt_serving.backend.cpu import heap
 from opt_serving.model import kv_cache, layout, opt
+from opt_serving.model import quantize as quantization
 from opt_serving.runner.sampler import Sampler, split_rows
 from opt_serving.runner.types import PREFILL_MIN_BUCKET, JoinBlock, SlotSettings
 
@@ -67,9 +68,10 @@ class StageSlots:
                  max_seq_len: Optional[int] = None, backend: Optional[Backend] = None):
         """`params` in the checkpoint's layout, put here in the runtime layout of the backend chosen where
         they lie (layout.runtime_params: on one device q/k/v as one matmul, on a CPU packed; a tensor-parallel
-        stage's stay split by heads); or, with `backend`, already in its runtime layout."""
+        stage's stay split by heads; int8 ones as model/quantize.py made them); or, with `backend`, already in
+        its runtime layout."""
         if backend is None:
-            backend, params = layout.runtime_params(params)
+            backend, params = layout.runtime_params(params, weights=quantization.weights_of(params))
         self.cfg, self.spec, self.params, self.backend = cfg, stage, params, backend
         self.rows, self.groups = rows, groups
         self.max_seq_len = min(max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)

@@ -105,7 +105,8 @@ def placement(args: ServeArgs) -> dict:
     plan, _, _ = backend.plan_model(args.model, args.path, args.dtype, dummy=args.dummy or args.path is None,
                                     tensor_parallel=args.tensor_parallel,
                                     pipeline_parallel=args.pipeline_parallel, device_memory=args.device_memory,
-                                    batch_size=args.max_batch_size, max_seq_len=args.max_seq_len)
+                                    batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
+                                    quantize=args.quantize)
     args.tensor_parallel, args.pipeline_parallel = plan.tp, plan.pp
     import ray
     gpus = ray.cluster_resources().get("GPU", 0) > 0
