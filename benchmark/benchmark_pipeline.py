@@ -1,6 +1,7 @@
 """Served pp = 1 against pp = 2 on a two-node Ray cluster simulated on this machine.
 
     python benchmark/benchmark_pipeline.py [--model alpa/opt-125m] [--tokenizer ../shared/opt-assets]
+    python benchmark/benchmark_pipeline.py --plans 2 --weights float32,int8 --concurrency 32
 
 For each plan it deploys the app under Ray Serve (the stages in the replica's placement group, one per
 node), runs benchmark_serving.py's load generator at each concurrency, and prints output tokens/s, TTFT
@@ -29,6 +30,7 @@ def parse_args(argv=None):
     p.add_argument("--model", default="alpa/opt-125m", help="an alpa/ model, random weights of its size")
     p.add_argument("--tokenizer", default=str(ASSETS), help="tokenizer folder for the random-weight model")
     p.add_argument("--plans", default="1,2", help="pipeline degrees to serve, comma separated")
+    p.add_argument("--weights", default="float32", help="float32, int8 (--quantize int8) or both, comma separated")
     p.add_argument("--concurrency", default="8,32", help="client counts, comma separated")
     p.add_argument("--requests-per-client", type=int, default=4)
     p.add_argument("--prompt-len", default="8:8")
@@ -75,7 +77,7 @@ def main(argv=None) -> None:
     from opt_serving.service.testserver import free_port
     from opt_serving.testing.ray_cluster import simulated_cluster
 
-    plans = [int(x) for x in args.plans.split(",")]
+    plans = [(int(x), w) for x in args.plans.split(",") for w in args.weights.split(",")]
     clients = [int(x) for x in args.concurrency.split(",")]
     rows = []
     with simulated_cluster(nodes=2, cpus_per_node=args.cpus_per_node):
@@ -85,27 +87,29 @@ def main(argv=None) -> None:
         import numpy as np
         hidden = args.max_batch_size // 2 * 768 * 4  # one micro-batch's hidden states, OPT-125m's width
         handoff = {n: measure_handoff_latency(nbytes=n) for n in (4096, hidden)}
-        for pp in plans:
+        for pp, weights in plans:
             t0 = time.perf_counter()
             sargs = ServeArgs(model=args.model, dummy=True, tokenizer=args.tokenizer,
                               max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
-                              pipeline_parallel=pp, tensor_parallel=1)
+                              pipeline_parallel=pp, tensor_parallel=1,
+                              quantize="int8" if weights == "int8" else None)
             serve.run(build_app(sargs), name="opt", route_prefix="/")
-            print(f"pp={pp}: deployed in {time.perf_counter() - t0:.1f} s", flush=True)
+            print(f"pp={pp} {weights}: deployed in {time.perf_counter() - t0:.1f} s", flush=True)
             for c in clients:
                 stage_stats(reset=True)
                 s = benchmark_serving.main(["--url", url, "--concurrency", str(c), "--num-requests",
                                             str(c * args.requests_per_client), "--prompt-len", args.prompt_len,
                                             "--output-len", args.output_len, "--ignore-eos"])
-                rows.append((pp, c, s, stage_stats()))
+                rows.append((pp, weights, c, s, stage_stats()))
             serve.delete("opt")
         print(f"\n{args.model} (random weights), prompt {args.prompt_len}, output {args.output_len}, "
               f"{args.max_batch_size} decode slots, 2 simulated nodes x {args.cpus_per_node} CPUs on this machine")
-        print(f"{'pp':>3} {'clients':>7} {'tokens/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9}  stage busy")
-        for pp, c, s, st in rows:
+        print(f"{'pp':>3} {'weights':>7} {'clients':>7} {'tokens/s':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
+              f"{'TPOT p50':>9}  stage busy")
+        for pp, weights, c, s, st in rows:
             busy = ", ".join(f"{x['stage']}: {x['busy_fraction']:.0%}" for x in st) or "(one process)"
             fail = f"  ({s['failed']} failed)" if s["failed"] else ""
-            print(f"{pp:>3} {c:>7} {s['output_tokens_per_s']:>9.1f} {s['ttft_s']['median'] * 1e3:>7.0f}ms "
+            print(f"{pp:>3} {weights:>7} {c:>7} {s['output_tokens_per_s']:>9.1f} {s['ttft_s']['median'] * 1e3:>7.0f}ms "
                   f"{s['ttft_s']['p99'] * 1e3:>7.0f}ms {s['tpot_s']['median'] * 1e3:>7.1f}ms  {busy}{fail}")
         print("Ray hand-off between two actors (median, one hop): " + ", ".join(
             f"{n / 1024:.0f} KiB {t * 1e3:.2f} ms" for n, t in handoff.items()))
