@@ -48,6 +48,24 @@ def test_int8_weight_bytes_are_what_the_quantized_model_holds(cfg):
         cost.weight_bytes(cfg, "float32", "int4")
 
 
+@pytest.mark.parametrize("weights", ["float32", "int8"])
+def test_a_pipeline_stages_bytes_are_what_its_cut_of_the_params_holds(weights):
+    """First, middle and last stage of three: the cost model's bytes are those of param_tree.stage_params's cut
+    (an int8 last stage holds the head's int8 copy, not the float embedding the first stage looks up)."""
+    import jax
+    from opt_serving.model import param_tree, quantize
+    from opt_serving.parallel.pipeline import stage_specs
+    cfg = OPT_CONFIGS["tiny"].replace(num_hidden_layers=3)
+    tree = param_tree.init_params(cfg)
+    tree = quantize.quantize_params(tree) if weights == "int8" else tree
+    for spec in stage_specs(cfg, 3):
+        cut = param_tree.stage_params(tree, spec)
+        held = sum(x.nbytes for x in jax.tree_util.tree_leaves(cut))
+        assert cost.stage_param_bytes(cfg, spec.num_layers, spec.first, spec.last, 1, "float32", weights) == held
+        assert ("embed_tokens" in cut) == (spec.first or (spec.last and weights == "float32"))
+        assert ("lm_head" in cut) == (spec.last and weights == "int8")
+
+
 def test_param_counts_near_published_sizes():
     published = {"125m": 125.2e6, "350m": 331e6, "1.3b": 1.316e9, "2.7b": 2.65e9, "6.7b": 6.66e9,
                  "13b": 12.85e9, "30b": 29.97e9, "66b": 65.7e9, "175b": 174.6e9}

@@ -75,15 +75,17 @@ class Backend:
         return nn.relu(y) if relu else y
 
     def logits(self, params: dict, h):
-        """The tied LM head: h [..., D] -> float32 logits [..., V]."""
-        embedding = params["embed_tokens"]["embedding"]  # [V, D]
+        """The tied LM head: h [..., D] -> float32 logits [..., V]. int8 reads only its own copy (`lm_head`): a
+        pipeline's last stage holds no embedding then."""
         scale = params["lm_head"]["scale"] if self.weights == "int8" else None  # [V]
         if self.products:
-            return products.matmul(h.astype(jnp.float32), params["lm_head"]["packed"], embedding.shape[0],
+            vocab = params["embed_tokens"]["embedding"].shape[0] if scale is None else scale.shape[0]
+            return products.matmul(h.astype(jnp.float32), params["lm_head"]["packed"], vocab,
                                    weights=self.weights, scales=scale)
         if self.weights == "int8":
             q = params["lm_head"]["qkernel"]  # [D, V]
             return jnp.einsum("...d,dv->...v", h, q.astype(h.dtype), preferred_element_type=jnp.float32) * scale
+        embedding = params["embed_tokens"]["embedding"]  # [V, D]
         return jnp.einsum("...d,vd->...v", h, embedding, preferred_element_type=jnp.float32)
 
     def greedy(self, params: dict, h, exclude=None):

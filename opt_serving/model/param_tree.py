@@ -30,11 +30,12 @@ def init_params(cfg: OPTConfig, seed: int = 0, dtype=jnp.float32, std: float = 0
 
 def stage_params(params: dict, stage: StageSpec) -> dict:
     """A whole model's param tree (checkpoint layout) cut down to one stage's: its layers numbered
-    from 0, the embeddings on the first stage, the final norm, projection and tied embedding (and an int8
-    model's head) on the last."""
+    from 0, the embeddings on the first stage, the final norm, projection and tied embedding on the last (an
+    int8 model's last stage: its head's int8 copy, and the embedding only where it is also first, for the
+    lookup)."""
     out = {f"layers_{i - stage.start}": params[f"layers_{i}"] for i in range(stage.start, stage.stop)}
     keep = set()
-    if stage.first or stage.last:
+    if stage.first or (stage.last and "lm_head" not in params):
         keep.add("embed_tokens")
     if stage.first:
         keep |= {"embed_positions", "project_in"}

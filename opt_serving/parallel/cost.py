@@ -128,15 +128,17 @@ def layer_bytes(cfg: OPTConfig, tp: int = 1, dtype: str = "float16", weights: st
 def stage_param_bytes(cfg: OPTConfig, n_layers: int, first: bool, last: bool, tp: int = 1,
                       dtype: str = "float16", weights: str = "float32") -> int:
     """Bytes of a stage's params on one device of its tp group: its layers, the embeddings on the first stage,
-    the final norm, projection and tied embedding on the last (held once by a stage that is both)."""
+    the final norm, projection and tied embedding on the last (held once by a stage that is both; with int8
+    weights the last stage's head is an int8 copy, the float embedding only on the first stage)."""
     b, int8 = dtype_bytes(dtype), check_weights(weights) == "int8"
     g = global_param_shapes(cfg)
     names = set()
     if first:
         names |= {"decoder.embed_tokens.weight", "decoder.embed_positions.weight", "decoder.project_in_dim.weight"}
     if last:
-        names |= {"decoder.layer_norm.weight", "decoder.layer_norm.bias", "decoder.project_out_dim.weight",
-                  "decoder.embed_tokens.weight"}
+        names |= {"decoder.layer_norm.weight", "decoder.layer_norm.bias", "decoder.project_out_dim.weight"}
+        if not int8:
+            names.add(EMBED)
     total = n_layers * layer_bytes(cfg, tp, dtype, weights)
     total += sum(_tensor_bytes(k, g[k], tp, b, int8) for k in names if k in g)
     if last and int8:  # the tied head's int8 copy [D, V/tp] and its scales
@@ -247,8 +249,6 @@ def stage_time(cfg: OPTConfig, spec: DeviceSpec, n_layers: int, first: bool, las
     if last:               # only the last position's logits are needed to sample
         flops += batch * head_flops(cfg, 1)
         read += stage_param_bytes(cfg, 0, False, True, tp, dtype, weights)
-        if weights == "int8":  # the logits read the head's int8 copy, not the embedding the last stage also holds
-            read -= shard_elems(EMBED, global_param_shapes(cfg)[EMBED], tp) * b
         comm += allgather_time(logits_bytes(cfg, batch), tp, spec)
     if spec.shared_compute:
         # host devices share the same cores: the split runs at most `pool` devices' worth faster
