@@ -60,7 +60,8 @@ def load_stage_params(folder, cfg: OPTConfig, spec, dtype="float32", mesh=None, 
                                 "there, or use a shared file system)")
     mesh = mesh if mesh is not None else make_mesh(jax.devices()[:1], 1)
     try:
-        # the first stage reads the embedding for its lookup: an int8 model's head made beside it is cut below
+        # int8: the first and last stages read the embedding (the lookup's table, the head's int8 copy); each
+        # keeps only its own part of the two (stage_params)
         tree = load_sharded_params(folder, cfg, mesh, dtype=dtype, names=stage_param_names(cfg, spec),
                                    quantize=quantize)
     except FileNotFoundError as e:
