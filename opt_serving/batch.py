@@ -251,7 +251,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto (default): float16 on GPUs, float32 on CPUs")
     parser.add_argument("--quantize", choices=["int8"], default=None,
-                        help="int8 weights with a scale per output channel (jax/ models)")
+                        help="int8 weights with a scale per output channel (jax/ and alpa/ models)")
     parser.add_argument("--window", type=int, default=4096,
                         help="requests read and sorted together (bounds memory on huge files)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
