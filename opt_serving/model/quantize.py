@@ -150,21 +150,20 @@ def load_weight(folder: Path, name: str, shape, quantized_folder: bool) -> tuple
 
 
 def load_params(folder: str | os.PathLike, cfg: OPTConfig, dtype=None) -> dict:
-    """A numpy folder (quantized or not) -> the int8 params tree, reading int8 files as they are."""
+    """A numpy folder (quantized or not) -> the int8 params tree: int8 files read as they are, float ones
+    quantized a weight at a time from the file (as a tensor-parallel or pipelined plan loads them:
+    parallel/sharding.py's load_sharded_params), so the whole model is never held in float."""
     import jax
     folder = Path(folder)
-    if folder_quantization(folder) is None:
-        return quantize_params(weights.load_params(folder, cfg, dtype)[1])
+    on_disk = folder_quantization(folder) is not None
     dtype = np.dtype(dtype or np.float32)
-    shapes = weights.param_shapes(cfg)
     quantized = set(quantized_names(cfg))
     tree: dict = {}
-    for name, shape in shapes.items():
-        path, transpose = weights.flax_path(name)
+    for name, shape in weights.param_shapes(cfg).items():
         if name not in quantized:
             arr = weights.load_checked(folder, name, shape)
-            weights.set_path(tree, path, jax.device_put(np.ascontiguousarray(arr, dtype=dtype)))
+            weights.set_path(tree, weights.flax_path(name)[0], jax.device_put(np.ascontiguousarray(arr, dtype=dtype)))
             continue
-        for at, arr in tree_entries(name, *load_quantized(folder, name, shape), dtype):
+        for at, arr in tree_entries(name, *load_weight(folder, name, shape, on_disk), dtype):
             weights.set_path(tree, at, jax.device_put(np.ascontiguousarray(arr)))
     return tree

@@ -134,7 +134,7 @@ def stage_param_bytes(cfg: OPTConfig, n_layers: int, first: bool, last: bool, tp
     g = global_param_shapes(cfg)
     names = set()
     if first:
-        names |= {"decoder.embed_tokens.weight", "decoder.embed_positions.weight", "decoder.project_in_dim.weight"}
+        names |= {EMBED, "decoder.embed_positions.weight", "decoder.project_in_dim.weight"}
     if last:
         names |= {"decoder.layer_norm.weight", "decoder.layer_norm.bias", "decoder.project_out_dim.weight"}
         if not int8:
