@@ -60,13 +60,14 @@ def main() -> None:
     p.add_argument("--max-seq-len", type=int, default=256)
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--no-stagger", action="store_true")
+    p.add_argument("--decode-steps", type=int, default=1, help="decode steps in one call (engine.Engine)")
     args = p.parse_args()
 
     from opt_serving.engine import SlotSettings
     from opt_serving.loading import load_engine
     plan = {"quantize": args.quantize} if args.quantize else {}
     engine = load_engine(args.model, None, dtype=args.dtype, num_slots=args.clients, max_seq_len=args.max_seq_len,
-                         dummy=True, **plan)
+                         dummy=True, decode_steps=args.decode_steps, **plan)
 
     def settings_for(n: int) -> SlotSettings:
         return SlotSettings(max_tokens=n, logprob=False, top_logprobs=False)
@@ -82,7 +83,7 @@ def main() -> None:
                                not args.no_stagger, rng)
             after = engine.stats()
             joined = after.joined - before.joined
-            print(f"{args.model} {args.quantize or args.dtype}: {rate:.1f} tokens/s, {after.steps - before.steps} "
+            print(f"{args.model} {args.quantize or args.dtype} decode_steps={args.decode_steps}: {rate:.1f} tokens/s, {after.steps - before.steps} "
                   f"steps, {joined} prompts joined a step, {after.prefills - before.prefills - joined} prefilled",
                   flush=True)
     finally:

@@ -21,6 +21,10 @@ log = logging.getLogger(__name__)
 
 # the default chunk (tokens): the running streams wait at most one chunk's pass between two of their tokens
 PREFILL_CHUNK = 256
+# the default decode steps in one call while no queued request could take a slot (engine.Engine; `serve`,
+# load_generator): the host's work of a call is paid once for them, and a newcomer waits at most that many
+# steps for its prefill
+DECODE_STEPS = 4
 
 
 class ChunkedPrefill:

@@ -144,7 +144,8 @@ class RequestText:
             self.echo_pending = False
             self.sink(self.echo_delta(None))
         final = out.finish_reason is not None
-        for tok in out.tokens:
+        cut = -1
+        for tok in out.tokens:  # (several when the engine takes several steps a call)
             self.generated += 1
             if self.cum_logprob is not None:
                 self.cum_logprob += tok.logprob or 0.0
@@ -154,7 +155,11 @@ class RequestText:
             start = len(self.text)
             self.text += self.detok.add(tok.id)
             self.toks.append((tok, start, len(self.text)))
-        if final:  # a character still incomplete at the end is emitted as it is
+            if self.params.stop:  # the tokens after the one completing a stop string are not generated
+                cut, self.safe = find_stop(self.text, self.params.stop, self.safe)
+                if cut >= 0:
+                    break
+        if final and cut < 0:  # a character still incomplete at the end is emitted as it is
             tail = self.detok.flush()
             if tail and self.toks:
                 tok, start, _ = self.toks[-1]
@@ -162,7 +167,8 @@ class RequestText:
                 self.toks[-1] = (tok, start, len(self.text))
         reason = out.finish_reason
         if self.params.stop:
-            cut, self.safe = find_stop(self.text, self.params.stop, self.safe)
+            if cut < 0:
+                cut, self.safe = find_stop(self.text, self.params.stop, self.safe)
             if cut >= 0:
                 reason = "stop"
                 cut = self._stop_end(cut)

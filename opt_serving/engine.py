@@ -8,8 +8,8 @@
   * `Engine`, this module, the scheduler: a bounded queue and a background thread that admits queued requests into free
     slots (a short prompt joins the next decode step where the slot model has `join`; the others are prefilled,
     together when it has `prefill_batch`; a prompt longer than `prefill_chunk` a chunk per iteration, between
-    decode steps: admission.py), steps, and hands each request its
-    tokens through a callback (called on the engine thread; the
+    decode steps: admission.py), steps (`decode_steps` at a time while nobody waits for a slot), and hands
+    each request its tokens through a callback (called on the engine thread; the
     generator forwards them to asyncio with `loop.call_soon_threadsafe`). EOS, max_tokens, the context limit,
     a callback asking to stop (stop strings) and `cancel()` (client disconnects) free the slot before the next
     step.
@@ -45,11 +45,17 @@ class Engine:
 
     def __init__(self, model: SlotModel, max_queue: int = 256, start: bool = True,
                  health_stall_s: float = HEALTH_STALL_S, prefill_chunk: Optional[int] = admission.PREFILL_CHUNK,
-                 prefill_budget: Optional[int] = None):
+                 prefill_budget: Optional[int] = None, decode_steps: int = 1):
         """`prefill_chunk`: prompts longer than this many tokens are prefilled in chunks of it, between decode
         steps (where the slot model can; 0 or None: every prompt whole), `prefill_budget` tokens of chunks an
-        iteration (default: one chunk)."""
+        iteration (default: one chunk). `decode_steps`: decode steps taken in one call of the slot model (where it
+        has `step_many`) while no queued request could take a free slot and no prompt is being prefilled in
+        chunks; each request gets a step's tokens in one output. Fewer calls, less of the host's work a token; a
+        request finishing at the first of them holds its slot until the last."""
+        if decode_steps < 1:
+            raise ValueError(f"decode_steps must be at least 1, got {decode_steps}")
         self.model = model
+        self.decode_steps = decode_steps
         self._chunked = admission.ChunkedPrefill(model, prefill_chunk, prefill_budget)
         self.prefill_chunk = self._chunked.chunk
         self.max_queue = max_queue
@@ -89,10 +95,10 @@ class Engine:
     def warmup(self) -> None:
         """Compile every prefill bucket, the decode step and the chunked prefill's step now, not at the first
         request."""
-        if self.prefill_chunk:
-            self.model.warmup(prefill_chunk=self.prefill_chunk)
-        else:
-            self.model.warmup()
+        kw = {"prefill_chunk": self.prefill_chunk} if self.prefill_chunk else {}
+        if self.decode_steps > 1 and hasattr(self.model, "step_many"):
+            kw["decode_steps"] = self.decode_steps
+        self.model.warmup(**kw)
 
     def start(self) -> None:
         if self._thread is None:
@@ -293,7 +299,7 @@ class Engine:
         req.slot = slot
         self._slots[slot] = req
         self.model.insert(prefix, slot)
-        self._deliver(req, prefix.first)
+        self._deliver(req, [prefix.first])
 
     def _discard(self, prefix: Prefix) -> None:
         discard = getattr(self.model, "discard", None)
@@ -301,37 +307,47 @@ class Engine:
             discard(prefix)
 
     def _step(self) -> None:
-        result = self.model.step()
+        with self._cv:  # several steps in one call while no queued request could take a slot meanwhile
+            hurry = bool(self._queue and None in self._slots) or self._chunked.held > 0
+        step_many = getattr(self.model, "step_many", None)
+        if self.decode_steps > 1 and step_many is not None and not hurry:
+            results = step_many(self.decode_steps)
+        else:
+            results = [self.model.step()]
         # a pipelined model steps one micro-batch group at a time: only its slots have new tokens
-        active = [r for r in self._slots if r is not None and (result.rows is None or result.rows[r.slot])]
+        rows = results[0].rows
+        active = [r for r in self._slots if r is not None and (rows is None or rows[r.slot])]
         with self._cv:
-            self._steps += 1
-            self._step_tokens += len(active)
+            self._steps += len(results)
+            self._step_tokens += len(active) * len(results)
             self._last_batch = len(active)
-            self._active_hist[len(active)] += 1
+            self._active_hist[len(active)] += len(results)
         for req in active:
-            self._deliver(req, result.token(req.slot))
+            self._deliver(req, [result.token(req.slot) for result in results])
 
-    def _deliver(self, req: EngineRequest, tok: TokenInfo) -> None:
-        """Hand one new token to the request and free its slot if it finished."""
-        if req.cancelled:  # cancelled during the step: the token is dropped
+    def _deliver(self, req: EngineRequest, toks: list[TokenInfo]) -> None:
+        """Hand the request its new tokens (one a step, in one output) and free its slot if it finished: the
+        tokens after one that finishes it are dropped."""
+        if req.cancelled:  # cancelled during the step: the tokens are dropped
             self._release(req)
             return
-        req.generated += 1
+        s, out, reason = req.settings, [], None
+        for tok in toks:
+            req.generated += 1
+            if not s.logprob:  # not asked: the same answer whether or not this step made the logits
+                tok = dataclasses.replace(tok, logprob=None)  # (top alternatives follow top_logprobs)
+            out.append(tok)
+            if tok.id in s.stop_token_ids and req.generated > s.min_tokens:
+                reason = "stop"
+            elif req.generated >= s.max_tokens or len(req.prompt) + req.generated >= self.max_seq_len:
+                reason = "length"
+            if reason is not None:
+                break
         with self._cv:
-            self._generated += 1
-        s = req.settings
-        if not s.logprob:  # not asked: the same answer whether or not this step made the logits
-            tok = dataclasses.replace(tok, logprob=None)  # (top alternatives follow top_logprobs)
-        reason = None
-        if tok.id in s.stop_token_ids and req.generated > s.min_tokens:
-            reason = "stop"
-        elif req.generated >= s.max_tokens or len(req.prompt) + req.generated >= self.max_seq_len:
-            reason = "length"
-        out = EngineOutput([tok], finish_reason=reason)
+            self._generated += len(out)
         if reason is not None:
-            self._finish(req, out)
-        elif self._emit(req, out):
+            self._finish(req, EngineOutput(out, finish_reason=reason))
+        elif self._emit(req, EngineOutput(out)):
             self._release(req)
 
     def _emit(self, req: EngineRequest, out: EngineOutput) -> bool:

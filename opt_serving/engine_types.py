@@ -32,7 +32,9 @@ class SlotModel(Protocol):
     def insert(self, prefix: Prefix, slot: int) -> None: ...
     def step(self) -> StepResult: ...
     def free(self, slot: int) -> None: ...
-    # optional: `discard(prefix)`, a prefix that will never be inserted (its rows are let go);
+    # optional: `step_many(n) -> list[StepResult]`, n steps in one call (each fed the last one's tokens;
+    # fewer where the model cannot: runner.slots.Slots); `discard(prefix)`, a prefix that will never be
+    # inserted (its rows are let go);
     # `check_health()`, raising when the model cannot serve (e.g. a dead pipeline stage)
 
 

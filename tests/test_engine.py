@@ -82,10 +82,10 @@ class Collect:
         return [t.id for t in self.tokens]
 
 
-def run_all(engine, jobs):
+def run_all(engine, jobs, collect=None):
     cols = []
     for prompt, settings in jobs:
-        c = Collect(engine)
+        c = (collect or Collect)(engine)
         c.req = engine.submit(prompt, settings, c)
         cols.append(c)
     for c in cols:
@@ -740,10 +740,95 @@ def test_the_prefill_chunk_option_reaches_the_engine(monkeypatch):
     assert Engine(FakeSlots(), start=False, prefill_chunk=8).prefill_chunk is None
 
 
-def test_prefill_widths_pad_long_prompts_by_at_most_half():
-    from opt_serving.runner.stage import prefill_bucket, prefill_buckets
-    assert prefill_buckets(1024) == [8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024]
-    assert prefill_buckets(MAX_SEQ) == [8, 16, 32] and prefill_buckets(100) == [8, 16, 32, 64, 96, 100]
-    assert [prefill_bucket(n, 1024) for n in (1, 9, 65, 97, 300, 513, 1024)] == [8, 16, 96, 128, 384, 768, 1024]
+def test_prefill_widths_pad_long_prompts_by_at_most_a_quarter():
+    from opt_serving.runner.stage import cache_bucket, cache_buckets, prefill_bucket, prefill_buckets
+    assert prefill_buckets(1024) == [8, 16, 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512,
+                                     640, 768, 896, 1024]
+    assert prefill_buckets(MAX_SEQ) == [8, 16, 32] and prefill_buckets(100) == [8, 16, 32, 64, 80, 96, 100]
+    assert [prefill_bucket(n, 1024) for n in (1, 9, 65, 97, 300, 513, 1024)] == [8, 16, 80, 112, 320, 640, 1024]
+    # a prompt's cache is cut more coarsely: every size compiles an insert into every window
+    assert cache_buckets(1024) == [8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024]
+    assert [cache_bucket(b, 1024) for b in (80, 112, 320, 448, 640, 896)] == [96, 128, 384, 512, 768, 1024]
     with pytest.raises(ValueError, match="does not fit"):
         prefill_bucket(1025, 1024)
+
+
+def test_prompts_at_the_finer_widths_give_hf_tokens_with_no_new_insert_compiled():
+    """Prompts of 70 and 100 tokens are computed at widths 80 and 112 and kept in caches of 96 and 128
+    entries: after warm-up neither compiles anything (no insert per width), and both get HF's tokens."""
+    cfg = CFG.replace(max_position_embeddings=160)
+    torch.manual_seed(1)
+    ref = transformers.OPTForCausalLM(transformers.OPTConfig(**{**cfg.to_hf_dict(), "init_std": 0.3})).eval()
+    slots = OPTSlots(cfg, weights.params_from_hf_state_dict(cfg, ref.state_dict()), num_slots=2, max_seq_len=160)
+    slots.warmup()
+    stage = slots.stages.stages[0]
+    prompts = [[2] + [(7 * i) % 120 + 4 for i in range(69)], [2] + [(11 * i) % 120 + 4 for i in range(99)]]
+    sizes = []
+    for prompt in prompts:
+        prefix = slots.prefill(prompt, SlotSettings())
+        sizes.append(stage.pending[prefix.state]["mask"].shape[1])
+        slots.discard(prefix)
+    assert sizes == [96, 128]
+    compiled = (stage._prefill._cache_size(), stage._insert_cache._cache_size())
+    e = Engine(slots)
+    try:
+        got = [Collect() for _ in prompts]
+        for c, prompt in zip(got, prompts):
+            e.submit(prompt, SlotSettings(max_tokens=5), c)
+        for c in got:
+            assert c.done.wait(60)
+    finally:
+        e.close()
+    assert [c.ids for c in got] == [hf_greedy(ref, p, 5) for p in prompts]
+    assert (stage._prefill._cache_size(), stage._insert_cache._cache_size()) == compiled
+
+class Sizes(Collect):
+    """Collect, also keeping how many tokens each output carried."""
+
+    def __init__(self, engine=None):
+        super().__init__(engine)
+        self.sizes = []
+
+    def __call__(self, out):
+        if not out.is_prompt:
+            self.sizes.append(len(out.tokens))
+        super().__call__(out)
+
+
+def test_decode_steps_in_one_call_give_the_single_steps_tokens(model, hf, monkeypatch):
+    """Four decode steps a call: greedy gives HF's tokens; seeded sampling, a penalty, a stop token and the
+    scores are the single-step engine's; a request whose max_tokens or stop token comes in the middle of a
+    call ends there; each output carries a call's tokens (at most four); a request near the context's end
+    (26 + 6 tokens of 32) takes single steps there."""
+    stop_at = hf_greedy(hf, PROMPTS[2], 14)
+    stop = next(t for i, t in enumerate(stop_at) if i >= 4 and t not in stop_at[:i])
+    jobs = [(PROMPTS[0], SlotSettings(max_tokens=10)),
+            (PROMPTS[1], SlotSettings(max_tokens=9, temperature=0.8, seed=3, top_p=0.9, logprob=True,
+                                      top_logprobs=True)),
+            (PROMPTS[3], SlotSettings(max_tokens=12, repetition_penalty=1.4, logprob=True)),
+            (PROMPTS[2], SlotSettings(max_tokens=14, stop_token_ids=(stop,))),
+            ([2] + [7] * 25, SlotSettings(max_tokens=6)),
+            (PROMPTS[4], SlotSettings(max_tokens=11, temperature=1.2, seed=9))]
+    calls = []
+    real = model.step_many
+    monkeypatch.setattr(model, "step_many", lambda n: (calls.append(n), real(n))[1])
+
+    def run(steps):
+        e = Engine(model, decode_steps=steps)
+        try:
+            return run_all(e, jobs, Sizes)
+        finally:
+            e.close()
+
+    one, four = run(1), run(4)
+    assert calls and set(calls) == {4}
+    for a, b in zip(one, four):
+        assert (b.ids, b.finish) == (a.ids, a.finish)
+        np.testing.assert_allclose([t.logprob or 0.0 for t in b.tokens], [t.logprob or 0.0 for t in a.tokens],
+                                   rtol=1e-5, atol=1e-5)
+        assert [[i for i, _ in t.top] for t in b.tokens] == [[i for i, _ in t.top] for t in a.tokens]
+        assert max(b.sizes) <= 4 and max(a.sizes) == 1 and sum(b.sizes) == len(b.ids)
+    assert any(size > 1 for c in four for size in c.sizes)
+    assert four[0].ids == hf_greedy(hf, PROMPTS[0], 10) and four[4].ids == hf_greedy(hf, jobs[4][0], 6)
+    assert (four[3].finish, four[3].ids[-1]) == ("stop", stop) and len(four[3].ids) == stop_at.index(stop) + 1
+    assert four[4].finish == "length" and len(four[4].ids) == 6

@@ -164,6 +164,7 @@ class Sampler:
             state, out = choose(params, h, state, settings, active, want_scores, want_top)
             return state, settings, active, out
 
+        self.choose_rows = choose  # traced inside the stage's decode steps taken in one call (StageSlots)
         self._first = jax.jit(first, static_argnums=(6,))
         self._choose_joining = jax.jit(choose_joining, donate_argnums=(2, 3, 4))
         self._chunked_first = jax.jit(functools.partial(chunked_first, history_len=L, vocab=V))

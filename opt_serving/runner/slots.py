@@ -19,7 +19,7 @@ of a decode step. Longer prompts, prompts whose scores are asked for, and those 
 prefilled (`prefill_batch`) and inserted.
 
 Chunked prefill (`open_prefill`, `prefill_chunk`): a long prompt goes through the stages a fixed number of
-tokens at a time (opt._extend) into its own batch-1 cache of its prefill bucket, as a whole prefill's, so
+tokens at a time (opt._extend) into its own batch-1 cache of its size (cache_bucket), as a whole prefill's, so
 the engine can run decode steps between its chunks; the last chunk chooses the first token.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any, Optional, Protocol, Sequence
 import numpy as np
 
 from opt_serving.model import kv_cache
-from opt_serving.runner.stage import prefill_bucket, prefill_buckets
+from opt_serving.runner.stage import cache_bucket, cache_buckets, prefill_bucket, prefill_buckets
 from opt_serving.runner.types import (JOIN_BLOCKS, JOIN_PROMPTS, MAX_TOP_LOGPROBS, PREFILL_BATCH_TOKENS,
                                       JoinBlock, PartialPrefill, Prefix, SlotSettings, StepResult,
                                       TokenInfo)
@@ -154,11 +154,12 @@ class Slots:
     # ---- chunked prefill: a long prompt a chunk at a time, between decode steps ----
     def open_prefill(self, tokens: Sequence[int], settings: SlotSettings, chunk: int,
                      size: Optional[int] = None) -> PartialPrefill:
-        """A prompt to prefill `chunk` tokens at a time (`prefill_chunk`) into a cache of its prefill bucket
-        (`size`: more entries, as warm-up asks); nothing runs yet. `discard_partial` lets it go."""
+        """A prompt to prefill `chunk` tokens at a time (`prefill_chunk`) into a cache of its size, as a whole
+        prefill's (`cache_bucket`; `size`: more entries, as warm-up asks); nothing runs yet. `discard_partial`
+        lets it go."""
         if settings.prompt_logprobs:
             raise ValueError("prompt scores come from a whole prefill (prefill), not a chunked one")
-        size = size or prefill_bucket(len(tokens), self.max_seq_len)
+        size = size or cache_bucket(len(tokens), self.max_seq_len)
         return PartialPrefill(list(tokens), settings, chunk, size, next(self._handles))
 
     def prefill_chunk(self, job: PartialPrefill) -> Optional[Prefix]:
@@ -267,9 +268,9 @@ class Slots:
         self._to_all("free", g, row)
         self._lengths[slot] = 0
 
-    def window_needed(self, g: int) -> int:
-        """The cache window a group's next step needs: the bucket holding every active slot's tokens."""
-        longest = int(self._lengths[self._group_slots(g)].max())
+    def window_needed(self, g: int, steps: int = 1) -> int:
+        """The cache window a group's next `steps` steps need: the bucket holding every active slot's tokens."""
+        longest = int(self._lengths[self._group_slots(g)].max()) + steps - 1
         return kv_cache.bucket_length(min(max(longest, 1), self.max_seq_len), self.max_seq_len)
 
     def _send_decode(self, g: int) -> None:
@@ -295,11 +296,32 @@ class Slots:
             if not self._in_flight(g) and (self._joins[g] or self._lengths[self._group_slots(g)].any()):
                 self._send_decode(g)
         g, future, sent = self._flights.popleft()
-        tok, lp, top_ids, top_lp = self.stages.get(future)
         slots = self._group_slots(g)
         rows = np.zeros(self.num_slots, np.bool_)
         rows[[s for s in sent if s not in self._stale]] = True
         self._stale.difference_update(slots)
+        return self._result(slots, rows, *self.stages.get(future))
+
+    def step_many(self, n: int) -> list[StepResult]:
+        """Up to `n` decode steps of every slot in one call of the stage, each fed the tokens of the one
+        before: the host's work of a step (dispatch, reading the tokens back) is paid once for them. Only
+        where one stage holds the whole model and the slots are one group, with no prompt waiting to join,
+        and room in the context for all n; otherwise one step. -> one StepResult a step."""
+        lengths = self._lengths
+        # (n steps write entries up to the longest slot's length + n - 2; one count of steps, one compile)
+        if n <= 1 or self.stages.n > 1 or self.groups > 1 or self._joins[0] or lengths.max() + n - 1 > self.max_seq_len:
+            return [self.step()]
+        slots, sent = self._group_slots(0), lengths > 0
+        positions = np.where(sent, lengths - 1, 0).astype(np.int32)
+        want_top = bool(self._want_top[sent].any())
+        want_scores = want_top or bool(self._want_lp[sent].any())
+        outs = self.stages.get(self.stages.call(0, "decode_steps", 0, self._next.copy(), positions,
+                                                self.window_needed(0, n), int(lengths.max()), n, want_scores,
+                                                want_top))
+        return [self._result(slots, sent, *(a[i] for a in outs)) for i in range(n)]
+
+    def _result(self, slots, rows, tok, lp, top_ids, top_lp) -> StepResult:
+        """A step's tokens for the group's `slots` (its rows, in order); the slots marked in `rows` take them."""
         tokens = np.zeros(self.num_slots, np.int32)
         logprobs = np.zeros(self.num_slots, np.float32)
         ids = np.full((self.num_slots, MAX_TOP_LOGPROBS), -1, np.int32)
@@ -312,12 +334,12 @@ class Slots:
         return StepResult(tokens, logprobs, ids, lps, rows=None if self.groups == 1 else rows)
 
     # ---- life ----
-    def warmup(self, prefill_chunk: Optional[int] = None) -> None:
+    def warmup(self, prefill_chunk: Optional[int] = None, decode_steps: int = 1) -> None:
         """Compile every prefill bucket, its insert into every cache window that holds it, the decode step
-        and free at every window, and the resizes between neighbouring windows (growing only, where steps
-        never shrink the cache); with `prefill_chunk`, a chunk of that many tokens into the cache of every
-        bucket a longer prompt fills, and its first token. Every group's cache has the same shapes: warming
-        group 0 compiles all."""
+        (and `decode_steps` of them in one call, where `step_many` takes them) and free at every window, and the
+        resizes between neighbouring windows (growing only, where steps never shrink the cache); with
+        `prefill_chunk`, a chunk of that many tokens into the cache of every bucket a longer prompt fills, and
+        its first token. Every group's cache has the same shapes: warming group 0 compiles all."""
         # b - 1 prompt tokens fill prefill bucket b
         prefixes = [self.prefill([self.cfg.bos_token_id] * (b - 1), SlotSettings()) for b in self.buckets]
         joiners = range(self.groups, self.num_slots, self.groups)[:JOIN_PROMPTS]  # group 0's rows after slot 0
@@ -326,11 +348,14 @@ class Slots:
         windows = sorted(set().union(*self.stages.get([self.stages.call(i, "cache_windows")
                                                        for i in range(self.stages.n)])))
         for w in windows:  # growing: each window's inserts, then its step
-            fits = [prefix for b, prefix in zip(self.buckets, prefixes) if b <= w]
+            fits = [prefix for b, prefix in zip(self.buckets, prefixes) if cache_bucket(b, self.max_seq_len) <= w]
             for prefix in fits[-1:] + fits:  # the largest first grows the cache to w: then each goes into w
                 self.insert(prefix, 0, keep=True)
             self._lengths[0] = w  # the step reads the whole window
             self.step()
+            if decode_steps > 1:  # the steps fill the window
+                self._lengths[0] = w - decode_steps + 1
+                self.step_many(decode_steps)
             for b in self.join_blocks if joiners else ():  # and steps with prompts joining, each block size
                 self._lengths[0] = w
                 for slot in joiners:  # the prompts fill the block
@@ -341,7 +366,7 @@ class Slots:
             self.free(0)
         for prefix in prefixes:
             self.discard(prefix)
-        for b in self.buckets if prefill_chunk else ():  # two chunks: a middle one and a last one
+        for b in cache_buckets(self.max_seq_len) if prefill_chunk else ():  # two chunks: a middle and a last
             if b > prefill_chunk:
                 job = self.open_prefill([self.cfg.bos_token_id] * (prefill_chunk + 1), SlotSettings(),
                                         prefill_chunk, size=b)

@@ -6,7 +6,7 @@ Slots are split into `groups` (the pipeline's micro-batches), each with its own 
 so a stage can run one group's decode while the next stage runs another's. Slot s is row s // groups
 of group s % groups (consecutive slots alternate groups, so a few requests still fill every group).
 
-Prompts are right-padded to a bucket (powers of two from 8), so a slot's tokens sit at cache entries
+Prompts are right-padded to a prefill width (`prefill_buckets`), so a slot's tokens sit at cache entries
 0..n-1 and each decode writes at the token's own position. A group's cache holds only the window its
 longest slot needs (powers of two from 16): it grows and shrinks a window at a time, where slicing a
 window out of a full-length cache made XLA copy it every step. With the backend's attention kernel, which
@@ -46,9 +46,20 @@ def cache_windows(max_seq_len: int, smallest: int = kv_cache.MIN_BUCKET) -> list
 
 @functools.lru_cache(maxsize=None)  # read for every prompt admitted (prefill_bucket)
 def prefill_buckets(max_seq_len: int) -> list[int]:
-    """The padded prompt widths prefill compiles for: powers of two from 8, and from 64 on also 1.5 times
-    them (96, 192, 384, ...), then max_seq_len. A prompt's pass computes its padding too: with powers of two
-    alone, prompts spread over 64-512 tokens computed a third more than their tokens, with these a sixth."""
+    """The padded prompt widths prefill computes at: powers of two from 8, and from 64 on four a doubling
+    (64, 80, 96, 112, 128, 160, ...), then max_seq_len. A prompt's pass computes its padding too: prompts
+    spread over 64-512 tokens compute a third more than their tokens with powers of two alone, a twelfth with
+    these. Each width is one more prefill to compile, not more inserts: its cache is a `cache_bucket`'s."""
+    L = max_seq_len
+    widths = [2 ** i for i in range(3, 17)] + [q * 2 ** i for i in range(4, 15) for q in (5, 6, 7)]
+    return sorted({min(max(w, PREFILL_MIN_BUCKET), L) for w in widths if w < L} | {L})
+
+
+@functools.lru_cache(maxsize=None)
+def cache_buckets(max_seq_len: int) -> list[int]:
+    """The sizes of a prefilled prompt's cache: powers of two from 8, and from 64 on also 1.5 times them
+    (96, 192, 384, ...), then max_seq_len. Every size compiles an insert into each cache window that holds
+    it, so the cache is not cut as finely as the prefill widths (the entries past a prompt are empty)."""
     L = max_seq_len
     widths = [2 ** i for i in range(3, 17)] + [3 * 2 ** i for i in range(5, 16)]
     return sorted({min(max(w, PREFILL_MIN_BUCKET), L) for w in widths if w < L} | {L})
@@ -59,6 +70,13 @@ def prefill_bucket(n: int, max_seq_len: int) -> int:
     if not 0 < n <= max_seq_len:
         raise ValueError(f"a prompt of {n} tokens does not fit a context of {max_seq_len}")
     return next(b for b in prefill_buckets(max_seq_len) if b >= n)
+
+
+def cache_bucket(n: int, max_seq_len: int) -> int:
+    """The cache size of a prompt of n tokens, or of a prefill width (at most max_seq_len)."""
+    if not 0 < n <= max_seq_len:
+        raise ValueError(f"a prompt of {n} tokens does not fit a context of {max_seq_len}")
+    return next(b for b in cache_buckets(max_seq_len) if b >= n)
 
 
 class StageSlots:
@@ -94,8 +112,8 @@ class StageSlots:
         def prefill(params, x, mask):
             """k right-padded prompts (ids [k, n], or the previous stage's hidden states [k, n, D]) in one
             pass -> k batch-1 caches and the hidden states [k, n, D] (final ones on the last stage)."""
-            k, n = mask.shape
-            cache = self._new_cache(k, n)
+            k, n = mask.shape  # [k, n]: n a prefill width, the cache a coarser size (cache_bucket)
+            cache = self._new_cache(k, cache_bucket(n, self.max_seq_len))
             h, cache = opt._prefill(cfg, params, cache, x, mask, return_hidden=True, stage=stage, backend=backend)
             return split_rows(cache, k), h
 
@@ -132,6 +150,22 @@ class StageSlots:
         self._chunk = jax.jit(chunk, donate_argnums=(1,))
         self._step = jax.jit(step, donate_argnums=(1,))
         self._step_joining = jax.jit(step_joining, donate_argnums=(1,))
+        if stage.first and stage.last:  # the whole model here: n steps can feed each other in one call
+            choose = self.sampler.choose_rows
+
+            def steps(params, cache, x, pos, read_len, state, settings, active, want_scores, want_top, n):
+                """`n` decode steps of a group in one call, each fed the tokens the last one chose (as n calls
+                of `step` and Sampler.choose would) -> the cache, the sampling state and each step's
+                (tokens, logprobs, top ids, top logprobs), stacked [n, rows, ...]."""
+                def one(carry, _):
+                    cache, x, pos, read_len, state = carry
+                    h, cache = step(params, cache, x, pos, read_len)
+                    state, out = choose(params, h, state, settings, active, want_scores, want_top)
+                    return (cache, out[0], pos + 1, read_len + 1, state), out
+                (cache, _, _, _, state), outs = jax.lax.scan(one, (cache, x, pos, read_len, state), length=n)
+                return cache, state, outs
+
+            self._steps = jax.jit(steps, static_argnums=(10,), donate_argnums=(1, 5))
         self._insert_cache = jax.jit(lambda cache, pcache, row: kv_cache._insert(cache, pcache, row),
                                      donate_argnums=(0,))
         self._resize = jax.jit(lambda cache, n: kv_cache._resize(cache, n), static_argnums=(1,))
@@ -199,6 +233,18 @@ class StageSlots:
         if self.sampler is None:
             return h
         return self.sampler.choose(self.params, group, h, want_scores, want_top, join)
+
+    def decode_steps(self, group: int, x, positions, window: int, read_len: int, n: int, want_scores: bool = True,
+                     want_top: bool = True):
+        """`n` decode steps of a group in one call, on a stage that is the whole model: as `decode` n times,
+        each step given the tokens of the one before (free rows' positions move on too: their entries are
+        overwritten when a request is inserted). -> each step's chosen tokens and scores, [n, rows, ...]."""
+        self._fit_cache(group, window, shrink=not self.backend.attention)
+        s = self.sampler
+        self.caches[group], s.state[group], out = self._steps(
+            self.params, self.caches[group], x, positions, np.int32(read_len), s.state[group], s.settings[group],
+            s.active[group], np.bool_(want_scores), np.bool_(want_top), n)
+        return tuple(np.asarray(a) for a in out)
 
     def free(self, group: int, row: int) -> None:
         self.caches[group] = self._free(self.caches[group], np.int32(row))

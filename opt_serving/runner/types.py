@@ -82,7 +82,7 @@ class PartialPrefill:
     tokens: list[int]
     settings: SlotSettings
     chunk: int                       # tokens a chunk (the last is padded to it)
-    size: int                        # entries of the request's cache (its prefill bucket)
+    size: int                        # entries of the request's cache (its cache_bucket)
     state: Any                       # the slot model's own (the runner: a handle on the stages' rows)
     done: int = 0                    # prompt tokens prefilled so far
 

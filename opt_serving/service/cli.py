@@ -12,6 +12,8 @@ import signal
 import sys
 import threading
 
+from opt_serving.admission import DECODE_STEPS
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", default="model", choices=["model", "fake"],
@@ -42,6 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens prefilled in chunks per engine iteration, across the long prompts "
                         "waiting, oldest first (default: one chunk); more: shorter waits for a first token "
                         "under a burst of long prompts, longer pauses of the running streams")
+    p.add_argument("--decode-steps", type=int, default=DECODE_STEPS, metavar="K",
+                   help="decode steps taken in one call while no waiting request could take a free slot: "
+                        "the host's work (dispatch, handing out tokens, streaming) is paid once for K tokens "
+                        "of each stream, which arrive together; a newcomer waits at most K steps (1: off)")
     p.add_argument("--max-batch-size", type=int, default=16, help="decode slots (requests advanced per step)")
     p.add_argument("--max-seq-len", type=int, default=None, help="prompt + generated tokens (default: the model's)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond which the answer is 429")
@@ -164,7 +170,8 @@ def serve_args_from(args: argparse.Namespace):
     path, tokenizer = (None if a is None else os.path.abspath(a) for a in (args.path, args.tokenizer))
     return ServeArgs(engine=args.engine, model=args.model, path=path, dummy=args.dummy, seed=args.seed,
                      tokenizer=tokenizer, dtype=args.dtype, quantize=args.quantize, prefill_chunk=args.prefill_chunk,
-                     prefill_budget=args.prefill_budget, max_batch_size=args.max_batch_size,
+                     prefill_budget=args.prefill_budget, decode_steps=args.decode_steps,
+                     max_batch_size=args.max_batch_size,
                      max_seq_len=args.max_seq_len, max_queue=args.max_queue, request_timeout=args.request_timeout,
                      api_keys=keys,
                      num_replicas=args.num_replicas, graceful_shutdown_timeout_s=args.drain_timeout,

@@ -9,7 +9,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveInt
 
-from opt_serving.admission import PREFILL_CHUNK
+from opt_serving.admission import DECODE_STEPS, PREFILL_CHUNK
 from opt_serving.service import protocol as P
 from opt_serving.service.app import create_app
 from opt_serving.service.limits import DEFAULT_MAX_BODY_BYTES
@@ -36,6 +36,7 @@ class ServeArgs(BaseModel):
     max_queue: int = 256
     prefill_chunk: NonNegativeInt = PREFILL_CHUNK  # prompts longer than this: prefilled this many tokens a step (0: whole)
     prefill_budget: Optional[PositiveInt] = None  # tokens of chunks an iteration (None: one chunk)
+    decode_steps: PositiveInt = DECODE_STEPS  # decode steps in one call while nobody waits for a slot
     request_timeout: float = 600.0
     api_keys: list[str] | str = []       # a list, or comma separated
     num_replicas: Optional[int] = None  # None: 1, or what serve_config.yaml's autoscaling_config decides
@@ -86,7 +87,7 @@ def build_generator(args: ServeArgs):
     return load_generator(args.model, args.path, dtype=args.dtype, max_batch_size=args.max_batch_size,
                           max_seq_len=args.max_seq_len, max_queue=args.max_queue, dummy=args.dummy, seed=args.seed,
                           tokenizer=args.tokenizer, quantize=args.quantize, prefill_chunk=args.prefill_chunk,
-                          prefill_budget=args.prefill_budget, **args.plan_args())
+                          prefill_budget=args.prefill_budget, decode_steps=args.decode_steps, **args.plan_args())
 
 
 def placement(args: ServeArgs) -> dict:

@@ -99,6 +99,10 @@ class FakeSlots:
         self.steps += 1
         return out
 
+    def step_many(self, n: int) -> list[StepResult]:
+        """n steps (the engine's `decode_steps`): their tokens reach each request in one output."""
+        return [self.step() for _ in range(n)]
+
     def free(self, slot: int) -> None:
         self.settings[slot] = None
 
@@ -178,15 +182,17 @@ def byte_tokenizer():
 
 
 def fake_engine(num_slots: int = 4, max_seq_len: int = 64, max_queue: int = 16, start: bool = True,
-                vocab_size: int = FAKE_VOCAB_SIZE) -> Engine:
-    return Engine(FakeSlots(num_slots, max_seq_len, vocab_size), max_queue=max_queue, start=start)
+                vocab_size: int = FAKE_VOCAB_SIZE, decode_steps: int = 1) -> Engine:
+    return Engine(FakeSlots(num_slots, max_seq_len, vocab_size), max_queue=max_queue, start=start,
+                  decode_steps=decode_steps)
 
 
 def fake_generator(num_slots: int = 4, max_seq_len: int = 64, max_queue: int = 16, start: bool = True,
-                   tokenizer=None):
+                   tokenizer=None, decode_steps: int = 1):
     """A `Generator` over the fake engine: the byte tokenizer by default, or any tokenizer (the fake's
     vocabulary then follows it, e.g. the real OPT one)."""
     from opt_serving.generator import Generator
     tokenizer = tokenizer if tokenizer is not None else byte_tokenizer()
-    engine = fake_engine(num_slots, max_seq_len, max_queue, start, vocab_size=len(tokenizer))
+    engine = fake_engine(num_slots, max_seq_len, max_queue, start, vocab_size=len(tokenizer),
+                         decode_steps=decode_steps)
     return Generator(engine, tokenizer, model_name="opt-fake", model=FakeBeamModel(len(tokenizer)))
