@@ -25,6 +25,9 @@ PREFILL_CHUNK = 256
 # load_generator): the host's work of a call is paid once for them, and a newcomer waits at most that many
 # steps for its prefill
 DECODE_STEPS = 4
+# ... while they take at most this long (seconds, as the steps so far went): long steps (a large model, long
+# contexts, prompts prefilled beside them) go one a call, so a newcomer never waits long behind a call
+DECODE_CALL_S = 0.15
 
 
 class ChunkedPrefill:

@@ -45,17 +45,20 @@ class Engine:
 
     def __init__(self, model: SlotModel, max_queue: int = 256, start: bool = True,
                  health_stall_s: float = HEALTH_STALL_S, prefill_chunk: Optional[int] = admission.PREFILL_CHUNK,
-                 prefill_budget: Optional[int] = None, decode_steps: int = 1):
+                 prefill_budget: Optional[int] = None, decode_steps: int = 1,
+                 decode_call_s: float = admission.DECODE_CALL_S):
         """`prefill_chunk`: prompts longer than this many tokens are prefilled in chunks of it, between decode
         steps (where the slot model can; 0 or None: every prompt whole), `prefill_budget` tokens of chunks an
         iteration (default: one chunk). `decode_steps`: decode steps taken in one call of the slot model (where it
         has `step_many`) while no queued request could take a free slot and no prompt is being prefilled in
-        chunks; each request gets a step's tokens in one output. Fewer calls, less of the host's work a token; a
-        request finishing at the first of them holds its slot until the last."""
+        chunks, and while that many steps take at most `decode_call_s` seconds (as the steps so far went); each
+        request gets the call's tokens in one output. Fewer calls, less of the host's work a token; a request
+        finishing at the first of them holds its slot until the last, one arriving meanwhile waits for it."""
         if decode_steps < 1:
             raise ValueError(f"decode_steps must be at least 1, got {decode_steps}")
         self.model = model
-        self.decode_steps = decode_steps
+        self.decode_steps, self.decode_call_s = decode_steps, decode_call_s
+        self._step_s = 0.0  # a decode step's wall time, a moving average (0: none taken yet)
         self._chunked = admission.ChunkedPrefill(model, prefill_chunk, prefill_budget)
         self.prefill_chunk = self._chunked.chunk
         self.max_queue = max_queue
@@ -310,10 +313,14 @@ class Engine:
         with self._cv:  # several steps in one call while no queued request could take a slot meanwhile
             hurry = bool(self._queue and None in self._slots) or self._chunked.held > 0
         step_many = getattr(self.model, "step_many", None)
-        if self.decode_steps > 1 and step_many is not None and not hurry:
+        t = time.perf_counter()
+        if (self.decode_steps > 1 and step_many is not None and not hurry
+                and 0 < self.decode_steps * self._step_s <= self.decode_call_s):  # (the first step alone)
             results = step_many(self.decode_steps)
         else:
             results = [self.model.step()]
+        took = (time.perf_counter() - t) / len(results)
+        self._step_s = took if not self._step_s else 0.8 * self._step_s + 0.2 * took
         # a pipelined model steps one micro-batch group at a time: only its slots have new tokens
         rows = results[0].rows
         active = [r for r in self._slots if r is not None and (rows is None or rows[r.slot])]

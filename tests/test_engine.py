@@ -822,6 +822,12 @@ def test_decode_steps_in_one_call_give_the_single_steps_tokens(model, hf, monkey
 
     one, four = run(1), run(4)
     assert calls and set(calls) == {4}
+    calls.clear()
+    e = Engine(model, decode_steps=4, decode_call_s=0.0)  # four steps would take longer than that: one a call
+    try:
+        assert [c.ids for c in run_all(e, jobs)] == [c.ids for c in one] and not calls
+    finally:
+        e.close()
     for a, b in zip(one, four):
         assert (b.ids, b.finish) == (a.ids, a.finish)
         np.testing.assert_allclose([t.logprob or 0.0 for t in b.tokens], [t.logprob or 0.0 for t in a.tokens],
