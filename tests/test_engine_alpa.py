@@ -1,4 +1,5 @@
-"""The continuous-batching engine serves an alpa/ tensor-parallel model: the same tokens as jax/.
+"""The continuous-batching engine serves an alpa/ tensor-parallel model: the same tokens as jax/, with
+several decode steps a call (the default) on the sharded params.
 
 The engine's jitted steps take the plan's sharded params as they are (GSPMD places the
 KV cache by heads). jax must see several CPU devices before it is imported, so the check runs
@@ -19,7 +20,11 @@ CHILD = textwrap.dedent("""
 
     path = sys.argv[1]
     engine = load_engine("alpa/opt-tiny", path, num_slots=3, max_seq_len=64, tensor_parallel=2)
-    cache_spec = str(jax.tree_util.tree_leaves(engine.model.stages.stages[0].caches[0])[0].sharding.spec)
+    stage = engine.model.stages.stages[0]
+    cache_spec = str(jax.tree_util.tree_leaves(stage.caches[0])[0].sharding.spec)
+    calls = []  # several decode steps a call (the default), on the sharded params too
+    real = stage.decode_steps
+    stage.decode_steps = lambda *a: (calls.append(a[5]), real(*a))[1]
     tok = load_tokenizer(path)
     gen = Generator(engine, tok, max_seq_len=64, model_name="alpa/opt-tiny")
     prompts = ["Hello world", "Paris is the capital of", "a", "The quick brown fox jumps"]
@@ -33,7 +38,7 @@ CHILD = textwrap.dedent("""
         out = ref.generate(input_ids=ids, max_new_tokens=8, min_new_tokens=8)
         offline.append(np.asarray(out)[0, ids.shape[1]:].tolist())
     print(json.dumps({"served": served, "offline": offline, "cache_spec": cache_spec,
-                      "devices": len(jax.devices())}))
+                      "devices": len(jax.devices()), "calls": calls}))
 """)
 
 
@@ -49,4 +54,5 @@ def test_engine_serves_a_tensor_parallel_alpa_model(tmp_path):
     result = json.loads(r.stdout.strip().splitlines()[-1])
     assert result["devices"] == 4
     assert result["served"] == result["offline"]
+    assert result["calls"] and set(result["calls"]) == {4}  # some steps ran four a call
     assert "tp" in result["cache_spec"], result["cache_spec"]   # the cache really is sharded

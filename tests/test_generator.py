@@ -74,8 +74,9 @@ def test_stream_never_sends_part_of_a_stop_string(gen):
 
 
 def test_several_steps_a_call_stream_their_tokens_together_and_stop_where_one_step_does():
-    """With 4 decode steps a call, a stream's deltas carry up to 4 tokens (the prefill's alone); stop strings and max_tokens falling inside a call end the completion exactly where single steps
-    end it, with the same text, tokens and scores."""
+    """With 4 decode steps a call, a stream's deltas carry up to 4 tokens (the prefill's alone); stop strings
+    and max_tokens falling inside a call end the completion exactly where single steps end it, with the same
+    text, tokens, scores and usage."""
     g1, g4 = fake_generator(num_slots=2, max_seq_len=64), fake_generator(num_slots=2, max_seq_len=64, decode_steps=4)
     try:
         deltas = run(collect(g4, "a", greedy(max_tokens=10)))

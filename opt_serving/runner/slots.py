@@ -309,7 +309,8 @@ class Slots:
         and room in the context for all n; otherwise one step. -> one StepResult a step."""
         lengths = self._lengths
         # (n steps write entries up to the longest slot's length + n - 2; one count of steps, one compile)
-        if n <= 1 or self.stages.n > 1 or self.groups > 1 or self._joins[0] or lengths.max() + n - 1 > self.max_seq_len:
+        if (n <= 1 or self.stages.n > 1 or self.groups > 1 or self._joins[0]
+                or lengths.max() + n - 1 > self.max_seq_len):
             return [self.step()]
         slots, sent = self._group_slots(0), lengths > 0
         positions = np.where(sent, lengths - 1, 0).astype(np.int32)
@@ -354,7 +355,7 @@ class Slots:
             self._lengths[0] = w  # the step reads the whole window
             self.step()
             if decode_steps > 1:  # the steps fill the window
-                self._lengths[0] = w - decode_steps + 1
+                self._lengths[0] = max(w - decode_steps + 1, 1)
                 self.step_many(decode_steps)
             for b in self.join_blocks if joiners else ():  # and steps with prompts joining, each block size
                 self._lengths[0] = w
