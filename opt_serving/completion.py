@@ -165,10 +165,10 @@ class RequestText:
                 tok, start, _ = self.toks[-1]
                 self.text += tail
                 self.toks[-1] = (tok, start, len(self.text))
+                if self.params.stop:  # (the text before it was checked token by token above)
+                    cut, self.safe = find_stop(self.text, self.params.stop, self.safe)
         reason = out.finish_reason
         if self.params.stop:
-            if cut < 0:
-                cut, self.safe = find_stop(self.text, self.params.stop, self.safe)
             if cut >= 0:
                 reason = "stop"
                 cut = self._stop_end(cut)

@@ -284,12 +284,17 @@ class Slots:
             self._lengths[slot] = len(tokens)
         lengths = self._lengths[slots]
         sent = lengths > 0
-        want_top = bool(self._want_top[slots][sent].any())
-        want_scores = want_top or bool(self._want_lp[slots][sent].any())
+        want_scores, want_top = self._wants(slots[sent])
         x, window, read_len = self._next[slots], self.window_needed(g), int(lengths.max())
         for i in range(self.stages.n):
             x = self.stages.call(i, "decode", g, x, positions, window, read_len, want_scores, want_top, block)
         self._flights.append((g, x, slots[sent]))
+
+    def _wants(self, slots) -> tuple[bool, bool]:
+        """(want_scores, want_top) of a step over `slots` (indices or a mask): the top alternatives where a
+        request asks for them, the scores where one asks for those or for its tokens' log-probabilities."""
+        want_top = bool(self._want_top[slots].any())
+        return want_top or bool(self._want_lp[slots].any()), want_top
 
     def step(self) -> StepResult:
         for g in range(self.groups):  # every idle group with work goes into the stages
@@ -314,8 +319,7 @@ class Slots:
             return [self.step()]
         slots, sent = self._group_slots(0), lengths > 0
         positions = np.where(sent, lengths - 1, 0).astype(np.int32)
-        want_top = bool(self._want_top[sent].any())
-        want_scores = want_top or bool(self._want_lp[sent].any())
+        want_scores, want_top = self._wants(sent)
         outs = self.stages.get(self.stages.call(0, "decode_steps", 0, self._next.copy(), positions,
                                                 self.window_needed(0, n), int(lengths.max()), n, want_scores,
                                                 want_top))

@@ -50,9 +50,7 @@ def prefill_buckets(max_seq_len: int) -> list[int]:
     (64, 80, 96, 112, 128, 160, ...), then max_seq_len. A prompt's pass computes its padding too: prompts
     spread over 64-512 tokens compute a third more than their tokens with powers of two alone, a twelfth with
     these. Each width is one more prefill to compile, not more inserts: its cache is a `cache_bucket`'s."""
-    L = max_seq_len
-    widths = [2 ** i for i in range(3, 17)] + [q * 2 ** i for i in range(4, 15) for q in (5, 6, 7)]
-    return sorted({min(max(w, PREFILL_MIN_BUCKET), L) for w in widths if w < L} | {L})
+    return _buckets(max_seq_len, [q * 2 ** i for i in range(4, 15) for q in (5, 6, 7)])
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,23 +58,30 @@ def cache_buckets(max_seq_len: int) -> list[int]:
     """The sizes of a prefilled prompt's cache: powers of two from 8, and from 64 on also 1.5 times them
     (96, 192, 384, ...), then max_seq_len. Every size compiles an insert into each cache window that holds
     it, so the cache is not cut as finely as the prefill widths (the entries past a prompt are empty)."""
+    return _buckets(max_seq_len, [3 * 2 ** i for i in range(5, 16)])
+
+
+def _buckets(max_seq_len: int, more: list[int]) -> list[int]:
+    """Powers of two from 8 and the widths `more` (none below PREFILL_MIN_BUCKET) under max_seq_len, then it."""
     L = max_seq_len
-    widths = [2 ** i for i in range(3, 17)] + [3 * 2 ** i for i in range(5, 16)]
+    widths = [2 ** i for i in range(3, 17)] + more
     return sorted({min(max(w, PREFILL_MIN_BUCKET), L) for w in widths if w < L} | {L})
 
 
 def prefill_bucket(n: int, max_seq_len: int) -> int:
     """The prefill width of a prompt of n tokens (at most max_seq_len)."""
-    if not 0 < n <= max_seq_len:
-        raise ValueError(f"a prompt of {n} tokens does not fit a context of {max_seq_len}")
-    return next(b for b in prefill_buckets(max_seq_len) if b >= n)
+    return _smallest_holding(n, prefill_buckets(max_seq_len), max_seq_len)
 
 
 def cache_bucket(n: int, max_seq_len: int) -> int:
     """The cache size of a prompt of n tokens, or of a prefill width (at most max_seq_len)."""
+    return _smallest_holding(n, cache_buckets(max_seq_len), max_seq_len)
+
+
+def _smallest_holding(n: int, sizes: list[int], max_seq_len: int) -> int:
     if not 0 < n <= max_seq_len:
         raise ValueError(f"a prompt of {n} tokens does not fit a context of {max_seq_len}")
-    return next(b for b in cache_buckets(max_seq_len) if b >= n)
+    return next(b for b in sizes if b >= n)
 
 
 class StageSlots:
