@@ -71,7 +71,7 @@ class Engine:
         self._cv = threading.Condition()
         self._closing = False
         self._thread: Optional[threading.Thread] = None
-        self._steps = self._step_tokens = self._prefills = self._joined = self._generated = self._prompt_tokens = 0
+        self._steps = self._step_calls = self._step_tokens = self._prefills = self._joined = self._generated = self._prompt_tokens = 0
         self._last_batch = 0
         self._active_hist: collections.Counter[int] = collections.Counter()
         if start:
@@ -145,7 +145,7 @@ class Engine:
         with self._cv:
             return EngineStats(
                 queue_length=len(self._queue), running=self._running(),
-                num_slots=self.num_slots, steps=self._steps, step_tokens=self._step_tokens,
+                num_slots=self.num_slots, steps=self._steps, step_calls=self._step_calls, step_tokens=self._step_tokens,
                 prefills=self._prefills, joined=self._joined, generated_tokens=self._generated,
                 prompt_tokens=self._prompt_tokens, last_step_batch=self._last_batch,
                 active_per_step=dict(self._active_hist))
@@ -326,6 +326,7 @@ class Engine:
         active = [r for r in self._slots if r is not None and (rows is None or rows[r.slot])]
         with self._cv:
             self._steps += len(results)
+            self._step_calls += 1
             self._step_tokens += len(active) * len(results)
             self._last_batch = len(active)
             self._active_hist[len(active)] += len(results)

@@ -62,6 +62,7 @@ class EngineStats:
     running: int              # occupied slots (and the one kept for a prompt being prefilled in chunks)
     num_slots: int
     steps: int                # decode steps run
+    step_calls: int           # calls of the slot model that ran them (several steps a call: engine.Engine)
     step_tokens: int          # tokens produced by decode steps (sum of active slots per step)
     prefills: int
     joined: int               # of those, prompts prefilled inside a decode step (its first token is a step token)

@@ -79,10 +79,24 @@ def test_int8_product_is_the_row_quantized_product(m, k, n):
         < 0.03 * np.abs(exact).max()
 
 
+@pytest.fixture
+def bf16_kernel(request):
+    """Which kernel runs bfloat16 products: "onednn" (its native bfloat16 ones) or "fma" (ours: the weights
+    widened in registers, float32 FMAs), for every row count; this CPU's default is put back after."""
+    if request.param == "fma" and not products.bf16_fma_reads(768, 300):
+        pytest.skip("oneDNN packs bfloat16 weights here in a layout the FMA kernel does not read (or no AVX512BW)")
+    products.bf16_fma_rows(1 if request.param == "fma" else 0)
+    yield request.param
+    products.bf16_fma_rows(-1)
+
+
 @needs_kernels
 @needs_bf16
-@pytest.mark.parametrize("m,k,n", [(1, 32, 96), (5, 768, 300), (64, 64, 16)])
-def test_bfloat16_product_rounds_both_factors_and_sums_in_float32(m, k, n):
+@pytest.mark.parametrize("bf16_kernel", ["onednn", "fma"], indirect=True)
+@pytest.mark.parametrize("m,k,n", [(1, 32, 96), (5, 768, 300), (64, 64, 16), (13, 33, 70), (27, 3072, 200)])
+def test_bfloat16_product_rounds_both_factors_and_sums_in_float32(m, k, n, bf16_kernel):
+    """Either kernel: rows and weights rounded to bfloat16, exact products, float32 sums; odd K, K off a
+    block of 32, N off a block of 64 and row counts off the FMA kernel's tiles of 12 included."""
     import ml_dtypes
     rng = np.random.default_rng(m)
     x, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((m, k), (k, n), (n,)))
@@ -90,8 +104,22 @@ def test_bfloat16_product_rounds_both_factors_and_sums_in_float32(m, k, n):
     bf = lambda a: a.astype(ml_dtypes.bfloat16).astype(np.float64)
     assert np.array_equal(products.unpack(packed, k, n, "bfloat16"), bf(w).astype(np.float32))
     ref = bf(x) @ bf(w) + b
-    got = products.matmul(jnp.asarray(x), packed, n, jnp.asarray(b), relu=True, weights="bfloat16")
-    np.testing.assert_allclose(np.asarray(got), np.maximum(ref, 0), rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    got = np.asarray(products.matmul(jnp.asarray(x), packed, n, jnp.asarray(b), relu=True, weights="bfloat16"))
+    np.testing.assert_allclose(got, np.maximum(ref, 0), rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+    # without the bias and the ReLU: every column written (the FMA kernel stores 32 at a time, masked at N)
+    plain = np.asarray(products.matmul(jnp.asarray(x), packed, n, weights="bfloat16"))
+    np.testing.assert_allclose(plain, bf(x) @ bf(w), rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+@needs_kernels
+@needs_bf16
+def test_bfloat16_fma_setting_is_kept_until_set_again():
+    before = products.bf16_fma_rows()
+    try:
+        assert products.bf16_fma_rows(5) == 5 and products.bf16_fma_rows() == 5
+        assert products.bf16_fma_rows(0) == 0
+    finally:
+        assert products.bf16_fma_rows(-1) == before  # the CPU's default, as at load
 
 
 @needs_kernels

@@ -813,15 +813,23 @@ def test_decode_steps_in_one_call_give_the_single_steps_tokens(model, hf, monkey
     real = model.step_many
     monkeypatch.setattr(model, "step_many", lambda n: (calls.append(n), real(n))[1])
 
+    stats = {}
+
     def run(steps):
         e = Engine(model, decode_steps=steps)
         try:
             return run_all(e, jobs, Sizes)
         finally:
+            stats[steps] = e.stats()
             e.close()
 
     one, four = run(1), run(4)
     assert calls and set(calls) == {4}
+    # the calls are counted apart from the steps: one a step alone, one per four steps together (a step_many
+    # that could not take four took one)
+    assert stats[1].step_calls == stats[1].steps
+    extra = stats[4].steps - stats[4].step_calls
+    assert 0 < extra <= 3 * len(calls) and extra % 3 == 0
     calls.clear()
     e = Engine(model, decode_steps=4, decode_call_s=0.0)  # four steps would take longer than that: one a call
     try:

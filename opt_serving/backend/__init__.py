@@ -8,7 +8,8 @@ kernels (backend/cpu/) run where `choose` / `for_params` say, and `prepare` puts
 they read (`plain` undoes it).
 
 The rule: the kernels' products, decode attention and screened greedy head on one CPU device in float32
-(`BackendSettings` can turn them off); the argmax kernel on any CPU devices; plain XLA on other platforms.
+(and under bfloat16 or int8 weights; the screened head with float32 and bfloat16 ones, which keep a float32 LM
+head; `BackendSettings` can turn them off); the argmax kernel on any CPU devices; plain XLA on other platforms.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ class Backend:
     products: bool = False     # dense layers and logits: oneDNN products on weights packed by `prepare`
     attention: bool = False    # decode steps: the kernel reading only the cache entries written so far
     greedy_head: bool = False  # greedy steps: the screened (int8 or bfloat16) head, never the float32 logits
+    #                            (float32 and bfloat16 weights: both keep a float32 LM head, products.head_format)
     cpu_argmax: bool = False   # the argmax kernel (on a CPU; traced for every platform)
     # the dense weights' format (products.FORMATS): "float32" the params' own kernels (whatever their dtype);
     # "bfloat16" float32 params whose packed products run on bfloat16 copies; "int8" model/quantize.py's
@@ -41,8 +43,9 @@ class Backend:
 
     def __post_init__(self):
         products.check_format(self.weights)
-        if self.greedy_head and (not self.products or self.weights != "float32"):
-            raise ValueError("the screened greedy head comes with float32 packed products (prepare packs both)")
+        if self.greedy_head and (not self.products or self.weights == "int8"):
+            raise ValueError("the screened greedy head comes with float32 or bfloat16 packed products (prepare "
+                             "packs both)")
         if self.weights == "bfloat16" and not self.products:
             raise ValueError("bfloat16 weights here are packed products' (plain XLA takes bfloat16 params)")
 
@@ -81,7 +84,7 @@ class Backend:
         if self.products:
             vocab = params["embed_tokens"]["embedding"].shape[0] if scale is None else scale.shape[0]
             return products.matmul(h.astype(jnp.float32), params["lm_head"]["packed"], vocab,
-                                   weights=self.weights, scales=scale)
+                                   weights=products.head_format(self.weights), scales=scale)
         if self.weights == "int8":
             q = params["lm_head"]["qkernel"]  # [D, V]
             return jnp.einsum("...d,dv->...v", h, q.astype(h.dtype), preferred_element_type=jnp.float32) * scale
@@ -143,7 +146,7 @@ def choose(devices: Iterable, dtype, settings: Optional[BackendSettings] = None,
         raise ValueError("bfloat16 products need float32 params on one CPU device with native bfloat16 "
                          "(see bfloat16_products)")
     return Backend(products=one, attention=one, cpu_argmax=True, weights=weights if one else xla.weights,
-                   greedy_head=one and weights == "float32" and settings.bf16_screen and head.supported())
+                   greedy_head=one and weights != "int8" and settings.bf16_screen and head.supported())
 
 
 def bfloat16_products(devices: Iterable, settings: Optional[BackendSettings] = None) -> bool:

@@ -16,6 +16,9 @@ class BackendSettings:
                  make the float32 logits)
     cpu_threads  OPT_SERVING_CPU_THREADS: the kernels' threads (default: every CPU this process may run on)
     cext         OPT_SERVING_NO_CEXT: "1" makes packing.py keep its pure-Python versions
+    bf16_fma_rows  OPT_SERVING_BF16_FMA_ROWS: bfloat16 products of at least that many rows widen the weights
+                 and multiply with float32 FMAs (csrc/products.cc, bf16_fma); 0 never. Default: 8 on Intel
+                 CPUs without AMX (their bfloat16 dot products run no faster than float32 FMAs), else never
 
     OPT_SERVING_NO_AVX512 is read by csrc/attention.cc itself (the decode attention's portable code), and
     OPT_SERVING_PIN_THREADS by csrc/common.cc: "0" leaves the kernels' team unpinned (by default each of its
@@ -26,6 +29,7 @@ class BackendSettings:
     bf16_screen: bool = True
     cpu_threads: Optional[int] = None
     cext: bool = True
+    bf16_fma_rows: Optional[int] = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> "BackendSettings":
@@ -33,7 +37,9 @@ class BackendSettings:
         return cls(kernels=env.get("OPT_SERVING_ONEDNN", "1") != "0",
                    bf16_screen=env.get("OPT_SERVING_BF16_SCREEN", "1") != "0",
                    cpu_threads=max(1, int(threads)) if threads else None,
-                   cext=env.get("OPT_SERVING_NO_CEXT") != "1")
+                   cext=env.get("OPT_SERVING_NO_CEXT") != "1",
+                   bf16_fma_rows=max(0, int(env["OPT_SERVING_BF16_FMA_ROWS"]))
+                   if env.get("OPT_SERVING_BF16_FMA_ROWS") else None)
 
     def threads(self) -> int:
         """The kernels' threads: `cpu_threads`, else every CPU this process may run on, as XLA's own pool

@@ -1,7 +1,8 @@
 // Matrix products against weights packed once at load, for every weight format the CPU backend has:
 //
 //   float32   y = x @ W on float32 weights (oneDNN; a plain stream over the weights for 1-4 rows)
-//   bfloat16  the rows rounded to bfloat16, bfloat16 weights, float32 accumulation (AVX512_BF16/AMX)
+//   bfloat16  the rows rounded to bfloat16, bfloat16 weights, float32 accumulation (AVX512_BF16/AMX; from
+//             opt_bf16_fma_rows rows up, float32 FMAs on the weights widened in registers: bf16_fma below)
 //   int8      each row quantized to int8 with its own scale (max |x| / 127), int8 weights with a
 //             scale per output column (symmetric), int32 accumulation (VNNI), y = acc * s_row * s_col
 //
@@ -15,6 +16,9 @@
 //   opt_onednn_unpack_as(packed, K, N, type, w)             the reverse ([K, N]; bfloat16 comes back as float32)
 //   OptOnednnMatmul (FFI)      y[M, N] = x[M, K] @ W (+ bias[N]) (relu), float32 weights
 //   OptOnednnMatmulLowp (FFI)  the same for bfloat16 (weights=1) or int8 (weights=2, with scales[N]) weights
+//   opt_bf16_fma_rows(rows)    bfloat16 products of at least `rows` rows run bf16_fma (0: never; -1: the CPU's
+//                              default; below -1: left as it is); returns the setting now in force
+//   opt_bf16_fma_reads(K, N)   whether bf16_fma can read a packed bfloat16 [K, N] weight here
 #include "common.h"
 
 using namespace opt;
@@ -70,6 +74,113 @@ void small_rows(const float* x, int64_t m, int64_t k, int64_t n, const float* w,
     case 2: return small_rows<2>(x, k, n, w, bias, relu, y);
     case 3: return small_rows<3>(x, k, n, w, bias, relu, y);
     default: return small_rows<4>(x, k, n, w, bias, relu, y);
+  }
+}
+
+// bfloat16 products with float32 FMAs. Where bfloat16 dot products run at the rate of float32 FMAs or below
+// (Intel CPUs without AMX: one VDPBF16PS a cycle against two FMAs), oneDNN's bfloat16 kernels lose to its
+// float32 ones once a product has rows enough to be bound by arithmetic rather than by reading the weights.
+// This kernel reads the same packed bfloat16 weights (half float32's bytes), widens them in registers (a
+// bfloat16 is the top half of a float32) and multiplies with float32 FMAs: the same numbers (rows rounded to
+// bfloat16, exact products, float32 sums; only the order of the sums differs), float32's arithmetic rate.
+// Layout BA16a64b2a: per block of 64 columns, for each pair of k a row of 128 values, column j's two k
+// adjacent: entry (k, n) at (n / 64) * K32 * 64 + (k / 2) * 128 + (n % 64) * 2 + k % 2, K32 = K padded to 32
+// (oneDNN zero-fills the padding). A 32-bit lane of that row holds column j's pair: even k in its low half.
+std::atomic<int64_t> bf16_fma_from{-1};  // rows from which bf16_fma runs; 0 never; -1 not decided yet
+
+int64_t default_bf16_fma_rows() {
+  const auto amx = static_cast<unsigned>(dnnl::cpu_isa::avx512_core_amx);
+  const bool has_amx = (static_cast<unsigned>(dnnl::get_effective_cpu_isa()) & amx) == amx;
+  // 8 rows: below that a product is bound by reading the weights, which oneDNN's kernels do as well
+  return __builtin_cpu_is("intel") && !has_amx ? 8 : 0;
+}
+
+int64_t bf16_fma_rows() {
+  int64_t rows = bf16_fma_from.load(std::memory_order_relaxed);
+  if (rows < 0) {
+    rows = default_bf16_fma_rows();
+    bf16_fma_from.store(rows, std::memory_order_relaxed);
+  }
+  return rows;
+}
+
+bool streams_as_pairs(const dnnl::memory::desc& packed, int64_t k, int64_t n) {
+  return packed == dnnl::memory::desc({k, n}, dt::bf16, tag::BA16a64b2a);
+}
+
+// R rows x 32 columns (half a block): x [R, kx] rounded to bfloat16 (kx = k rounded up to even, zero-padded)
+template <int R>
+__attribute__((target("avx512f,avx512bw")))
+void bf16_fma_tile(const float* x, int64_t kx, const uint16_t* w, int64_t cols, const float* bias, bool relu,
+                   float* y, int64_t n) {
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  for (int64_t p = 0; p < kx / 2; ++p, w += 128) {
+    const __m512i v0 = _mm512_loadu_si512(w), v1 = _mm512_loadu_si512(w + 32);  // columns 0-15, 16-31
+    const __m512 even0 = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16));
+    const __m512 odd0 = _mm512_castsi512_ps(_mm512_and_si512(v0, high));
+    const __m512 even1 = _mm512_castsi512_ps(_mm512_slli_epi32(v1, 16));
+    const __m512 odd1 = _mm512_castsi512_ps(_mm512_and_si512(v1, high));
+    for (int r = 0; r < R; ++r) {
+      const __m512 xe = _mm512_set1_ps(x[r * kx + 2 * p]), xo = _mm512_set1_ps(x[r * kx + 2 * p + 1]);
+      acc[r][0] = _mm512_fmadd_ps(xo, odd0, _mm512_fmadd_ps(xe, even0, acc[r][0]));
+      acc[r][1] = _mm512_fmadd_ps(xo, odd1, _mm512_fmadd_ps(xe, even1, acc[r][1]));
+    }
+  }
+  const __mmask16 m0 = cols >= 16 ? 0xffff : (1u << cols) - 1, m1 = cols >= 32 ? 0xffff : cols <= 16 ? 0 : (1u << (cols - 16)) - 1;
+  const __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    __m512 v0 = _mm512_add_ps(acc[r][0], b0), v1 = _mm512_add_ps(acc[r][1], b1);
+    if (relu) {
+      v0 = _mm512_max_ps(v0, _mm512_setzero_ps());
+      v1 = _mm512_max_ps(v1, _mm512_setzero_ps());
+    }
+    _mm512_mask_storeu_ps(y + r * n, m0, v0);
+    _mm512_mask_storeu_ps(y + r * n + 16, m1, v1);
+  }
+}
+
+void bf16_fma(const float* x, int64_t m, int64_t k, int64_t n, const uint16_t* w, const float* bias, bool relu,
+              float* y) {
+  static std::vector<float> xr;  // the rows rounded to bfloat16, k padded to even (on the kernel thread only)
+  const int64_t kx = (k + 1) / 2 * 2, k32 = (k + 31) / 32 * 32, halves = (n + 63) / 64 * 2;
+  xr.resize(m * kx);
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t i = 0; i < k; ++i) {
+      const float v = x[r * k + i];
+      const uint32_t b = static_cast<uint32_t>(v != v ? 0x7fc0 : to_bf16(v)) << 16;
+      std::memcpy(&xr[r * kx + i], &b, 4);
+    }
+    if (kx > k) xr[r * kx + k] = 0.f;
+  }
+  constexpr int kRows = 12;  // 24 accumulators, 4 widened weight vectors, 2 broadcasts: 30 of 32 registers
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < halves; ++t) {
+    const int64_t n0 = t * 32, cols = std::min<int64_t>(32, n - n0);
+    if (cols <= 0) continue;  // the last block's padding
+    const uint16_t* wt = w + (t / 2) * k32 * 64 + (t % 2) * 64;
+    const float* bt = bias ? bias + n0 : nullptr;
+    int64_t r = 0;
+    for (; r + kRows <= m; r += kRows) bf16_fma_tile<kRows>(&xr[r * kx], kx, wt, cols, bt, relu, y + r * n + n0, n);
+    const float* xt = &xr[r * kx];
+    float* yt = y + r * n + n0;
+    switch (m - r) {
+      case 1: bf16_fma_tile<1>(xt, kx, wt, cols, bt, relu, yt, n); break;
+      case 2: bf16_fma_tile<2>(xt, kx, wt, cols, bt, relu, yt, n); break;
+      case 3: bf16_fma_tile<3>(xt, kx, wt, cols, bt, relu, yt, n); break;
+      case 4: bf16_fma_tile<4>(xt, kx, wt, cols, bt, relu, yt, n); break;
+      case 5: bf16_fma_tile<5>(xt, kx, wt, cols, bt, relu, yt, n); break;
+      case 6: bf16_fma_tile<6>(xt, kx, wt, cols, bt, relu, yt, n); break;
+      case 7: bf16_fma_tile<7>(xt, kx, wt, cols, bt, relu, yt, n); break;
+      case 8: bf16_fma_tile<8>(xt, kx, wt, cols, bt, relu, yt, n); break;
+      case 9: bf16_fma_tile<9>(xt, kx, wt, cols, bt, relu, yt, n); break;
+      case 10: bf16_fma_tile<10>(xt, kx, wt, cols, bt, relu, yt, n); break;
+      case 11: bf16_fma_tile<11>(xt, kx, wt, cols, bt, relu, yt, n); break;
+      default: break;
+    }
   }
 }
 
@@ -206,6 +317,12 @@ static ffi::Error MatmulLowp(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ffi
     }
     const bool has_bias = bias.element_count() > 0;
     const dnnl::memory::desc& wd = packed_desc(k, n, type);
+    const int64_t fma_rows = type == dt::bf16 ? bf16_fma_rows() : 0;
+    if (fma_rows > 0 && m >= fma_rows && streams_as_pairs(wd, k, n) && __builtin_cpu_supports("avx512bw")) {
+      bf16_fma(x.typed_data(), m, k, n, static_cast<const uint16_t*>(packed.untyped_data()),
+               has_bias ? bias.typed_data() : nullptr, relu, y->typed_data());
+      return ffi::Error::Success();
+    }
     dnnl::matmul prim = matmul_for(m, k, n, has_bias, relu, type);
     dnnl::engine& eng = cpu_engine();
     // kept between calls (one kernel runs at a time, on the kernel thread): fresh buffers each step are page faults
@@ -260,6 +377,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptOnednnMatmulLowp, OnKernelThread<MatmulLowp>::c
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("relu")
                                   .Attr<int32_t>("weights"));
+
+// Whether a bfloat16 [K, N] weight is packed in the layout bf16_fma reads, on a CPU that runs it
+extern "C" int opt_bf16_fma_reads(int64_t k, int64_t n) {
+  try {
+    return streams_as_pairs(packed_desc(k, n, dt::bf16), k, n) && __builtin_cpu_supports("avx512bw");
+  } catch (...) {
+    return 0;
+  }
+}
+
+extern "C" int64_t opt_bf16_fma_rows(int64_t rows) {
+  if (rows >= -1) bf16_fma_from.store(rows, std::memory_order_relaxed);  // (-1: decided again from the CPU)
+  return bf16_fma_rows();
+}
 
 // The float32 names the Python side has always used
 extern "C" int64_t opt_onednn_packed_bytes(int64_t k, int64_t n) { return opt_onednn_packed_bytes_as(k, n, kF32); }

@@ -33,6 +33,8 @@ class _EngineCollector:
               "num_slots": ("decode_slots", "decode slots in total"),
               "last_step_batch": ("last_step_requests", "requests advanced by the latest decode step")}
     COUNTERS = {"steps": ("decode_steps", "decode steps run"),
+                "step_calls": ("decode_calls", "calls of the model that ran decode steps (several steps a call "
+                               "while nobody waits for a slot)"),
                 "step_tokens": ("decode_step_requests", "requests advanced by decode steps, summed over steps "
                                 "(divide by decode_steps for the mean batch)"),
                 "prefills": ("prefills", "prompts prefilled")}

@@ -50,7 +50,13 @@ def _load() -> Optional[ctypes.CDLL]:
     lib.opt_head8_pack.restype = ctypes.c_int
     lib.opt_head8_pack.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 4
     lib.opt_cpu_kernels_set_threads.argtypes = [ctypes.c_int]
-    lib.opt_cpu_kernels_set_threads(BackendSettings().threads())
+    lib.opt_bf16_fma_rows.restype = ctypes.c_int64
+    lib.opt_bf16_fma_rows.argtypes = [ctypes.c_int64]
+    lib.opt_bf16_fma_reads.restype = ctypes.c_int
+    lib.opt_bf16_fma_reads.argtypes = [ctypes.c_int64, ctypes.c_int64]
+    settings = BackendSettings.from_env()
+    lib.opt_cpu_kernels_set_threads(settings.threads())
+    lib.opt_bf16_fma_rows(-1 if settings.bf16_fma_rows is None else settings.bf16_fma_rows)
     for target, fn in ((MATMUL, lib.OptOnednnMatmul), (MATMUL_LOWP, lib.OptOnednnMatmulLowp), (ARGMAX, lib.OptArgmax),
                        (ATTENTION, lib.OptDecodeAttention), (GREEDY_HEAD, lib.OptGreedyHead),
                        (GREEDY_HEAD8, lib.OptGreedyHead8)):

@@ -10,7 +10,7 @@ place that dispatches on it (FORMATS lists the ones there are).
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -78,10 +78,30 @@ def matmul(x, packed, n: int, bias=None, relu: bool = False, weights: str = "flo
     return y.reshape(*lead, n)
 
 
+def bf16_fma_rows(rows: Optional[int] = None) -> int:
+    """From how many rows bfloat16 products run as float32 FMAs on widened weights (0: never); `rows` sets
+    it (negative: this CPU's default, BackendSettings.bf16_fma_rows). The numbers are the same either way
+    (bfloat16 rows and weights, float32 sums); only the order of the sums differs."""
+    return int(_lib.lib().opt_bf16_fma_rows(-2 if rows is None else max(rows, -1)))
+
+
+def bf16_fma_reads(k: int, n: int) -> bool:
+    """Whether the float32-FMA kernel can read a packed bfloat16 [k, n] weight on this CPU (its layout)."""
+    return bool(_lib.lib().opt_bf16_fma_reads(k, n))
+
+
+def head_format(weights: str) -> str:
+    """The LM head's packed format under dense weights of `weights`: bfloat16 weights keep a float32 head, so
+    a greedy step's screened head (backend/cpu/head.py, exact float32 argmax) and a step that makes the logits
+    choose the same token, as under float32; the head is a small part of a large model's bytes."""
+    return "float32" if weights == "bfloat16" else weights
+
+
 def pack_params(params: dict, device, weights: str = "float32") -> dict:
     """Every dense weight packed onto `device` (`kernel` -> `packed`; int8: `qkernel` -> `packed`, its `scale`
-    kept), and a packed copy of the tied LM head (`lm_head`) where the params hold it: from the embedding,
-    or for int8 from model/quantize.py's `lm_head.qkernel`; the embedding itself stays for the lookup."""
+    kept), and a packed copy of the tied LM head (`lm_head`, in head_format(weights)) where the params hold it:
+    from the embedding, or for int8 from model/quantize.py's `lm_head.qkernel`; the embedding itself stays for
+    the lookup."""
     key = "qkernel" if weights == "int8" else "kernel"
     out = _map_dense(params, key, "packed", lambda path, w: pack(w, device=device, weights=weights))
     if weights == "int8" and "lm_head" in params:
@@ -89,7 +109,7 @@ def pack_params(params: dict, device, weights: str = "float32") -> dict:
                           "scale": params["lm_head"]["scale"]}
     elif weights != "int8" and "embed_tokens" in params:  # the LM head (a pipeline's middle stages have none)
         out["lm_head"] = {"packed": pack(params["embed_tokens"]["embedding"], transposed=True, device=device,
-                                         weights=weights)}
+                                         weights=head_format(weights))}
     return out
 
 
