@@ -108,6 +108,11 @@ def _weights_format(dtype, quantize: str | None) -> tuple[jnp.dtype, str]:
     if dtype != jnp.bfloat16 or jax.default_backend() != "cpu":
         return dtype, "float32"
     if backend_api.bfloat16_products(jax.devices()[:1]):
+        from opt_serving.backend.cpu import products
+        rows = products.bf16_fma_rows()
+        if rows:  # said once, at load: which kernel a batch's products take
+            log.info("bfloat16 products of %d rows or more run as float32 FMAs on the widened bfloat16 weights "
+                     "(this CPU's bfloat16 dot products are no faster; OPT_SERVING_BF16_FMA_ROWS)", rows)
         return jnp.dtype(jnp.float32), "bfloat16"
     log.warning("this CPU has no native bfloat16 products (AVX512_BF16 or AMX), or the CPU kernels are off: "
                 "bfloat16 weights run on XLA's converting path, slower than float32. Use float32, or "
