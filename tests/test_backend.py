@@ -21,9 +21,10 @@ CPU, GPU = types.SimpleNamespace(platform="cpu"), types.SimpleNamespace(platform
 def test_settings_come_from_the_environment(monkeypatch):
     assert BackendSettings.from_env({}) == BackendSettings()
     env = {"OPT_SERVING_ONEDNN": "0", "OPT_SERVING_BF16_SCREEN": "0", "OPT_SERVING_CPU_THREADS": "3",
-           "OPT_SERVING_NO_CEXT": "1"}
+           "OPT_SERVING_NO_CEXT": "1", "OPT_SERVING_BF16_FMA_ROWS": "16"}
     assert BackendSettings.from_env(env) == BackendSettings(kernels=False, bf16_screen=False, cpu_threads=3,
-                                                            cext=False)
+                                                            cext=False, bf16_fma_rows=16)
+    assert BackendSettings.from_env({"OPT_SERVING_BF16_FMA_ROWS": "0"}).bf16_fma_rows == 0  # never
     monkeypatch.setenv("OPT_SERVING_BF16_SCREEN", "0")
     assert not BackendSettings.from_env().bf16_screen
 
@@ -31,8 +32,11 @@ def test_settings_come_from_the_environment(monkeypatch):
 def test_a_backend_is_a_static_value():
     assert Backend.xla() == Backend() and hash(Backend.xla()) == hash(Backend())
     assert not any((Backend.xla().products, Backend.xla().attention, Backend.xla().greedy_head))
-    with pytest.raises(ValueError, match="comes with float32 packed products"):
+    with pytest.raises(ValueError, match="comes with float32 or bfloat16 packed products"):
         Backend(greedy_head=True)
+    with pytest.raises(ValueError, match="comes with float32 or bfloat16 packed products"):
+        Backend(products=True, greedy_head=True, weights="int8")  # int8 has its own int8 head
+    assert Backend(products=True, greedy_head=True, weights="bfloat16").greedy_head
     with pytest.raises(ValueError, match="packed products take weights in"):
         Backend(products=True, weights="float8")
 
@@ -47,6 +51,10 @@ def test_the_kernels_run_on_one_cpu_device_in_float32():
     assert choose([CPU], jnp.float32, BackendSettings(bf16_screen=False)) == \
         Backend(products=True, attention=True, cpu_argmax=True)
     assert choose([CPU], jnp.float32, BackendSettings(kernels=False)) == Backend.xla()
+    # bfloat16 products keep a float32 LM head: greedy steps take the screened head as float32's do
+    if head.supported():
+        assert choose([CPU], jnp.float32, weights="bfloat16") == Backend(
+            products=True, attention=True, greedy_head=True, cpu_argmax=True, weights="bfloat16")
 
 
 @needs_kernels
