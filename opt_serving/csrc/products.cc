@@ -77,9 +77,10 @@ void small_rows(const float* x, int64_t m, int64_t k, int64_t n, const float* w,
   }
 }
 
-// bfloat16 products with float32 FMAs. Where bfloat16 dot products run at the rate of float32 FMAs or below
-// (Intel CPUs without AMX: one VDPBF16PS a cycle against two FMAs), oneDNN's bfloat16 kernels lose to its
-// float32 ones once a product has rows enough to be bound by arithmetic rather than by reading the weights.
+// bfloat16 products with float32 FMAs. Where bfloat16 dot products (VDPBF16PS) do no more multiply-adds a cycle
+// than float32 FMAs (Intel CPUs without AMX; benchmark/README.md has the measurements), oneDNN's bfloat16 kernels
+// lose to its float32 ones once a product has rows enough to be bound by arithmetic rather than by reading the
+// weights.
 // This kernel reads the same packed bfloat16 weights (half float32's bytes), widens them in registers (a
 // bfloat16 is the top half of a float32) and multiplies with float32 FMAs: the same numbers (rows rounded to
 // bfloat16, exact products, float32 sums; only the order of the sums differs), float32's arithmetic rate.
@@ -128,7 +129,9 @@ void bf16_fma_tile(const float* x, int64_t kx, const uint16_t* w, int64_t cols, 
       acc[r][1] = _mm512_fmadd_ps(xo, odd1, _mm512_fmadd_ps(xe, even1, acc[r][1]));
     }
   }
-  const __mmask16 m0 = cols >= 16 ? 0xffff : (1u << cols) - 1, m1 = cols >= 32 ? 0xffff : cols <= 16 ? 0 : (1u << (cols - 16)) - 1;
+  // the last block's columns past N are not written
+  const __mmask16 m0 = cols >= 16 ? 0xffff : (1u << cols) - 1;
+  const __mmask16 m1 = cols >= 32 ? 0xffff : cols <= 16 ? 0 : (1u << (cols - 16)) - 1;
   const __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
   const __m512 b1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
   for (int r = 0; r < R; ++r) {
