@@ -71,7 +71,8 @@ class Engine:
         self._cv = threading.Condition()
         self._closing = False
         self._thread: Optional[threading.Thread] = None
-        self._steps = self._step_calls = self._step_tokens = self._prefills = self._joined = self._generated = self._prompt_tokens = 0
+        self._steps = self._step_calls = self._step_tokens = 0
+        self._prefills = self._joined = self._generated = self._prompt_tokens = 0
         self._last_batch = 0
         self._active_hist: collections.Counter[int] = collections.Counter()
         if start:
@@ -145,7 +146,8 @@ class Engine:
         with self._cv:
             return EngineStats(
                 queue_length=len(self._queue), running=self._running(),
-                num_slots=self.num_slots, steps=self._steps, step_calls=self._step_calls, step_tokens=self._step_tokens,
+                num_slots=self.num_slots, steps=self._steps, step_calls=self._step_calls,
+                step_tokens=self._step_tokens,
                 prefills=self._prefills, joined=self._joined, generated_tokens=self._generated,
                 prompt_tokens=self._prompt_tokens, last_step_batch=self._last_batch,
                 active_per_step=dict(self._active_hist))

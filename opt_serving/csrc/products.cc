@@ -105,9 +105,13 @@ int64_t bf16_fma_rows() {
   return rows;
 }
 
-bool streams_as_pairs(const dnnl::memory::desc& packed, int64_t k, int64_t n) {
-  return packed == dnnl::memory::desc({k, n}, dt::bf16, tag::BA16a64b2a);
+// whether bf16_fma can read a weight packed as `packed` (its layout), on this CPU (AVX512BW)
+bool fma_reads(const dnnl::memory::desc& packed, int64_t k, int64_t n) {
+  return packed == dnnl::memory::desc({k, n}, dt::bf16, tag::BA16a64b2a) && __builtin_cpu_supports("avx512bw");
 }
+
+// round to nearest even, NaN stays NaN: a row's value as the bfloat16 products take it
+inline uint16_t bf16_of(float v) { return v != v ? 0x7fc0 : to_bf16(v); }
 
 // R rows x 32 columns (half a block): x [R, kx] rounded to bfloat16 (kx = k rounded up to even, zero-padded)
 template <int R>
@@ -154,7 +158,7 @@ void bf16_fma(const float* x, int64_t m, int64_t k, int64_t n, const uint16_t* w
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t i = 0; i < k; ++i) {
       const float v = x[r * k + i];
-      const uint32_t b = static_cast<uint32_t>(v != v ? 0x7fc0 : to_bf16(v)) << 16;
+      const uint32_t b = static_cast<uint32_t>(bf16_of(v)) << 16;
       std::memcpy(&xr[r * kx + i], &b, 4);
     }
     if (kx > k) xr[r * kx + k] = 0.f;
@@ -191,7 +195,7 @@ void bf16_fma(const float* x, int64_t m, int64_t k, int64_t n, const uint16_t* w
 __attribute__((target_clones("avx512f", "avx2", "default")))
 void rows_to_bf16(const float* x, int64_t count, uint16_t* out) {
 #pragma omp parallel for schedule(static)
-  for (int64_t i = 0; i < count; ++i) out[i] = x[i] != x[i] ? 0x7fc0 : to_bf16(x[i]);
+  for (int64_t i = 0; i < count; ++i) out[i] = bf16_of(x[i]);
 }
 
 // Each row -> int8 with its own symmetric scale (max |x| / 127; 1 for a zero row).
@@ -321,7 +325,7 @@ static ffi::Error MatmulLowp(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ffi
     const bool has_bias = bias.element_count() > 0;
     const dnnl::memory::desc& wd = packed_desc(k, n, type);
     const int64_t fma_rows = type == dt::bf16 ? bf16_fma_rows() : 0;
-    if (fma_rows > 0 && m >= fma_rows && streams_as_pairs(wd, k, n) && __builtin_cpu_supports("avx512bw")) {
+    if (fma_rows > 0 && m >= fma_rows && fma_reads(wd, k, n)) {
       bf16_fma(x.typed_data(), m, k, n, static_cast<const uint16_t*>(packed.untyped_data()),
                has_bias ? bias.typed_data() : nullptr, relu, y->typed_data());
       return ffi::Error::Success();
@@ -384,7 +388,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptOnednnMatmulLowp, OnKernelThread<MatmulLowp>::c
 // Whether a bfloat16 [K, N] weight is packed in the layout bf16_fma reads, on a CPU that runs it
 extern "C" int opt_bf16_fma_reads(int64_t k, int64_t n) {
   try {
-    return streams_as_pairs(packed_desc(k, n, dt::bf16), k, n) && __builtin_cpu_supports("avx512bw");
+    return fma_reads(packed_desc(k, n, dt::bf16), k, n);
   } catch (...) {
     return 0;
   }
