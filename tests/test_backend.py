@@ -25,6 +25,8 @@ def test_settings_come_from_the_environment(monkeypatch):
     assert BackendSettings.from_env(env) == BackendSettings(kernels=False, bf16_screen=False, cpu_threads=3,
                                                             cext=False, bf16_fma_rows=16)
     assert BackendSettings.from_env({"OPT_SERVING_BF16_FMA_ROWS": "0"}).bf16_fma_rows == 0  # never
+    assert BackendSettings.from_env({"OPT_SERVING_S8_VNNI_ROWS": "0"}).s8_vnni_rows == 0  # oneDNN's kernel always
+    assert BackendSettings.from_env({"OPT_SERVING_S8_VNNI_ROWS": "4"}).s8_vnni_rows == 4
     monkeypatch.setenv("OPT_SERVING_BF16_SCREEN", "0")
     assert not BackendSettings.from_env().bf16_screen
 

@@ -55,9 +55,21 @@ def test_packed_product_equals_numpy(m, k, n):
 needs_bf16 = pytest.mark.skipif(not head.supported(), reason="no native bfloat16 products on this CPU")
 
 
+@pytest.fixture
+def int8_kernel(request):
+    """Which kernel runs int8 products: "onednn" (its own) or "vnni" (ours, tiles taken as the threads free up),
+    for every row count; the default is put back after."""
+    if request.param == "vnni" and not products.s8_vnni_reads(768, 300):
+        pytest.skip("oneDNN packs int8 weights here in a layout our VNNI kernel does not read (or no AVX512_VNNI)")
+    products.s8_vnni_rows(1 if request.param == "vnni" else 0)
+    yield request.param
+    products.s8_vnni_rows(-1)
+
+
 @needs_kernels
-@pytest.mark.parametrize("m,k,n", [(1, 32, 96), (3, 33, 70), (17, 768, 300), (64, 3072, 48)])
-def test_int8_product_is_the_row_quantized_product(m, k, n):
+@pytest.mark.parametrize("int8_kernel", ["onednn", "vnni"], indirect=True)
+@pytest.mark.parametrize("m,k,n", [(1, 32, 96), (3, 33, 70), (17, 768, 300), (64, 3072, 48), (7, 100, 130)])
+def test_int8_product_is_the_row_quantized_product(m, k, n, int8_kernel):
     # the kernel's own arithmetic, in numpy: each row of x to int8 with scale max|x|/127, int32 sums, scaled
     rng = np.random.default_rng(m)
     x, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((m, k), (k, n), (n,)))
@@ -77,6 +89,45 @@ def test_int8_product_is_the_row_quantized_product(m, k, n):
     assert np.abs(np.asarray(products.matmul(jnp.asarray(x), packed, n, jnp.asarray(b), weights="int8",
                                              scales=jnp.asarray(scale))) - exact).max() \
         < 0.03 * np.abs(exact).max()
+
+
+@needs_kernels
+@pytest.mark.parametrize("m,k,n", [(32, 768, 2304), (13, 3072, 200), (1, 33, 70), (256, 64, 64)])
+def test_int8_kernels_give_the_same_numbers(m, k, n):
+    """Our VNNI kernel and oneDNN's: the same int32 sums (the same rows, uint8-shifted and compensated back) and
+    the same float32 scaling, so the same bits without a bias; with one, the last step (y * s_row + bias) may be
+    one fused multiply-add in one and two roundings in the other (oneDNN's path adds the bias in a vectorized
+    loop whose remainder columns are not fused)."""
+    if not products.s8_vnni_reads(k, n):
+        pytest.skip("our VNNI kernel does not read oneDNN's int8 layout here (or no AVX512_VNNI)")
+    rng = np.random.default_rng(m + k)
+    x, b = rng.standard_normal((m, k)).astype(np.float32) * 3, rng.standard_normal(n).astype(np.float32)
+    q = rng.integers(-127, 128, (k, n)).astype(np.int8)
+    scale = (rng.random(n) * 0.01).astype(np.float32)
+    packed = products.pack(q, weights="int8")
+    outs = {}
+    try:
+        for rows in (0, 1):  # oneDNN's, then ours for every row count
+            products.s8_vnni_rows(rows)
+            outs[rows] = [np.asarray(products.matmul(jnp.asarray(x), packed, n, bias, relu=relu, weights="int8",
+                                                     scales=jnp.asarray(scale)))
+                          for bias, relu in ((jnp.asarray(b), True), (None, False))]
+    finally:
+        products.s8_vnni_rows(-1)
+    (biased, plain), (biased_ref, plain_ref) = outs[1], outs[0]
+    assert np.array_equal(plain, plain_ref)
+    assert (plain < 0).any()  # (no ReLU there)
+    np.testing.assert_allclose(biased, biased_ref, rtol=1e-6, atol=1e-6 * np.abs(biased_ref).max())
+
+
+@needs_kernels
+def test_int8_vnni_setting_is_kept_until_set_again():
+    before = products.s8_vnni_rows()
+    try:
+        assert products.s8_vnni_rows(5) == 5 and products.s8_vnni_rows() == 5
+        assert products.s8_vnni_rows(0) == 0
+    finally:
+        assert products.s8_vnni_rows(-1) == before == 8  # the default, as at load
 
 
 @pytest.fixture

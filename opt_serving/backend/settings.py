@@ -19,6 +19,9 @@ class BackendSettings:
     bf16_fma_rows  OPT_SERVING_BF16_FMA_ROWS: bfloat16 products of at least that many rows widen the weights
                  and multiply with float32 FMAs (csrc/products.cc, bf16_fma); 0 never. Default: 8 on Intel
                  CPUs without AMX (their bfloat16 dot products run no faster than float32 FMAs), else never
+    s8_vnni_rows  OPT_SERVING_S8_VNNI_ROWS: int8 products of at least that many rows run our VNNI kernel
+                 (csrc/products.cc, s8_vnni: the same numbers as oneDNN's, its work handed out as the threads
+                 free up); 0 never (oneDNN's kernel). Default: 8
 
     OPT_SERVING_NO_AVX512 is read by csrc/attention.cc itself (the decode attention's portable code), and
     OPT_SERVING_PIN_THREADS by csrc/common.cc: "0" leaves the kernels' team unpinned (by default each of its
@@ -30,6 +33,7 @@ class BackendSettings:
     cpu_threads: Optional[int] = None
     cext: bool = True
     bf16_fma_rows: Optional[int] = None
+    s8_vnni_rows: Optional[int] = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> "BackendSettings":
@@ -39,7 +43,9 @@ class BackendSettings:
                    cpu_threads=max(1, int(threads)) if threads else None,
                    cext=env.get("OPT_SERVING_NO_CEXT") != "1",
                    bf16_fma_rows=max(0, int(env["OPT_SERVING_BF16_FMA_ROWS"]))
-                   if env.get("OPT_SERVING_BF16_FMA_ROWS") else None)
+                   if env.get("OPT_SERVING_BF16_FMA_ROWS") else None,
+                   s8_vnni_rows=max(0, int(env["OPT_SERVING_S8_VNNI_ROWS"]))
+                   if env.get("OPT_SERVING_S8_VNNI_ROWS") else None)
 
     def threads(self) -> int:
         """The kernels' threads: `cpu_threads`, else every CPU this process may run on, as XLA's own pool

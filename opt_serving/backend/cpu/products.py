@@ -90,6 +90,17 @@ def bf16_fma_reads(k: int, n: int) -> bool:
     return bool(_lib.lib().opt_bf16_fma_reads(k, n))
 
 
+def s8_vnni_rows(rows: Optional[int] = None) -> int:
+    """From how many rows int8 products run our VNNI kernel instead of oneDNN's (0: never); `rows` sets it
+    (negative: the default, BackendSettings.s8_vnni_rows). The numbers are the same either way."""
+    return int(_lib.lib().opt_s8_vnni_rows(-2 if rows is None else max(rows, -1)))
+
+
+def s8_vnni_reads(k: int, n: int) -> bool:
+    """Whether our VNNI kernel can read a packed int8 [k, n] weight on this CPU (its layout, AVX512_VNNI)."""
+    return bool(_lib.lib().opt_s8_vnni_reads(k, n))
+
+
 def head_format(weights: str) -> str:
     """The LM head's packed format under dense weights of `weights`: bfloat16 weights keep a float32 head, so
     a greedy step's screened head (backend/cpu/head.py, exact float32 argmax) and a step that makes the logits
