@@ -302,7 +302,9 @@ void s8_tile(const uint8_t* xu, int64_t k64, const int8_t* w, const int32_t* com
                   w3 = _mm512_loadu_si512(w + 192);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m512i b = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(xu + r * k64 + 4 * p));
+      int32_t four;  // (memcpy: the row's bytes read as an int32 without breaking aliasing rules)
+      std::memcpy(&four, xu + r * k64 + 4 * p, 4);
+      const __m512i b = _mm512_set1_epi32(four);
       acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], b, w0);
       acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], b, w1);
       acc[r][2] = _mm512_dpbusd_epi32(acc[r][2], b, w2);
@@ -458,14 +460,14 @@ static ffi::Error MatmulLowp(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ffi
                has_bias ? bias.typed_data() : nullptr, relu, y->typed_data());
       return ffi::Error::Success();
     }
-    dnnl::matmul prim = matmul_for(m, k, n, has_bias, relu, type);
-    dnnl::engine& eng = cpu_engine();
     const int64_t vnni_rows = type == dt::s8 ? s8_vnni_rows() : 0;
     if (vnni_rows > 0 && m >= vnni_rows && s8_vnni_reads(wd, k, n)) {
       s8_vnni(x.typed_data(), m, k, n, static_cast<const int8_t*>(packed.untyped_data()), scales.typed_data(),
               has_bias ? bias.typed_data() : nullptr, relu, y->typed_data());
       return ffi::Error::Success();
     }
+    dnnl::matmul prim = matmul_for(m, k, n, has_bias, relu, type);
+    dnnl::engine& eng = cpu_engine();
     // kept between calls (one kernel runs at a time, on the kernel thread): fresh buffers each step are page faults
     static std::vector<int8_t> xq;
     static std::vector<uint16_t> xb;
