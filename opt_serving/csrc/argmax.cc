@@ -43,7 +43,7 @@ static ffi::Error Argmax(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> ou
   const int64_t rows = d[0], v = d[1];
   const float* data = x.typed_data();
   int32_t* idx = out->typed_data();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 1)  // (dynamic: common.h)
   for (int64_t r = 0; r < rows; ++r) idx[r] = static_cast<int32_t>(row_argmax(data + r * v, v));
   return ffi::Error::Success();
 }

@@ -21,7 +21,7 @@ template <typename KV>
 __attribute__((target_clones("avx512f", "avx2", "default")))
 static void attend_rows(const float* q, const KV* k, const KV* v, const bool* mask, int64_t b_count,
                         int64_t h_count, int64_t t_count, int64_t d, const int64_t* ends, float* out) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 4)  // (dynamic: common.h)
   for (int64_t bh = 0; bh < b_count * h_count; ++bh) {
     const int64_t b = bh / h_count, n = ends[b];
     const int64_t n_next = bh + 1 < b_count * h_count ? ends[(bh + 1) / h_count] : 0;
@@ -122,7 +122,7 @@ OPT_AVX512 static void attend_rows_avx512(const float* q, const KV* k, const KV*
                                           float* out) {
   constexpr int64_t d = 16 * NV;
   const float neg_inf = -std::numeric_limits<float>::infinity();
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 4)  // (dynamic: common.h)
   for (int64_t bh = 0; bh < b_count * h_count; ++bh) {
     const int64_t b = bh / h_count, n = ends[b];
     const int64_t n_next = bh + 1 < b_count * h_count ? ends[(bh + 1) / h_count] : 0;

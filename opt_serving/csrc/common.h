@@ -52,6 +52,11 @@ extern std::mutex mu;  // guards the primitive and layout caches (sizes are aske
 // all. OpenMP keeps the count per thread: each kernel sets it on the kernel thread (below).
 void use_threads();
 
+// The loops of ours that carry a step's work (products, attention, the greedy head's rows, argmax) are scheduled
+// dynamically, the team taking a piece at a time as it frees up, not split evenly up front: served, the host's
+// threads and the load generator take a core from one of the two threads for moments at a time, and with an even
+// split the other then waits at the loop's end (benchmark/README.md, "An int8 kernel whose blocks the team takes").
+
 // Runs `f` on the kernel thread, the one thread that starts every parallel region of ours and of
 // oneDNN's, and returns when it is done (rethrowing what it threw). libgomp keeps a team of workers
 // per thread that starts a parallel region, and XLA runs custom calls on whichever of its pool threads

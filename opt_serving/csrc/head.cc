@@ -103,7 +103,7 @@ void decide_rows(const float* xs, float* approx, const float* e, int64_t m, int6
 #pragma omp parallel
   {
     std::vector<int64_t> cand;
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)  // (dynamic: common.h)
     for (int64_t r = 0; r < m; ++r) {
       float* a = approx + r * n;
       if (row_scale != nullptr) {

@@ -167,7 +167,7 @@ void bf16_fma(const float* x, int64_t m, int64_t k, int64_t n, const uint16_t* w
     if (kx > k) xr[r * kx + k] = 0.f;
   }
   constexpr int kRows = 12;  // 24 accumulators, 4 widened weight vectors, 2 broadcasts: 30 of 32 registers
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic, 1)  // (dynamic: common.h)
   for (int64_t t = 0; t < halves; ++t) {
     const int64_t n0 = t * 32, cols = std::min<int64_t>(32, n - n0);
     if (cols <= 0) continue;  // the last block's padding
@@ -216,7 +216,10 @@ __attribute__((always_inline)) inline void quantize_rows(const float* x, int64_t
     scale[r] = s;
 #pragma omp simd
     for (int64_t i = 0; i < k; ++i) {
-      q[r * ld + i] = static_cast<T>(static_cast<int>(std::nearbyint(std::min(127.f, std::max(-127.f, xr[i] * inv)))) + shift);
+      // rounded to nearest, ties to even (as std::nearbyint, which was a libm call an entry: a sixth of an int8
+      // step): adding 1.5 * 2^23 leaves no bits below the units for |v| <= 2^22, so the sum is rounded there
+      const float v = std::min(127.f, std::max(-127.f, xr[i] * inv));
+      q[r * ld + i] = static_cast<T>(static_cast<int>((v + 12582912.f) - 12582912.f) + shift);
     }
     for (int64_t i = k; i < ld; ++i) q[r * ld + i] = static_cast<T>(shift);
   }
