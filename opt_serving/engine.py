@@ -6,7 +6,8 @@
     pipeline, over one micro-batch group of them: `StepResult.rows`), `free(slot)`. Sampling settings are
     per-slot arrays, so requests with different settings share a step.
   * `Engine`, this module, the scheduler: a bounded queue and a background thread that admits queued requests into free
-    slots (a short prompt joins the next decode step where the slot model has `join`; the others are prefilled,
+    slots (a short prompt joins the next decode step where the slot model has `join`, or the one after where
+    that step's block is full; the others are prefilled,
     together when it has `prefill_batch`; a prompt longer than `prefill_chunk` a chunk per iteration, between
     decode steps: admission.py), steps (`decode_steps` at a time while nobody waits for a slot), and hands
     each request its tokens through a callback (called on the engine thread; the
@@ -235,7 +236,14 @@ class Engine:
             with self._cv:  # a slot is kept for each prompt being prefilled in chunks
                 free = self._slots.count(None) - self._chunked.held
                 admit = admission.take(self._queue, free, self._chunked)
+            joined = self._joined
             admit = [req for req in admit if not self._join(req)]
+            joining = self._joined != joined  # prompts ride in this iteration's step
+            later = [req for req in admit if self._joins_later(req)]
+            if later:  # back to the queue's front: they join the next step, after this one's
+                admit = [req for req in admit if not self._joins_later(req)]
+                with self._cv:
+                    self._queue.extendleft(reversed(later))
             for req, prefix in zip(admit, admission.prefill_whole(self.model, admit)):
                 try:
                     if isinstance(prefix, BaseException):
@@ -250,7 +258,7 @@ class Engine:
                 self._prefill_chunks()
             if any(self._slots):
                 try:
-                    self._step()
+                    self._step(joining)
                 except Exception as e:  # a failed step fails the requests in it, the engine keeps serving
                     log.exception("engine step failed")
                     for req in [r for r in self._slots if r is not None]:
@@ -286,6 +294,14 @@ class Engine:
         self._slots[slot] = req
         return True
 
+    def _joins_later(self, req: EngineRequest) -> bool:
+        """A short prompt that found this step's block full joins the next step rather than being prefilled
+        now: a prefill pass of a few short prompts reads every weight with the running streams waiting, where
+        the next step carries them in its products while it decodes (a batch of clients that finished
+        together sends its next requests at once: more than a block's worth of prompts arrive)."""
+        joinable = getattr(self.model, "joinable", None)
+        return joinable is not None and req.settings.max_tokens > 0 and joinable(req.prompt, req.settings)
+
     def _count_prefill(self, req: EngineRequest, joined: bool = False) -> None:
         with self._cv:
             self._prefills += 1
@@ -311,7 +327,7 @@ class Engine:
         if discard is not None:
             discard(prefix)
 
-    def _step(self) -> None:
+    def _step(self, joining: bool = False) -> None:
         with self._cv:  # several steps in one call while no queued request could take a slot meanwhile
             hurry = bool(self._queue and None in self._slots) or self._chunked.held > 0
         step_many = getattr(self.model, "step_many", None)
@@ -322,7 +338,8 @@ class Engine:
         else:
             results = [self.model.step()]
         took = (time.perf_counter() - t) / len(results)
-        self._step_s = took if not self._step_s else 0.8 * self._step_s + 0.2 * took
+        if not joining:  # (a step carrying prompts takes longer: a wave of them would hold the next calls to one step)
+            self._step_s = took if not self._step_s else 0.8 * self._step_s + 0.2 * took
         # a pipelined model steps one micro-batch group at a time: only its slots have new tokens
         rows = results[0].rows
         active = [r for r in self._slots if r is not None and (rows is None or rows[r.slot])]

@@ -10,6 +10,7 @@ from opt_serving.config import OPTConfig
 from opt_serving.engine import MAX_TOP_LOGPROBS, Engine, EngineClosed, OPTSlots, QueueFull, SlotSettings
 from opt_serving.backend.cpu import head
 from opt_serving.model import weights
+from opt_serving.runner.types import JOIN_PROMPTS
 
 CFG = OPTConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
                 max_position_embeddings=64)
@@ -383,33 +384,35 @@ def test_a_joining_prompt_gets_the_tokens_of_a_prefilled_one(model8):
 
 
 def test_what_joins_a_step_and_what_does_not(model8):
-    """A step takes at most four prompts in the smallest block that holds them; a prompt longer than the
-    largest block, one asking for prompt scores, or one over the block's room is refused (prefilled instead);
-    a joined prompt freed before its step never runs."""
+    """A step takes prompts in the smallest block that holds them; a prompt longer than the largest block, one
+    asking for prompt scores, or one over the block's room is refused (prefilled instead); a joined prompt
+    freed before its step never runs."""
     s = SlotSettings(max_tokens=4)
     assert model8.join_blocks == (8, 16) and model8.join_tokens == 16
     assert not model8.join([2] * 17, s, 0)
     assert not model8.join([2, 5], SlotSettings(prompt_logprobs=True), 0)
     assert all(model8.join([2, 5 + i, 6], s, slot) for i, slot in enumerate((0, 1, 2, 3)))  # 12 tokens
-    assert not model8.join([2], s, 4)  # a fifth prompt
+    assert not model8.join([2] * 5, s, 4)  # 17 would not fit
     model8.free(2)
     assert model8.join([2, 9, 9, 9], s, 4)  # 13 tokens...
     assert not model8.join([2, 9, 9, 9], s, 6)  # ... and 17 would not fit
+    assert model8.join([2], s, 6)  # a fifth prompt: 14
     block = model8._block(model8._joins[0])
-    assert len(block.ids) == 16 and block.settings == (s,) * 4
-    assert block.rows.tolist() == [0] * 3 + [1] * 3 + [3] * 3 + [4] * 4 + [8] * 3  # padding: out of range
-    assert block.entries.tolist()[:6] == [0, 1, 2, 0, 1, 2] and block.seg.tolist()[-3:] == [4] * 3
+    assert len(block.ids) == 16 and block.settings == (s,) * 5
+    assert block.rows.tolist() == [0] * 3 + [1] * 3 + [3] * 3 + [4] * 4 + [6] + [8] * 2  # padding: out of range
+    assert block.entries.tolist()[:6] == [0, 1, 2, 0, 1, 2] and block.seg.tolist()[-2:] == [JOIN_PROMPTS] * 2
     result = model8.step()
     stage = model8.stages.stages[0]
-    assert np.asarray(stage.sampler.active[0]).tolist() == [True, True, False, True, True, False, False, False]
-    assert model8._lengths.tolist() == [4, 4, 0, 4, 5, 0, 0, 0]  # prompt and first token
+    assert np.asarray(stage.sampler.active[0]).tolist() == [True, True, False, True, True, False, True, False]
+    assert model8._lengths.tolist() == [4, 4, 0, 4, 5, 0, 2, 0]  # prompt and first token
     mask = np.asarray(stage.caches[0]["mask"])
     assert mask[4, :4].all() and mask[4].sum() == 4  # its prompt (its first token goes in at the next step)
+    assert mask[6, :1].all() and mask[6].sum() == 1
     assert mask[2, 1:].sum() == 0  # the freed one: nothing (a free row's decode writes its entry 0)
     one = model8.prefill([2, 9, 9, 9], s)
     assert result.token(4).id == one.first.id
     model8.discard(one)
-    for slot in (0, 1, 3, 4):
+    for slot in (0, 1, 3, 4, 6):
         model8.free(slot)
     assert model8.join([2, 3], s, 0)
     assert len(model8._block(model8._joins[0]).ids) == 8  # the smallest block
@@ -434,19 +437,54 @@ def run_queued(model, jobs, collect=Collect, chunk=256):
     return cols
 
 
+LONG_CFG = OPTConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
+                     max_position_embeddings=160)
+
+
+def test_a_burst_of_short_prompts_joins_one_step_in_a_large_block_and_matches_hf(monkeypatch):
+    """Clients that finished together send their next requests at once: up to JOIN_PROMPTS (16) short prompts
+    start in one decode step, here 96 prompt tokens in its block of 128, with no prefill pass of their own; the
+    two past that count join the next step. Every one continues as HF's greedy."""
+    torch.manual_seed(1)
+    hf = transformers.OPTForCausalLM(transformers.OPTConfig(**{**LONG_CFG.to_hf_dict(), "init_std": 0.3})).eval()
+    model = OPTSlots(LONG_CFG, weights.params_from_hf_state_dict(LONG_CFG, hf.state_dict()), num_slots=20,
+                     max_seq_len=160)
+    model.warmup()
+    assert JOIN_PROMPTS == 16 and model.join_blocks == (8, 16, 32, 64, 128) and model.join_prompt_tokens == 32
+    passes, blocks, real_block = CountPasses(model, monkeypatch), [], model._block
+    def block(joins):  # records (prompts, block size)
+        b = real_block(joins)
+        blocks.append((len(joins), len(b.ids)))
+        return b
+    monkeypatch.setattr(model, "_block", block)
+    rng = np.random.default_rng(3)
+    prompts = [[2] + rng.integers(4, LONG_CFG.vocab_size, 5).tolist() for _ in range(18)]
+    cols = run_queued(model, [(p, SlotSettings(max_tokens=5)) for p in prompts])
+    assert blocks == [(16, 128), (2, 16)]
+    assert passes.sizes == []
+    for p, c in zip(prompts, cols):
+        assert (c.ids, c.finish) == (hf_greedy(hf, p, 5), "length")
+
+
 def test_a_burst_of_requests_is_prefilled_together_and_matches_hf(model8, hf, monkeypatch):
     passes = CountPasses(model8, monkeypatch)
+    blocks, real_block = [], model8._block
+    monkeypatch.setattr(model8, "_block", lambda joins: (blocks.append(len(joins)), real_block(joins))[1])
     prompts = [[2] + list(range(10 + 7 * i, 10 + 7 * i + n)) for i, n in enumerate([3, 6, 1, 7, 4, 5, 2, 6])]
-    cols = run_queued(model8, [(p, SlotSettings(max_tokens=6, prompt_logprobs=p is prompts[0])) for p in prompts])
-    # the prompts of 7, 2 and 5 tokens join the first decode step (a block of 16 tokens: a cache of 32 takes
-    # no larger one); the first (it asks for prompt scores) and the four that no longer fit are prefilled together
+    scored = (0, 3, 5)  # prompt scores come from a prefill
+    cols = run_queued(model8, [(p, SlotSettings(max_tokens=6, prompt_logprobs=i in scored))
+                               for i, p in enumerate(prompts)])
+    # the three asking for prompt scores are prefilled together; the prompts of 7, 2 and 5 tokens join the first
+    # decode step (a block of 16 tokens: a cache of 32 takes no larger one), those of 3 and 7 no longer fit and
+    # join the next
     assert (MAX_SEQ, model8.join_blocks, model8.join_tokens) == (32, (8, 16), 16)
-    assert passes.sizes == [(8, 4), (8, 1)]
+    assert passes.sizes == [(8, 3)] and blocks == [3, 2]
     for p, c in zip(prompts, cols):
         assert (c.ids, c.finish) == (hf_greedy(hf, p, 6), "length")
-    lp = log_softmax(hf_logits(hf, prompts[0]))
-    assert [t.logprob for t in cols[0].prompt[1:]] == pytest.approx(
-        [lp[i, prompts[0][i + 1]] for i in range(len(prompts[0]) - 1)], abs=1e-4)
+    for i in scored:
+        lp = log_softmax(hf_logits(hf, prompts[i]))
+        assert [t.logprob for t in cols[i].prompt[1:]] == pytest.approx(
+            [lp[k, prompts[i][k + 1]] for k in range(len(prompts[i]) - 1)], abs=1e-4)
 
 
 def test_a_failed_batched_prefill_is_retried_one_by_one():

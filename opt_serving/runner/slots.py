@@ -32,9 +32,9 @@ import numpy as np
 
 from opt_serving.model import kv_cache
 from opt_serving.runner.stage import cache_bucket, cache_buckets, prefill_bucket, prefill_buckets
-from opt_serving.runner.types import (JOIN_BLOCKS, JOIN_PROMPTS, MAX_TOP_LOGPROBS, PREFILL_BATCH_TOKENS,
-                                      JoinBlock, PartialPrefill, Prefix, SlotSettings, StepResult,
-                                      TokenInfo)
+from opt_serving.runner.types import (JOIN_BLOCKS, JOIN_PROMPT_TOKENS, JOIN_PROMPTS, MAX_TOP_LOGPROBS,
+                                      PREFILL_BATCH_TOKENS, JoinBlock, PartialPrefill, Prefix, SlotSettings,
+                                      StepResult, TokenInfo)
 
 
 class Stages(Protocol):
@@ -97,8 +97,12 @@ class Slots:
         self._flights: collections.deque = collections.deque()  # (group, future, slots sent), oldest first
         self._stale: set[int] = set()   # slots freed or refilled while their group was in flight
         self._handles = itertools.count()
-        # the block sizes a step's joining prompts go in (each prompt leaves room in the cache for a token)
-        self.join_blocks = tuple(b for b in JOIN_BLOCKS if b < self.max_seq_len) or (self.max_seq_len - 1,)
+        # the block sizes a step's joining prompts go in (each prompt leaves room in the cache for a token), those
+        # that prompts in the group's rows besides one can fill (warm-up fills each with them)
+        self.join_prompt_tokens = min(JOIN_PROMPT_TOKENS, self.max_seq_len - 1)  # the longest prompt that joins
+        room = max(1, min(JOIN_PROMPTS, num_slots // groups - 1)) * self.join_prompt_tokens
+        self.join_blocks = tuple(b for b in JOIN_BLOCKS if b < self.max_seq_len and b <= room) or (
+            min(self.max_seq_len - 1, room),)
         self.join_tokens = self.join_blocks[-1]  # the most prompt tokens a step takes
         self._joins: list[list] = [[] for _ in range(groups)]  # per group: (slot, tokens, settings) for its next step
 
@@ -211,13 +215,17 @@ class Slots:
         self._to_all("drop", prefix.state)
 
     # ---- joining: a short prompt's prefill rides in a decode step ----
+    def joinable(self, tokens: Sequence[int], settings: SlotSettings) -> bool:
+        """Could the prompt join a step whose block is empty? (Short enough, no prompt scores asked.)"""
+        return not settings.prompt_logprobs and 0 < len(tokens) <= min(self.join_prompt_tokens, self.join_tokens)
+
     def join(self, tokens: Sequence[int], settings: SlotSettings, slot: int) -> bool:
         """Let a short prompt take a free slot in its group's next decode step, its tokens in that step's
-        pass (`JoinBlock`); the step gives its first token. False where it does not fit the block (too long,
-        the block full, prompt scores asked): prefill it instead."""
+        pass (`JoinBlock`); the step gives its first token. False where it does not fit the block (not
+        `joinable`, or the block full): it joins a later step or is prefilled instead."""
         g, _ = self.group_of(slot)
         pending = self._joins[g]
-        if (settings.prompt_logprobs or not 0 < len(tokens) <= self.join_tokens or len(pending) >= JOIN_PROMPTS
+        if (not self.joinable(tokens, settings) or len(pending) >= JOIN_PROMPTS
                 or sum(len(t) for _, t, _ in pending) + len(tokens) > self.join_tokens):
             return False
         pending.append((slot, [int(t) for t in tokens], settings))
@@ -363,10 +371,13 @@ class Slots:
                 self.step_many(decode_steps)
             for b in self.join_blocks if joiners else ():  # and steps with prompts joining, each block size
                 self._lengths[0] = w
-                for slot in joiners:  # the prompts fill the block
-                    self.join([self.cfg.bos_token_id] * -(-b // len(joiners)), SlotSettings(), slot)
+                some = joiners[:b]
+                for i, slot in enumerate(some):  # the prompts fill the block: b tokens in all
+                    if not self.join([self.cfg.bos_token_id] * (b // len(some) + (i < b % len(some))),
+                                     SlotSettings(), slot):
+                        raise RuntimeError(f"warm-up: a prompt did not join a block of {b}")
                 self.step()
-                for slot in joiners:
+                for slot in some:
                     self.free(slot)
             self.free(0)
         for prefix in prefixes:

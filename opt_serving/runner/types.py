@@ -17,11 +17,15 @@ PREFILL_MIN_BUCKET = 8  # short prompts (chat turns, benchmarks) are not padded 
 # mostly reads the weights, so several share a pass almost for free, and a pass of 32 tokens is already
 # close to compute-bound (figures: benchmark/README.md). A prompt alone takes the whole pass, hence the small number.
 PREFILL_BATCH_TOKENS = 32
-# Short prompts can join free slots in the next decode step: their tokens ride in the step's products, in a
-# block of the smallest of these sizes that holds them (at most JOIN_PROMPTS prompts), where a prefill pass of
-# their own reads every weight again for a handful of tokens. On a CPU a step's products are already
-# compute-bound at 32 rows, so a block's padding costs as much as its prompts: hence several sizes.
-JOIN_BLOCKS, JOIN_PROMPTS = (8, 16, 32), 4
+# Short prompts (at most JOIN_PROMPT_TOKENS tokens) can join free slots in the next decode step: their tokens
+# ride in the step's products, in a block of the smallest of these sizes that holds them (at most JOIN_PROMPTS
+# prompts), where a prefill pass of their own reads every weight again for a handful of tokens. On a CPU a
+# step's products are already compute-bound at 32 rows, so a block's padding costs as much as its prompts:
+# hence several sizes. Blocks up to 128 tokens: when a batch of streams ends together and their clients send
+# the next requests at once, a step takes a dozen or more of them, where before four joined and the rest were
+# prefilled two a pass, a pass each ~10 ms with every stream waiting (benchmark/README.md). Not larger: the
+# block's attention is one dense [T, T] product per head, most of it masked.
+JOIN_BLOCKS, JOIN_PROMPTS, JOIN_PROMPT_TOKENS = (8, 16, 32, 64, 128), 16, 32
 # bad words live in fixed-shape per-slot arrays so the decode step compiles once
 MAX_BAD_WORDS, MAX_BAD_WORD_LEN = 8, 8
 
