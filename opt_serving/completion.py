@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional, Sequence
 from opt_serving.engine import EngineOutput, EngineRequest, SlotSettings, TokenInfo
 from opt_serving.packing import find_stop
 from opt_serving.request import SamplingParams
+from opt_serving.tokenizer import text_decoder
 
 
 @dataclasses.dataclass
@@ -58,13 +59,9 @@ class Detokenizer:
     """Token ids -> text a few at a time, holding a multi-byte character until its last byte arrives."""
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
-        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
+        self._decode = text_decoder(tokenizer, skip_special_tokens)
         self.ids: list[int] = []
         self.prefix = self.read = 0  # ids[prefix:read] is decoded context, ids[read:] is pending
-
-    def _decode(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
-                                     clean_up_tokenization_spaces=False)
 
     def add(self, token_id: int, final: bool = False) -> str:
         self.ids.append(token_id)

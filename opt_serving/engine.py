@@ -350,7 +350,7 @@ class Engine:
             self._last_batch = len(active)
             self._active_hist[len(active)] += len(results)
         for req in active:
-            self._deliver(req, [result.token(req.slot) for result in results])
+            self._deliver(req, [result.token(req.slot, req.settings.logprob) for result in results])
 
     def _deliver(self, req: EngineRequest, toks: list[TokenInfo]) -> None:
         """Hand the request its new tokens (one a step, in one output) and free its slot if it finished: the
@@ -361,8 +361,8 @@ class Engine:
         s, out, reason = req.settings, [], None
         for tok in toks:
             req.generated += 1
-            if not s.logprob:  # not asked: the same answer whether or not this step made the logits
-                tok = dataclasses.replace(tok, logprob=None)  # (top alternatives follow top_logprobs)
+            if not s.logprob and tok.logprob is not None:  # not asked: the same answer whether or not the
+                tok = dataclasses.replace(tok, logprob=None)  # step made the logits (top alternatives follow top_logprobs)
             out.append(tok)
             if tok.id in s.stop_token_ids and req.generated > s.min_tokens:
                 reason = "stop"

@@ -9,10 +9,12 @@ OPT does: [2, 31414, 232].
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
 from pathlib import Path
+from typing import Callable, Sequence
 
 # the real OPT convention (../shared/opt-assets/README.md); the embedded model writes the same
 OPT_TOKENIZER_CONFIG = {"tokenizer_class": "GPT2Tokenizer", "bos_token": "</s>",
@@ -84,3 +86,25 @@ def tokenizer_for_dummy(model_name: str, tokenizer: str | os.PathLike | None = N
             f"embedded tokenizer's {TINY_VOCAB_SIZE}: give a tokenizer folder with --tokenizer DIR "
             f"(tokenizer=DIR), e.g. one holding OPT's gpt2-vocab.json + gpt2-merges.txt")
     return None
+
+
+def text_decoder(tokenizer, skip_special_tokens: bool = True) -> Callable[[Sequence[int]], str]:
+    """ids -> text, as `tokenizer.decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=False)`.
+
+    For transformers' Rust-backed tokenizers (OPT's GPT2Tokenizer among them) that is the backend's own decode,
+    which is what transformers calls when nothing is cleaned up; called directly here because a streamed
+    token's text takes two decodes (completion.Detokenizer), and transformers' conversion of the arguments
+    around each (`to_py_obj` on every id) cost about five times the decode itself. A tokenizer class that
+    decodes its own way (or a pure-Python one) goes through its `decode`."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # (another transformers layout: its decode as it is)
+        TokenizersBackend = PreTrainedTokenizerBase = None
+    cls = type(tokenizer)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (TokenizersBackend is not None and isinstance(tokenizer, TokenizersBackend) and backend is not None
+            and cls._decode is TokenizersBackend._decode and cls.decode is PreTrainedTokenizerBase.decode):
+        return functools.partial(backend.decode, skip_special_tokens=skip_special_tokens)
+    return functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens,
+                             clean_up_tokenization_spaces=False)

@@ -131,3 +131,20 @@ def test_chunked_prefill_through_two_stages_gives_the_whole_prefill_tokens(param
     assert [c.ids for c in got] == want
     assert len(chunks) == 3 + 4 + 3 + 2  # 21, 31, 22 and 10 tokens in chunks of 8
     assert all(not s.pending and (s.sampler is None or not s.sampler.pending) for s in piped.stages.stages)
+
+
+def test_a_step_result_hands_out_each_slots_token_as_python_values():
+    """StepResult.token: the id and log-probability as Python numbers, the log-probability only when asked,
+    the top alternatives of the rows the step found them for (-1 ids left out), none for the others."""
+    import numpy as np
+    from opt_serving.runner.types import MAX_TOP_LOGPROBS, StepResult
+    top_ids = np.full((3, MAX_TOP_LOGPROBS), -1, np.int32)
+    top_lps = np.zeros((3, MAX_TOP_LOGPROBS), np.float32)
+    top_ids[1, :2], top_lps[1, :2] = [7, 9], [-0.5, -1.25]
+    r = StepResult(np.array([5, 7, 11], np.int32), np.array([-0.25, -0.5, -2.0], np.float32), top_ids, top_lps)
+    a, b, c = r.token(0), r.token(1), r.token(2, logprob=False)
+    assert (a.id, a.logprob, a.top) == (5, -0.25, [])
+    assert (b.id, b.logprob, b.top) == (7, -0.5, [(7, -0.5), (9, -1.25)])
+    assert (c.id, c.logprob, c.top) == (11, None, [])
+    assert all(type(t.id) is int and type(t.logprob) in (float, type(None)) for t in (a, b, c))
+    assert all(type(i) is int and type(lp) is float for i, lp in b.top)

@@ -1,11 +1,12 @@
 """opt_serving/tokenizer.py: tokenizer folders under either naming, and the tokenizer random weights get."""
+import functools
 import shutil
 from pathlib import Path
 
 import pytest
 
 from opt_serving.embedded import ensure_embedded_model
-from opt_serving.tokenizer import has_tokenizer, load_tokenizer, tokenizer_for_dummy
+from opt_serving.tokenizer import has_tokenizer, load_tokenizer, text_decoder, tokenizer_for_dummy
 
 ASSETS = Path(__file__).resolve().parents[1] / ".." / "shared" / "opt-assets"
 PROMPTS = ["Hello world", "Paris is the capital city of", " leading space, punctuation!"]
@@ -55,3 +56,38 @@ def test_real_opt_tokenizer_reads_in_place():
     tok = load_tokenizer(ASSETS)
     assert tok("Hello world")["input_ids"] == [2, 31414, 232]
     assert len(tok) == 50265
+
+
+def _decoders_agree(tok, ids_list):
+    for skip in (True, False):
+        decode = text_decoder(tok, skip_special_tokens=skip)
+        for ids in ids_list:
+            assert decode(ids) == tok.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+
+
+def test_text_decoder_gives_the_tokenizers_own_decode(opt_tokenizer):
+    """The Rust backend's decode, called directly, is transformers' decode without clean-up: on random ids
+    (split characters, specials, runs of spaces and punctuation that clean-up would change) and on text."""
+    import numpy as np
+    assert isinstance(text_decoder(opt_tokenizer), functools.partial)
+    assert text_decoder(opt_tokenizer).func == opt_tokenizer.backend_tokenizer.decode  # the direct path ran
+    rng = np.random.default_rng(0)
+    ids_list = [rng.integers(0, len(opt_tokenizer), n).tolist() for n in (1, 2, 5, 40) for _ in range(50)]
+    ids_list += [opt_tokenizer.encode(t) for t in ("a , b . c ! don 't", "naïve café ☕ 😀", "  x  ")]
+    ids_list += [[2, 0, 1, 3] + opt_tokenizer.encode(" 😀")[1:2], []]
+    _decoders_agree(opt_tokenizer, ids_list)
+
+
+def test_text_decoder_keeps_a_tokenizer_classes_own_decode():
+    """A tokenizer class that decodes its own way is called through its decode."""
+    from opt_serving.testing.fake_engine import byte_tokenizer
+    base = byte_tokenizer()
+
+    class Shouting(type(base)):
+        def decode(self, ids, **kw):
+            return super().decode(ids, **kw).upper()
+
+    tok = byte_tokenizer()
+    tok.__class__ = Shouting
+    assert text_decoder(tok)([4 + ord("a"), 4 + ord("b")]) == "AB"
+    _decoders_agree(base, [[4 + b for b in "é!".encode()], [2, 4 + 65, 1]])

@@ -116,10 +116,20 @@ class StepResult:
     top_ids: np.ndarray       # int32 [slots, MAX_TOP_LOGPROBS]
     top_logprobs: np.ndarray  # float32 [slots, MAX_TOP_LOGPROBS]
     rows: Optional[np.ndarray] = None  # bool [slots]
+    # the arrays as Python values, made at the first token() (a step's tokens are handed out one slot at a time,
+    # and numpy's scalars, element by element, were most of a token's hand-out)
+    _host: Optional[tuple] = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
-    def token(self, slot: int) -> TokenInfo:
-        top = [(int(i), float(lp)) for i, lp in zip(self.top_ids[slot], self.top_logprobs[slot]) if i >= 0]
-        return TokenInfo(int(self.tokens[slot]), float(self.logprobs[slot]), top)
+    def token(self, slot: int, logprob: bool = True) -> TokenInfo:
+        """The slot's token, with its log-probability (None unless `logprob`) and the top alternatives the step
+        found for it (none where it was not asked for them)."""
+        if self._host is None:
+            self._host = (self.tokens.tolist(), self.logprobs.tolist(), (self.top_ids >= 0).any(axis=1).tolist())
+        tokens, logprobs, has_top = self._host
+        top = []
+        if has_top[slot]:
+            top = [(i, lp) for i, lp in zip(self.top_ids[slot].tolist(), self.top_logprobs[slot].tolist()) if i >= 0]
+        return TokenInfo(tokens[slot], logprobs[slot] if logprob else None, top)
 
 
 class StageDied(Unavailable):
