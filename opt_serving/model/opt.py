@@ -222,15 +222,23 @@ def _causal_attention(q, k, v, attention_mask):
     scores above the diagonal are never made (a prompt of 1024 tokens computes 9/16 of the full S x S)."""
     s = q.shape[1]
     block = PREFILL_QUERY_BLOCK if s >= PREFILL_BLOCKED_FROM else s
+    if block == s:
+        causal = jnp.arange(s)[:, None] >= jnp.arange(s)[None, :]  # [Q, K]
+        mask = causal[None, None] & attention_mask[:, None, None, :].astype(jnp.bool_)  # [B, 1, Q, K]
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+        probs = _masked_softmax(scores, mask).astype(q.dtype)
+        return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+    # heads first once, so a block's keys and values are slices of [B, H, S, D], not transposed again a block
+    q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))  # [B, H, S, D]
     out = []
     for i0 in range(0, s, block):
         i1 = min(i0 + block, s)
         causal = jnp.arange(i0, i1)[:, None] >= jnp.arange(i1)[None, :]  # [Q, K]
         mask = causal[None, None] & attention_mask[:, None, None, :i1].astype(jnp.bool_)  # [B, 1, Q, K]
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q[:, i0:i1], k[:, :i1])
+        scores = jnp.einsum("bhqd,bhkd->bhqk", q[:, :, i0:i1], k[:, :, :i1])
         probs = _masked_softmax(scores, mask).astype(q.dtype)
-        out.append(jnp.einsum("bhqk,bkhd->bqhd", probs, v[:, :i1]))
-    return out[0] if len(out) == 1 else jnp.concatenate(out, axis=1)
+        out.append(jnp.einsum("bhqk,bhkd->bhqd", probs, v[:, :, :i1]))
+    return jnp.concatenate(out, axis=2).transpose(0, 2, 1, 3)  # [B, S, H, D]
 
 
 def _prefill_attend(k_cache, v_cache, attention_mask):
