@@ -222,13 +222,7 @@ def _causal_attention(q, k, v, attention_mask):
     scores above the diagonal are never made (a prompt of 1024 tokens computes 9/16 of the full S x S)."""
     s = q.shape[1]
     block = PREFILL_QUERY_BLOCK if s >= PREFILL_BLOCKED_FROM else s
-    if block == s:
-        causal = jnp.arange(s)[:, None] >= jnp.arange(s)[None, :]  # [Q, K]
-        mask = causal[None, None] & attention_mask[:, None, None, :].astype(jnp.bool_)  # [B, 1, Q, K]
-        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k)
-        probs = _masked_softmax(scores, mask).astype(q.dtype)
-        return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
-    # heads first once, so a block's keys and values are slices of [B, H, S, D], not transposed again a block
+    # heads first once (the dots want them so): a block's keys and values are then slices, not transposed again
     q, k, v = (a.transpose(0, 2, 1, 3) for a in (q, k, v))  # [B, H, S, D]
     out = []
     for i0 in range(0, s, block):
