@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
-# GPU=cuda12: also install JAX's CUDA 12 build (requirements-gpu.txt) for NVIDIA GPUs
+# GPU=cuda12 / GPU=cuda13: also install JAX's CUDA 12 / CUDA 13 plugin (requirements-gpu*.txt) for NVIDIA GPUs
 GPU ?=
 
 .PHONY: setup build serve test clean
@@ -14,7 +14,7 @@ GPU ?=
 $(STAMP): requirements.txt requirements-dev.txt setup.py pyproject.toml
 	@test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade "pip>=24"
-	# the CPU build of torch first, alone, so nothing pulls a CUDA build
+	# the [torch] extra (tests, the .pt converter), the CPU build first, alone, so nothing pulls a CUDA build
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements-dev.txt
 	$(PY) -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
@@ -24,10 +24,14 @@ $(VENV)/.gpu-cuda12: requirements-gpu.txt | $(STAMP)
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements-gpu.txt
 	@touch $@
 
-GPU_STAMP := $(if $(filter cuda12,$(GPU)),$(VENV)/.gpu-cuda12,)
+$(VENV)/.gpu-cuda13: requirements-gpu-cuda13.txt | $(STAMP)
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements-gpu-cuda13.txt
+	@touch $@
+
+GPU_STAMP := $(if $(GPU),$(VENV)/.gpu-$(GPU),)
 ifneq ($(GPU),)
-ifneq ($(GPU),cuda12)
-$(error GPU=$(GPU): the supported value is GPU=cuda12)
+ifeq ($(filter cuda12 cuda13,$(GPU)),)
+$(error GPU=$(GPU): the supported values are GPU=cuda12 and GPU=cuda13)
 endif
 endif
 

@@ -440,7 +440,7 @@ def section_report(run: Run) -> None:
     print(f"\nGPU check on {env.get('torch_cuda') or env.get('device')} (jax {env.get('jax')}, "
           f"torch {env.get('torch')}, transformers {env.get('transformers')})")
     for r in rows:
-        if r.get("section") == "tiny":
+        if r.get("section") == "tiny" and "model" in r:
             what = r.get("value", r.get("ok"))
             print(f"  tiny {r['model']:<14} {r['check']:<30} {r.get('matmul_precision', ''):<8} {what}")
     speed: dict = {}

@@ -10,6 +10,7 @@
 # Needs JAX (with its CUDA plugin on a GPU), Flax, torch and transformers; not Ray, FastAPI or our C extensions.
 # Settings (environment): GPU_CHECK_BUDGET_S (default 450), GPU_CHECK_SIZES, GPU_CHECK_DTYPES, GPU_CHECK_ARGS
 # (passed to every model section), GPU_CHECK_MODEL_CAP_S (default 100: the most one model section may take),
+# GPU_CHECK_TINY_CAP_S (default 90),
 # PYTHON, OUT (results folder; default /tmp/gpu_check).
 set -u
 cd "$(dirname "$0")/.."
@@ -58,7 +59,7 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,dri
 # each model section gets at most its share of what is left, so a slow one leaves the others their turn
 MODEL_CAP=${GPU_CHECK_MODEL_CAP_S:-100}
 section 60 env
-section 90 tiny
+section "${GPU_CHECK_TINY_CAP_S:-90}" tiny
 for dtype in $DTYPES; do
   for size in $SIZES; do
     # shellcheck disable=SC2086

@@ -9,6 +9,8 @@ import argparse
 import importlib
 import sys
 
+from opt_serving import jax_env
+
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("opt_serving.checkpoint.cli",
@@ -22,6 +24,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tiny": ("opt_serving.embedded",
              "write (once) the embedded tiny random-weight OPT and print its folder"),
 }
+# the commands that run a model in this process; the others plan, convert or route (the model of `serve` runs in
+# its replicas) and take no GPU memory ahead
+RUN_MODEL_HERE = {"batch"}
 
 
 def build_parser(chosen: str | None) -> tuple[argparse.ArgumentParser, object | None]:
@@ -41,6 +46,8 @@ def build_parser(chosen: str | None) -> tuple[argparse.ArgumentParser, object | 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     chosen = argv[0] if argv and argv[0] in COMMANDS else None
+    if chosen not in RUN_MODEL_HERE:
+        jax_env.apply(jax_env.route_only())
     parser, module = build_parser(chosen)
     args = parser.parse_args(argv)
     if module is None:

@@ -39,3 +39,18 @@ class Overloaded(OPTServingError, RuntimeError):
 class Unavailable(OPTServingError, RuntimeError):
     """The model cannot answer now (shutting down, a worker died); `code` says which."""
     code = "unavailable"
+
+
+class MissingExtra(ImportError):
+    """A feature needs a package that is an optional extra of this project (e.g. torch for .pt checkpoints)."""
+
+
+def require(module: str, extra: str, what: str):
+    """Import `module`, which `what` needs and the `extra` installs: MissingExtra saying what to install
+    where it is absent."""
+    import importlib
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise MissingExtra(f"{what} needs {module}, which is not installed: pip install 'opt_serving[{extra}]' "
+                           f"(make setup installs it)") from None

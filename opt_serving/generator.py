@@ -71,7 +71,7 @@ class Generator:
         self._closed = False
 
     @classmethod
-    def from_pretrained(cls, model_name: str, path=None, dtype: str = "float32", max_batch_size: Optional[int] = None,
+    def from_pretrained(cls, model_name: str, path=None, dtype: str = "auto", max_batch_size: Optional[int] = None,
                         max_seq_len: Optional[int] = None, max_queue: int = 256, warmup: bool = True,
                         dummy: bool = False, seed: int = 0, tokenizer=None, **plan) -> "Generator":
         """`loading.load_generator`, which serve and batch use too (it documents the arguments)."""

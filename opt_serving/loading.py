@@ -35,7 +35,7 @@ def check_model_args(model: Optional[str], path=None, dummy: bool = False, token
         raise ValueError("give model (--model NAME, e.g. facebook/opt-125m) together with path (--path)")
 
 
-def load_generator(model: Optional[str], path=None, dtype: str = "float32", max_batch_size: int = 16,
+def load_generator(model: Optional[str], path=None, dtype: str = "auto", max_batch_size: int = 16,
                    max_seq_len: Optional[int] = None, max_queue: int = 256, warmup: bool = True,
                    dummy: bool = False, seed: int = 0, tokenizer=None, prefill_chunk: Optional[int] = PREFILL_CHUNK,
                    prefill_budget: Optional[int] = None, decode_steps: int = DECODE_STEPS, **plan) -> "Generator":
@@ -67,7 +67,7 @@ def load_generator(model: Optional[str], path=None, dtype: str = "float32", max_
     return Generator(engine, tok, max_seq_len=max_seq_len, model_name=model)
 
 
-def load_engine(model_name: str, path=None, dtype: str = "float32", num_slots: int = 16,
+def load_engine(model_name: str, path=None, dtype: str = "auto", num_slots: int = 16,
                 max_seq_len: Optional[int] = None, max_queue: int = 256, warmup: bool = True,
                 prefill_chunk: Optional[int] = PREFILL_CHUNK, prefill_budget: Optional[int] = None,
                 decode_steps: int = DECODE_STEPS, **plan) -> "Engine":

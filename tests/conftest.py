@@ -38,6 +38,29 @@ def hf_model(cfg, seed=0):
     return model
 
 
+@pytest.fixture(scope="module", autouse=True)
+def cpu_kernels_run_on_the_cpu(request):
+    """A module marked `pytestmark = pytest.mark.cpu_kernels` tests the CPU kernels, which switch themselves off
+    on other devices: it runs on the CPU device, also where JAX has a GPU (then the default device). Set
+    globally, not as a context, so the engine's own thread places what it makes there too."""
+    if request.node.get_closest_marker("cpu_kernels") is None:
+        yield
+        return
+    import jax
+    before = jax.config.jax_default_device
+    jax.config.update("jax_default_device", jax.devices("cpu")[0])
+    try:
+        yield
+    finally:
+        jax.config.update("jax_default_device", before)
+
+
+def on_cpu(tree):
+    """A tree of arrays on the CPU device (the CPU kernels' tests, where another device is the default)."""
+    import jax
+    return jax.device_put(tree, jax.devices("cpu")[0])
+
+
 @pytest.fixture(scope="session")
 def opt_tokenizer(tmp_path_factory):
     """The real OPT tokenizer (../shared/opt-assets, set up in a temporary folder the way OPT's is);

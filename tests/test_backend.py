@@ -13,6 +13,8 @@ from opt_serving.model import layout, opt, param_tree
 
 from conftest import TINY
 
+pytestmark = pytest.mark.cpu_kernels  # on the CPU device wherever JAX runs (conftest.py)
+
 CFG = TINY
 needs_kernels = pytest.mark.skipif(_lib.load() is None, reason="opt_serving/_cpu_kernels.so not built")
 CPU, GPU = types.SimpleNamespace(platform="cpu"), types.SimpleNamespace(platform="gpu")

@@ -20,6 +20,8 @@ from opt_serving.model import layout, opt, param_tree
 
 from conftest import TINY
 
+pytestmark = pytest.mark.cpu_kernels  # on the CPU device wherever JAX runs (conftest.py)
+
 needs_kernels = pytest.mark.skipif(_lib.load() is None, reason="opt_serving/_cpu_kernels.so not built")
 needs_head = pytest.mark.skipif(not head.supported(),
                                 reason="no native int8 (VNNI, AMX) or bfloat16 products on this CPU (or no kernels)")
@@ -476,6 +478,7 @@ def test_keep_heap_lets_a_step_reuse_its_scratch_block_without_faulting_it_in_ag
     probe = """
 import ctypes, json, resource
 from opt_serving.backend.cpu import heap
+
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]

@@ -8,7 +8,7 @@ import torch
 from opt_serving.backend import Backend
 from opt_serving.model import kv_cache, layout, opt, param_tree, weights, wrapper
 
-from conftest import TINY as PRE_LN, TINY_POST_LN as POST_LN, hf_model
+from conftest import TINY as PRE_LN, TINY_POST_LN as POST_LN, hf_model, on_cpu
 
 
 def left_padded(rng, lengths, width, vocab, pad=1):
@@ -27,7 +27,7 @@ def test_prefill_and_decode_match_hf(cfg, fused):
     params = weights.params_from_hf_state_dict(cfg, hf.state_dict())
     backend = Backend.xla()
     if fused == "packed":  # what runs on a CPU: fused, and every dense weight packed for oneDNN
-        backend, params = layout.runtime_params(params)
+        backend, params = layout.runtime_params(on_cpu(params))
         if not backend.products:
             pytest.skip("opt_serving/_cpu_kernels.so not built")
         assert "packed" in params["layers_1"]["fc2"]

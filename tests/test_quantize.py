@@ -17,6 +17,8 @@ from opt_serving.testing import checkpoints
 
 from conftest import TINY as PRE_LN, TINY_POST_LN as POST_LN, hf_model
 
+pytestmark = pytest.mark.cpu_kernels  # on the CPU device wherever JAX runs (conftest.py)
+
 needs_kernels = pytest.mark.skipif(_lib.load() is None, reason="opt_serving/_cpu_kernels.so not built")
 
 

@@ -424,8 +424,9 @@ def test_alpa_deployment_reserves_the_plans_gpus_on_one_node(monkeypatch):
     assert tp in (2, 4, 8)
     assert opts["placement_group_bundles"] == [{"CPU": 2, "GPU": float(tp)}]
     assert opts["placement_group_strategy"] == "STRICT_PACK"
-    # a jax/ model reserves only the replica's CPUs
-    assert placement(ServeArgs(model="jax/opt-125m", num_cpus=2)) == {"ray_actor_options": {"num_cpus": 2}}
+    # a jax/ model reserves one of the cluster's GPUs and the planner's share of it (tests/test_jax_env.py)
+    assert placement(ServeArgs(model="jax/opt-125m", num_cpus=2)) == {"ray_actor_options": {
+        "num_cpus": 2, "num_gpus": 1.0, "runtime_env": {"env_vars": {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.900"}}}}
 
 
 def test_a_pipelined_deployment_holds_a_bundle_per_stage(monkeypatch):
@@ -446,7 +447,8 @@ def test_a_pipelined_deployment_holds_a_bundle_per_stage(monkeypatch):
     assert len(bundles) == args.pipeline_parallel and opts["placement_group_strategy"] == "PACK"
     assert bundles[0] == {"CPU": 3.0, "GPU": float(args.tensor_parallel)}
     assert bundles[1:] == [{"CPU": 1.0, "GPU": float(args.tensor_parallel)}] * (len(bundles) - 1)
-    assert opts["ray_actor_options"] == {"num_cpus": 2}
+    # the replica drives the stages, which hold the GPUs: it sees none
+    assert opts["ray_actor_options"] == {"num_cpus": 2, "runtime_env": {"env_vars": {"JAX_PLATFORMS": "cpu"}}}
 
 
 def test_gptj_generate_with_a_negative_seed_is_answered():

@@ -9,7 +9,7 @@ import transformers
 from opt_serving.config import get_config
 from opt_serving.model import weights, wrapper
 
-from conftest import TINY
+from conftest import TINY, on_cpu
 
 CFG = TINY
 NEW = 10
@@ -166,6 +166,7 @@ def test_long_generation_matches_hf(models, kernels, monkeypatch):
     elif _lib.load() is None:
         pytest.skip("opt_serving/_cpu_kernels.so not built")
     else:  # greedy steps take the screened argmax where this CPU has it, never making the logits
+        ours = wrapper.OPTModel(CFG, on_cpu(ours.params))  # the kernels' device, wherever JAX's default is
         assert ours.backend.products and ours.backend.attention and ours.backend.greedy_head == head.supported()
     with torch.no_grad():
         ref = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=40, eos_token_id=None)

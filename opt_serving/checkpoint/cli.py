@@ -5,7 +5,9 @@ import argparse
 import sys
 
 from opt_serving.checkpoint.formats import FORMATS, CheckpointError
-from opt_serving.checkpoint.writer import DTYPES
+from opt_serving.errors import MissingExtra, require
+
+DTYPES = ("float16", "float32", "bfloat16")  # checkpoint/writer.py's, which needs torch to import
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -14,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "'ckpt/checkpoint_last-model_part-*-shard*.pt'")
     parser.add_argument("--output", required=True, help="the numpy folder to create")
     parser.add_argument("--format", default="auto", choices=("auto",) + FORMATS)
-    parser.add_argument("--dtype", default="float16", choices=tuple(DTYPES))
+    parser.add_argument("--dtype", default="float16", choices=DTYPES)
     parser.add_argument("--md5", metavar="CSV", help="verify every input first ('shard,md5sum' CSV)")
     parser.add_argument("--tokenizer", metavar="DIR",
                         help="copy tokenizer files (vocab.json/merges.txt or gpt2-vocab.json/gpt2-merges.txt)")
@@ -28,7 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from opt_serving.checkpoint.convert import convert  # torch import only when converting
+    try:  # checkpoints are read (and written) through torch: an optional extra, imported only to convert
+        require("torch", "torch", "opt-serving convert")
+    except MissingExtra as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from opt_serving.checkpoint.convert import convert
     try:
         convert(args.input, args.output, format=args.format, dtype=args.dtype, md5_csv=args.md5,
                 tokenizer=args.tokenizer, config=args.config, overwrite=args.overwrite, quantize=args.quantize,

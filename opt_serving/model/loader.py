@@ -12,6 +12,7 @@ import numpy as np
 
 from opt_serving import backend as backend_api
 from opt_serving.config import config_for, get_config, size_from_name
+from opt_serving.errors import require
 from opt_serving.model import param_tree, weights
 from opt_serving.model import quantize as quantization
 
@@ -43,7 +44,7 @@ def model_dtype(dtype) -> jnp.dtype:
     return jnp.dtype(dtype)
 
 
-def get_model(model_name: str, path: str | Path | None = None, dtype=jnp.float32,
+def get_model(model_name: str, path: str | Path | None = None, dtype="auto",
               tensor_parallel: int | None = None, pipeline_parallel: int | None = None,
               dummy: bool = False, seed: int = 0, quantize: str | None = None, **kwargs):
     """Load an OPT model by name (see the module docstring for the prefixes). `quantize="int8"`: every dense
@@ -128,7 +129,7 @@ def check_quantize_dtype(quantize: str | None, dtype) -> None:
 
 
 def _get_hf_model(model_name, path, dtype, dummy, seed):
-    import torch
+    torch = require("torch", "torch", f"{model_name} (facebook/: Hugging Face's PyTorch model, the reference)")
     import transformers
     torch_dtype = {"float32": torch.float32, "float16": torch.float16,
                    "bfloat16": torch.bfloat16}[str(model_dtype(dtype))]

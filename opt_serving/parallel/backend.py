@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from opt_serving import sampling
+from opt_serving import jax_env, sampling
 from opt_serving.backend import choose
 from opt_serving.config import OPTConfig, config_for, get_config
 from opt_serving.model import beam_search, loader, param_tree, wrapper
@@ -47,6 +47,18 @@ def connect_ray(start: bool = True):
                 return None
             ray.init(include_dashboard=False, logging_level="ERROR")
     return ray
+
+
+def cluster_dtype(dtype) -> str:
+    """"auto" for a model planned over the Ray cluster: float16 where the cluster has GPUs, float32 on CPUs,
+    read from Ray's resources without starting JAX in this process (which may only plan and drive); with no
+    cluster running, the model runs here and this process's devices decide."""
+    if not (isinstance(dtype, str) and dtype == "auto"):
+        return jnp.dtype(loader.model_dtype(dtype)).name
+    ray = connect_ray(start=False)
+    if ray is not None:
+        return "float16" if ray.cluster_resources().get("GPU", 0) > 0 else "float32"
+    return jnp.dtype(loader.model_dtype(dtype)).name
 
 
 def _memory(device_memory) -> float | None:
@@ -284,7 +296,7 @@ class PipelinedOPT(wrapper.Generation):
         return (seqs, idx), scores, best
 
 
-def get_alpa_model(model_name: str, path=None, dtype=jnp.float32, tensor_parallel: int | None = None,
+def get_alpa_model(model_name: str, path=None, dtype="auto", tensor_parallel: int | None = None,
                    pipeline_parallel: int | None = None, dummy: bool = False, seed: int = 0,
                    batch_size: int = 1, max_seq_len: int | None = None, cluster: Cluster | None = None,
                    device_memory=None, micro_batches: int | None = None, quantize: str | None = None,
@@ -293,11 +305,14 @@ def get_alpa_model(model_name: str, path=None, dtype=jnp.float32, tensor_paralle
     (`quantize="int8"`: int8 weights, each stage quantizing its own, or reading them from a quantized folder)."""
     if unused:
         raise TypeError(f"get_model() got unsupported arguments: {sorted(unused)}")
+    dtype = cluster_dtype(dtype)
     plan, cfg, folder = plan_model(model_name, path, dtype, dummy, tensor_parallel, pipeline_parallel,
                                    device_memory, batch_size, max_seq_len, cluster, quantize)
     if plan.pp == 1:
         return tensor_parallel_model(cfg, plan, folder, dtype, seed, quantize)
     from opt_serving.parallel.pipeline import RayStages
+    # this process only drives the stages (each holds its GPUs' share): no device memory taken ahead of need
+    jax_env.apply(jax_env.route_only())
     connect_ray()
     return PipelinedOPT(cfg, RayStages(cfg, plan, folder, dtype=jnp.dtype(loader.model_dtype(dtype)).name, seed=seed,
                                        quantize=quantize), plan, micro_batches)

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from opt_serving.config import OPTConfig, get_config
+from opt_serving.jax_env import DEFAULT_HEADROOM
 from opt_serving.parallel.cluster import GB, Cluster, parse_cluster
 from opt_serving.parallel.planner import NoFeasiblePlan, SearchResult, search
 
@@ -34,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     p.add_argument("--quantize", choices=["int8"], default=None,
                    help="int8 weights with a scale per output channel (activations and KV cache stay --dtype)")
-    p.add_argument("--headroom", type=float, default=0.1,
+    p.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM,
                    help="fraction of device memory kept free (default 0.1)")
     p.add_argument("--tensor-parallel", type=int, default=None, help="fix the tp degree")
     p.add_argument("--pipeline-parallel", type=int, default=None, help="fix the pp degree")

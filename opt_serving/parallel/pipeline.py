@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from opt_serving import jax_env
 from opt_serving.config import OPTConfig
 from opt_serving.runner.types import StageDied
 
@@ -243,7 +244,9 @@ class RayStages:
                     f"{placement_timeout_s:.0f} s; "
                     f"available: {ray.available_resources()}") from None
         self.pg, self._own_pg = pg, own
-        env = {} if gpus else {"env_vars": {  # a CPU stage makes its tp host devices; its kernels use its CPUs
+        # a GPU stage takes the share of its GPUs the planner counted on; a CPU stage makes its tp host devices,
+        # its kernels use its CPUs
+        env = {"env_vars": jax_env.keep_users(jax_env.runs_model(plan.tp))} if gpus else {"env_vars": {
             "XLA_FLAGS": f"--xla_force_host_platform_device_count={plan.tp}", "JAX_PLATFORMS": "cpu",
             "OPT_SERVING_CPU_THREADS": str(max(1, int(cpus_per_stage)))}}
         import jax

@@ -18,6 +18,7 @@ import math
 import numpy as np
 
 from opt_serving.config import OPTConfig
+from opt_serving.jax_env import DEFAULT_HEADROOM
 from opt_serving.parallel import cost
 from opt_serving.parallel.cluster import GB, Cluster
 from opt_serving.parallel.slicing import slice_layers  # noqa: F401  (re-exported)
@@ -319,7 +320,7 @@ def _no_plan(model: str, cluster: Cluster, rejected: list[Rejected]) -> NoFeasib
 
 
 def search(cfg: OPTConfig, cluster: Cluster, *, model: str = "", batch_size: int = 1,
-           max_seq_len: int | None = None, dtype: str = "float16", headroom: float = 0.1,
+           max_seq_len: int | None = None, dtype: str = "float16", headroom: float = DEFAULT_HEADROOM,
            tensor_parallel: int | None = None, pipeline_parallel: int | None = None,
            data_parallel: int | None = None, objective: str | None = None,
            prefill_batch: int = 1, weights: str = "float32") -> SearchResult:

@@ -15,7 +15,7 @@ from opt_serving.runner.slots import LocalStages, Slots
 from opt_serving.runner.stage import StageSlots
 
 
-def load_slots(model_name: str, path=None, dtype: str = "float32", num_slots: int = 16,
+def load_slots(model_name: str, path=None, dtype: str = "auto", num_slots: int = 16,
                max_seq_len: Optional[int] = None, dummy: bool = False, seed: int = 0,
                tensor_parallel: Optional[int] = None, pipeline_parallel: Optional[int] = None,
                device_memory=None, micro_batches: Optional[int] = None, quantize: Optional[str] = None) -> Slots:
@@ -53,17 +53,16 @@ def load_slots(model_name: str, path=None, dtype: str = "float32", num_slots: in
 
 
 def resolve_dtype(dtype: str, cluster: bool = False) -> str:
-    """"auto": float16 where the model runs on GPUs (this process's, or the Ray cluster's for an alpa/
-    model), float32 on CPUs, where the CPU kernels run float32 products."""
+    """"auto": float16 where the model runs on GPUs, float32 on CPUs (where the CPU kernels run float32
+    products). Where it runs: this process, or with `cluster` (an alpa/ model) the Ray cluster when one runs,
+    decided from Ray's resources without starting JAX here (a process that only plans takes no GPU)."""
     if dtype != "auto":
         return dtype
+    if cluster:
+        from opt_serving.parallel.backend import cluster_dtype
+        return cluster_dtype(dtype)
     import jax
-    gpu = jax.default_backend() == "gpu"
-    if cluster and not gpu:
-        from opt_serving.parallel.backend import connect_ray
-        ray = connect_ray(start=False)
-        gpu = ray is not None and ray.cluster_resources().get("GPU", 0) > 0
-    return "float16" if gpu else "float32"
+    return "float16" if jax.default_backend() == "gpu" else "float32"
 
 
 def local_slots(cfg, params, num_slots: int = 8, max_seq_len: Optional[int] = None, plan=None,

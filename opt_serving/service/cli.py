@@ -76,6 +76,10 @@ def _plan_and_ray_arguments(p: argparse.ArgumentParser) -> None:
                    help="request bodies larger than this are refused with 413 before they are read")
     p.add_argument("--num-replicas", type=int, default=None, help="model replicas (default 1)")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs for a Ray started here (default: all)")
+    p.add_argument("--num-gpus", type=float, default=None, metavar="G",
+                   help="GPUs each replica of a one-device model reserves (default: 1 where the Ray cluster has "
+                        "GPUs, else 0; 0 keeps it on the CPU; a fraction shares a GPU between replicas). alpa/ "
+                        "models reserve what their plan uses")
     p.add_argument("--ray-address", default=None,
                    help="Ray cluster to use: an address, or 'local' to always start a private one (default: the "
                         "running cluster if there is one, else a new local one)")
@@ -174,7 +178,8 @@ def serve_args_from(args: argparse.Namespace):
                      max_batch_size=args.max_batch_size,
                      max_seq_len=args.max_seq_len, max_queue=args.max_queue, request_timeout=args.request_timeout,
                      api_keys=keys,
-                     num_replicas=args.num_replicas, graceful_shutdown_timeout_s=args.drain_timeout,
+                     num_replicas=args.num_replicas, num_gpus=args.num_gpus,
+                     graceful_shutdown_timeout_s=args.drain_timeout,
                      tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel,
                      device_memory=args.device_memory, micro_batches=args.micro_batches,
                      max_logprobs=args.max_logprobs, max_body_bytes=args.max_body_bytes)

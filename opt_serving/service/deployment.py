@@ -7,8 +7,9 @@ from __future__ import annotations
 import gc
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, NonNegativeInt, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt
 
+from opt_serving import jax_env
 from opt_serving.admission import DECODE_STEPS, PREFILL_CHUNK
 from opt_serving.service import protocol as P
 from opt_serving.service.app import create_app
@@ -41,6 +42,9 @@ class ServeArgs(BaseModel):
     api_keys: list[str] | str = []       # a list, or comma separated
     num_replicas: Optional[int] = None  # None: 1, or what serve_config.yaml's autoscaling_config decides
     num_cpus: float = 1.0                # per replica
+    # GPUs per replica of a one-device model; None: one where the cluster has GPUs, else none (alpa/ plans
+    # reserve their own: --tensor-parallel, --pipeline-parallel)
+    num_gpus: Optional[float] = Field(default=None, ge=0)
     graceful_shutdown_timeout_s: float = 10.0
     # alpa/ models: the plan (left out: the planner's choice for the Ray cluster)
     tensor_parallel: Optional[int] = None
@@ -91,14 +95,27 @@ def build_generator(args: ServeArgs):
 
 
 def placement(args: ServeArgs) -> dict:
-    """Deployment options. An `alpa/` model is planned here, for the Ray cluster this process joins
-    (address="auto"; one is started when none runs, as `serve run` would), and the replica's placement
-    group holds what the plan needs: its own bundle (with the plan's tp GPUs when pp = 1), or one bundle
-    per pipeline stage with the replica in the first, so the stages belong to the replica and live and
-    die with it. The plan's degrees go to the replica, which plans its layer split for the same cluster."""
-    own = {"ray_actor_options": {"num_cpus": args.num_cpus}}
+    """Deployment options from the plan, for every model kind: the Ray resources the replica reserves and the
+    JAX device settings of the processes that run the model (jax_env).
+
+    A one-device model (jax/, facebook/, the embedded one) reserves a GPU where the cluster has GPUs (`num_gpus`
+    overrides: 0 keeps it on the CPU, a fraction shares a GPU between replicas). An `alpa/` model is planned here,
+    for the Ray cluster this process joins (address="auto"; one is started when none runs, as `serve run` would),
+    and the replica's placement group holds what the plan needs: its own bundle (with the plan's tp GPUs when
+    pp = 1), or one bundle per pipeline stage with the replica in the first, so the stages belong to the replica
+    and live and die with it. The plan's degrees go to the replica, which plans its layer split for the same
+    cluster."""
+    if args.engine == "fake":  # no model, no JAX
+        return {"ray_actor_options": {"num_cpus": args.num_cpus}}
     if not (args.model or "").startswith("alpa/"):
-        return own
+        have = cluster_gpus()
+        gpus = args.num_gpus if args.num_gpus is not None else (1.0 if have > 0 else 0.0)
+        if gpus > have:
+            raise ValueError(f"num_gpus (--num-gpus) {gpus:g}: the Ray cluster has {have:g} GPUs")
+        return {"ray_actor_options": _actor_options(args.num_cpus, gpus, _jax_env(gpus) if have else {})}
+    if args.num_gpus is not None:
+        raise ValueError("num_gpus (--num-gpus) is for one-device models; an alpa/ model's plan reserves its "
+                         "GPUs (--tensor-parallel, --pipeline-parallel)")
     from opt_serving.parallel import backend
     from opt_serving.runner.load import resolve_dtype
     args.dtype = resolve_dtype(args.dtype, cluster=True)  # the cluster's GPUs decide "auto", not this process's
@@ -109,21 +126,50 @@ def placement(args: ServeArgs) -> dict:
                                     batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
                                     quantize=args.quantize)
     args.tensor_parallel, args.pipeline_parallel = plan.tp, plan.pp
-    import ray
-    gpus = ray.cluster_resources().get("GPU", 0) > 0
+    gpus = cluster_gpus() > 0
     if plan.pp == 1:
         if not gpus:  # CPU: the replica's process makes its own tp host devices
-            env = {"env_vars": {"XLA_FLAGS": f"--xla_force_host_platform_device_count={plan.tp}"}}
-            return {"ray_actor_options": {"num_cpus": args.num_cpus, "runtime_env": env}} if plan.tp > 1 else own
-        return {"ray_actor_options": {"num_cpus": args.num_cpus, "num_gpus": plan.tp},
+            env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={plan.tp}"} if plan.tp > 1 else {}
+            return {"ray_actor_options": _actor_options(args.num_cpus, 0, env)}
+        return {"ray_actor_options": _actor_options(args.num_cpus, plan.tp, _jax_env(plan.tp)),
                 "placement_group_bundles": [{"CPU": args.num_cpus, "GPU": float(plan.tp)}],
                 "placement_group_strategy": "STRICT_PACK"}
     # one bundle per stage, the replica in stage 0's (a bundle lies on one node, so a stage's tp devices
-    # do too); CPU nodes are the planner's devices: one stage a node where there are enough of them
+    # do too); CPU nodes are the planner's devices: one stage a node where there are enough of them. The
+    # replica only drives the stages (each holds its own GPUs' share): it needs no GPU
     from opt_serving.parallel.pipeline import stage_bundles
     bundles, strategy = stage_bundles(plan, gpus, extra_cpus=args.num_cpus)
-    return {"ray_actor_options": {"num_cpus": args.num_cpus},
+    return {"ray_actor_options": _actor_options(args.num_cpus, 0, _jax_env(0) if gpus else {}),
             "placement_group_bundles": bundles, "placement_group_strategy": strategy}
+
+
+def _actor_options(num_cpus: float, num_gpus: float, env: dict) -> dict:
+    """A replica's ray_actor_options: its CPUs, its GPUs and the environment of its process; no key for none."""
+    options: dict = {"num_cpus": num_cpus}
+    if num_gpus:
+        options["num_gpus"] = num_gpus
+    if env:
+        options["runtime_env"] = {"env_vars": env}
+    return options
+
+
+def _jax_env(gpus: float) -> dict:
+    """The JAX settings of a replica that runs the model on `gpus` GPUs (a user's own values, in this process's
+    environment, win)."""
+    return jax_env.keep_users(jax_env.runs_model(gpus))
+
+
+def cluster_gpus() -> float:
+    """GPUs of the Ray cluster this process is connected to; before it is (`serve run` builds the application
+    before it joins Ray), this machine's, as Ray counts them."""
+    import ray
+    if ray.is_initialized():
+        return float(ray.cluster_resources().get("GPU", 0))
+    try:
+        from ray._private.accelerators import get_accelerator_manager_for_resource
+        return float(get_accelerator_manager_for_resource("GPU").get_current_node_num_accelerators())
+    except (ImportError, AttributeError):  # another Ray's internals
+        return 0.0
 
 
 class _ReuseAddrSockets:

@@ -1,0 +1,42 @@
+"""benchmark/gpu_check.sh, the prepared GPU check, rehearsed on the CPU at its smallest: the same script and
+sections a GPU run takes, so a lent GPU's minutes go to measuring (benchmark/README.md has the H200's figures)."""
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_gpu_check_passes_on_the_cpu(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": os.environ.get("PYTHON", _python()),
+           "GPU_CHECK_REHEARSAL": "1", "GPU_CHECK_SIZES": "tiny", "GPU_CHECK_DTYPES": "float16",
+           "GPU_CHECK_BUDGET_S": "1100", "GPU_CHECK_MODEL_CAP_S": "500", "GPU_CHECK_TINY_CAP_S": "500",
+           "GPU_CHECK_ARGS": "--batches 1,2 --new-tokens 4 --prompt-len 8 --logit-len 8 --max-seq-len 32 "
+                             "--engine-reps 1"}
+    r = subprocess.run(["bash", str(ROOT / "benchmark" / "gpu_check.sh")], env=env, capture_output=True, text=True,
+                       timeout=1200)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "gpu_check.jsonl").read_text().splitlines()]
+    assert not [row for row in rows if row.get("check") == "stopped"], r.stdout[-3000:]
+    tiny = {(row["model"], row["check"]): row for row in rows if row.get("section") == "tiny"}
+    for model in ("tiny", "tiny-post-ln"):  # the pre-LN shape and OPT-350m's
+        for check in ("greedy_tokens_equal_hf", "beam_tokens_equal_hf", "engine_tokens_equal_generate"):
+            assert tiny[(model, check)]["ok"] is True, (model, check)
+    logits = next(row for row in rows if row.get("check") == "logits")
+    assert logits["jax_rel_err"] < 2 * logits["torch_rel_err"] + 1e-4  # float16: ours within torch's own error
+    speeds = {(row["check"], row["batch"]): row["value"] for row in rows if row.get("check", "").endswith("_per_s")}
+    for check in ("hf_generate_tokens_per_s", "jax_generate_tokens_per_s", "engine_tokens_per_s"):
+        assert all(speeds[(check, b)] > 0 for b in (1, 2)), check
+    memory = next(row for row in rows if row.get("check") == "memory")
+    assert memory["param_bytes"] == memory["plan_param_bytes"]  # the planner counts the weights we hold
+    assert "our engine" in r.stdout and "tiny float16" in r.stdout  # the report's table
+
+
+def _python() -> str:
+    import sys
+    return sys.executable
