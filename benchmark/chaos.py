@@ -42,6 +42,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "config's)")
     p.add_argument("--ingress", choices=["auto", "proxy"], default="auto", help="embedded only")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log", default=None, help="embedded only: file the server's output is copied to")
     return p.parse_args(argv)
 
 
@@ -59,7 +60,8 @@ def targets_under(root: int, kinds: list[str], seen: set) -> dict:
 
 def run_embedded(a, kinds) -> tuple[chaos.ChaosReport, list]:
     ingress = ["--ingress", a.ingress] if a.ingress != "auto" else []
-    with cli_server(["--num-cpus", "2", "--drain-timeout", "2", *ingress]) as server:
+    log = open(a.log, "w") if a.log else None
+    with cli_server(["--num-cpus", "2", "--drain-timeout", "2", *ingress], output=log) as server:
         print(f"opt-serving serve (embedded model, ingress {a.ingress}) up after {server.start_s:.1f} s", flush=True)
         report = asyncio.run(chaos.run_chaos(server.url, targets_under(server.proc.pid, kinds, server.seen),
                                              a.minutes * 60, clients=a.clients, seed=a.seed))

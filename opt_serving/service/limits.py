@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 
 from starlette.exceptions import HTTPException
 
 from opt_serving.service import protocol as P
 
+log = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 # what an answered request's unread body may cost to discard; nginx lingers up to 30 s, 5 s per read
 DRAIN_MAX_BYTES = 64 * 1024 * 1024
@@ -142,3 +144,29 @@ class DrainUnreadBody:
             if message["type"] != "http.request" or not message.get("more_body", False):
                 return
             seen += len(message.get("body", b""))
+
+
+class DisconnectOnReceiveFailure:
+    """Pure ASGI middleware, outermost: a `receive()` that raises (the connection to the client is broken
+    below the app: Serve's proxy died) reads as `http.disconnect`, now and on every later call."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        broken = False
+
+        async def receive_or_disconnect():
+            nonlocal broken
+            if not broken:
+                try:
+                    return await receive()
+                except Exception as e:  # (not a cancellation: that is a BaseException)
+                    broken = True
+                    log.warning("reading the request failed (%s: %s); taken as the client disconnecting",
+                                type(e).__name__, e)
+            return {"type": "http.disconnect"}
+
+        await self.app(scope, receive_or_disconnect, send)

@@ -40,7 +40,7 @@ class Kill:
     target: str
     pid: int
     at: float
-    count: int = 1                          # processes of the kind running when it was killed
+    before: list = field(default_factory=list)  # the kind's processes when it was killed
     served_again_s: Optional[float] = None  # a probe's first 200 after the kill
     replaced_s: Optional[float] = None      # the killed kind running again, without the killed process
     probes: list = field(default_factory=list)  # (s after the kill, answer) whenever the probe's answer changed
@@ -166,14 +166,16 @@ async def probe_until_served(url: str, since: float, limit_s: float, seen: list)
     return None
 
 
-async def wait_replaced(find: Callable[[], list[int]], killed: int, count: int, since: float,
-                        limit_s: float) -> Optional[float]:
-    """Seconds from `since` until `count` processes of the kind run again and the killed one is not among
-    them; None past `limit_s`."""
-    while time.monotonic() - since < limit_s:
+async def wait_replaced(find: Callable[[], list[int]], kill: Kill, limit_s: float) -> Optional[float]:
+    """Seconds from the kill until its kind runs again without the killed process; None past `limit_s`.
+    Stages: as many as before, all new (Serve rebuilds the replica with all its stages). Proxies: at least
+    one (Serve keeps one on the head node and one on each node with a replica, which may now be fewer
+    nodes). The others: one, new."""
+    while time.monotonic() - kill.at < limit_s:
         pids = await asyncio.to_thread(find)
-        if len(pids) >= count and killed not in pids:
-            return time.monotonic() - since
+        if kill.pid not in pids and pids:
+            if kill.target != "stage" or (len(pids) >= len(kill.before) and not set(pids) & set(kill.before)):
+                return time.monotonic() - kill.at
         await asyncio.sleep(0.5)
     return None
 
@@ -205,7 +207,7 @@ async def run_chaos(url: str, targets: dict[str, Callable[[], list[int]]], durat
             report.kills.append(kill)
             kill.served_again_s, kill.replaced_s = await asyncio.gather(
                 probe_until_served(url, kill.at, recover_limit_s, kill.probes),
-                wait_replaced(targets[kill.target], kill.pid, kill.count, kill.at, recover_limit_s))
+                wait_replaced(targets[kill.target], kill, recover_limit_s))
             log(report.kill_line(kill).strip())
             if kill.served_again_s is None or kill.replaced_s is None:
                 break  # did not recover: nothing more to learn from further kills
@@ -231,5 +233,5 @@ async def _kill_one(targets, rng, order, i) -> Optional[Kill]:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 continue
-            return Kill(kind, pid, time.monotonic(), len(pids))
+            return Kill(kind, pid, time.monotonic(), list(pids))
     return None
