@@ -340,6 +340,9 @@ def test_a_cancelled_running_beam_search_stops_before_its_next_step():
             search = gen.beam("a", greedy(max_tokens=200), num_beams=2)
             assert await asyncio.to_thread(model.reached.wait, 30)  # running, inside step 2
             search.cancel()  # the client left
+            # the future's done callbacks (which stop the search) are scheduled with call_soon: one turn of the
+            # loop runs them, before this task resumes
+            await asyncio.sleep(0)
             model.go.set()
             await asyncio.to_thread(_wait_done, gen)
             return (await gen.beam("k", greedy(max_tokens=2), num_beams=2)).text
