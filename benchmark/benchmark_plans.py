@@ -58,7 +58,7 @@ def main() -> int:
     L = args.max_seq_len
     assert len(jax.devices()) == args.devices, "XLA_FLAGS did not take: was jax imported first?"
     # every plan's stage actors stay up at once (1 logical CPU each); they are idle between turns
-    ray.init(num_cpus=64, include_dashboard=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=64, include_dashboard=False, logging_level="ERROR")  # never another's
     load = os.getloadavg()
     spec = calibrate(model=cfg, batch=1, context=L, dtype="float32", stage_actors=True)
     hop = measure_handoff_latency()

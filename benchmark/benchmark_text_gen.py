@@ -64,7 +64,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tensor-parallel", type=int, help="alpa/ only")
     p.add_argument("--pipeline-parallel", type=int, help="alpa/ only")
     p.add_argument("--device-memory", help="alpa/ only: what each device may hold, e.g. 16GB (the plan is made "
-                                          "for the running Ray cluster, else this process's devices)")
+                                          "for --ray-address's cluster, else this process's devices)")
+    p.add_argument("--ray-address", default=None,
+                   help="alpa/ only: the Ray cluster to plan for and run on (e.g. auto, HEAD:6379); by default "
+                        "none is joined: a pp > 1 plan starts a Ray of its own, so another program's cluster on "
+                        "this machine never changes the figures")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="OUT", help="write the results as JSON")
     p.add_argument("--tsv", default="results.tsv", help="append one row per model here ('' to skip)")
@@ -118,6 +122,12 @@ def load_ours(name: str, path: str | None, dummy: bool, dtype: str, args):
     from opt_serving.model.wrapper import get_model
     kwargs = {}
     if name.startswith("alpa/"):
+        if args.ray_address:
+            import ray
+            ray.init(address=args.ray_address, logging_level="ERROR")
+        else:
+            from opt_serving.testing.ray_cluster import no_foreign_clusters
+            no_foreign_clusters()
         kwargs = dict(tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel,
                       device_memory=args.device_memory, batch_size=args.batch_size)
     return get_model(name, path=path, dtype=dtype, dummy=dummy, quantize=args.quantize, **kwargs)

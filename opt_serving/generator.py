@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
-from opt_serving.beam import BeamQueue, run_beam
+from opt_serving.beam import BeamQueue, beam_cost, run_beam
 from opt_serving.completion import Collector, Completion, Delta, DeltaStream, RequestText, best
 from opt_serving.engine import MAX_TOP_LOGPROBS, Engine, EngineRequest, QueueFull, SlotSettings
 from opt_serving.errors import InvalidRequest
@@ -56,9 +56,11 @@ class Generator:
     """Prompts -> completions over an engine (`engine.Engine` or the fake one)."""
 
     def __init__(self, engine: Engine, tokenizer, max_seq_len: Optional[int] = None,
-                 model_name: str = "opt", model=None):
+                 model_name: str = "opt", model=None, beam_budget: Optional[int] = None):
         """`model`: what `beam()` calls `generate(num_beams=...)` on; by default an `OPTModel` over the
-        engine's own parameters (no second copy of the weights), when the engine's slot model has them."""
+        engine's own parameters (no second copy of the weights), when the engine's slot model has them.
+        `beam_budget`: beam tokens (num_beams x (prompt + max_tokens)) that searches running and waiting may
+        hold together (beam.py); default: what the engine's decode slots hold, num_slots x max_seq_len."""
         self.engine = engine
         self.tokenizer = tokenizer
         self.max_seq_len = min(max_seq_len or engine.max_seq_len, engine.max_seq_len)
@@ -67,7 +69,7 @@ class Generator:
         self._rng = random.Random()
         self.token_text = TokenTexts(tokenizer)  # token id -> its own text, as logprobs show it
         self._model = model
-        self._beams = BeamQueue(engine.max_queue)
+        self._beams = BeamQueue(engine.max_queue, beam_budget or engine.num_slots * engine.max_seq_len)
         self._closed = False
 
     @classmethod
@@ -200,17 +202,33 @@ class Generator:
         """Start a beam search now (call inside an event loop); await the result. Uses max_tokens,
         min_tokens, repetition_penalty, no_repeat_ngram_size, bad_words_ids, stop and ignore_eos of `params`
         (sampling fields are ignored: beam search is deterministic). Raises at once like `stream()`
-        (InvalidRequest also when there is no model to search with), QueueFull, EngineClosed.
-        Cancelling the future drops a search that has not started (a running one finishes first)."""
+        (InvalidRequest also when there is no model to search with, or the search is over the whole beam
+        budget), QueueFull (the budget or the queue has no room now), EngineClosed. Cancelling the future
+        drops a search that has not started and stops a running one before its next step."""
+        return self.beams([(prompt, params)], num_beams, early_stopping)[0]
+
+    def beams(self, jobs: Sequence[tuple[Prompt, SamplingParams]], num_beams: int,
+              early_stopping: bool = False) -> list["asyncio.Future[Completion]"]:
+        """`beam()` for several prompts of one request, queued all together or refused all together (their
+        beam tokens summed against the budget)."""
         if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
             raise InvalidRequest(f"num_beams must be an integer >= 1, got {num_beams!r}", param="num_beams")
         model = self.beam_model()
-        ids = self.prepare(prompt, params)
-        if params.max_tokens < 1:
-            raise InvalidRequest("max_tokens must be >= 1 for beam search", param="max_tokens")
-        job = self._beams.submit(run_beam, model, ids, params, num_beams, early_stopping, self.eos_token_id,
-                                 self.decode, self.token_text)
-        return asyncio.wrap_future(job)
+        searches = []
+        for prompt, params in jobs:
+            ids = self.prepare(prompt, params)
+            if params.max_tokens < 1:
+                raise InvalidRequest("max_tokens must be >= 1 for beam search", param="max_tokens")
+            searches.append((beam_cost(num_beams, len(ids), params.max_tokens), run_beam,
+                             (model, ids, params, num_beams, early_stopping, self.eos_token_id, self.decode,
+                              self.token_text)))
+        futures = []
+        for job in self._beams.submit_all(searches):
+            future = asyncio.wrap_future(job.future)
+            # a cancelled await (client gone, timeout) stops the search itself, not only its result
+            future.add_done_callback(lambda f, job=job: job.cancel() if f.cancelled() else None)
+            futures.append(future)
+        return futures
 
     def beam_model(self):
         """The model beam search runs on; InvalidRequest if this generator has none."""

@@ -10,6 +10,16 @@ from opt_serving.config import OPTConfig
 
 ASSETS = Path(__file__).resolve().parents[1] / ".." / "shared" / "opt-assets"
 
+@pytest.fixture(autouse=True, scope="session")
+def _no_foreign_ray_clusters():
+    """No test joins a Ray cluster it did not start (another program's, on a shared machine): Ray's address
+    discovery finds nothing in this process (testing/ray_cluster.py). Servers tests start run their own Ray
+    (--ray-address local); child processes that may plan alpa/ models call no_foreign_clusters() too."""
+    from opt_serving.testing.ray_cluster import no_foreign_clusters
+    no_foreign_clusters()
+    yield
+
+
 # Tests compile afresh and write nothing under the user's home (test_xla_cache.py turns the cache on in
 # processes of its own); the servers and Ray workers tests start inherit this.
 os.environ.setdefault("OPT_SERVING_COMPILE_CACHE", "0")

@@ -13,6 +13,8 @@ import textwrap
 CHILD = textwrap.dedent("""
     import json, sys
     import numpy as np, jax
+    from opt_serving.testing.ray_cluster import no_foreign_clusters
+    no_foreign_clusters()  # alpa/ plans for this process's devices, never for a Ray running on the machine
     from opt_serving.loading import load_engine
     from opt_serving.generator import Generator, SamplingParams
     from opt_serving.model.wrapper import get_model

@@ -7,6 +7,7 @@ Byte tokenizer: byte b is id 4 + b, so "a" is 101 and greedy after "a" spells "b
 import asyncio
 import math
 import threading
+import time
 
 import pytest
 
@@ -320,6 +321,84 @@ def test_beam_searches_run_one_at_a_time_in_a_bounded_queue():
         assert model.most_at_once == 1
     finally:
         gen.close()
+
+
+def _wait_done(gen, timeout=30.0):
+    """Until no search is queued or running (the worker's own bookkeeping, updated as each one ends)."""
+    deadline = time.monotonic() + timeout
+    while gen._beams.pending != (0, 0):
+        assert time.monotonic() < deadline, gen._beams.pending
+        time.sleep(0.01)
+
+
+def test_a_cancelled_running_beam_search_stops_before_its_next_step():
+    from opt_serving.testing.fake_engine import FakeBeamModel, fake_engine
+    model = FakeBeamModel().hold(2)
+    gen = Generator(fake_engine(max_seq_len=256), byte_tokenizer(), model=model)
+    try:
+        async def main():
+            search = gen.beam("a", greedy(max_tokens=200), num_beams=2)
+            assert await asyncio.to_thread(model.reached.wait, 30)  # running, inside step 2
+            search.cancel()  # the client left
+            # the future's done callbacks (which stop the search) are scheduled with call_soon: one turn of the
+            # loop runs them, before this task resumes
+            await asyncio.sleep(0)
+            model.go.set()
+            await asyncio.to_thread(_wait_done, gen)
+            return (await gen.beam("k", greedy(max_tokens=2), num_beams=2)).text
+        assert run(main()) == "lm"  # the worker is free again
+        assert model.stopped_at == 3  # of 200 steps: the one after the cancel did not run
+    finally:
+        gen.close()
+
+
+def test_beam_searches_are_bounded_by_a_budget_of_beam_tokens():
+    """num_beams x (prompt + max_tokens), summed over a request's prompts: over what is left, QueueFull
+    (429) while others hold it; over the whole budget, a 400 naming it (a retry could never fit)."""
+    from opt_serving.errors import InvalidRequest
+    from opt_serving.testing.fake_engine import FakeBeamModel, fake_engine
+    model = FakeBeamModel().hold(0)
+    gen = Generator(fake_engine(max_queue=16), byte_tokenizer(), model=model, beam_budget=100)
+    try:
+        async def main():
+            # "a" is 2 tokens: 4 beams x (2 + 8) = 40 each
+            first = gen.beams([("a", greedy(max_tokens=8)), ("k", greedy(max_tokens=8))], num_beams=4)
+            assert gen._beams.pending == (2, 80)
+            assert await asyncio.to_thread(model.reached.wait, 30)
+            with pytest.raises(QueueFull, match="80 beam tokens are running or waiting; 40 more"):
+                gen.beam("x", greedy(max_tokens=8), num_beams=4)
+            with pytest.raises(InvalidRequest, match="104 beam tokens .* budget of 100") as e:
+                gen.beams([("x", greedy(max_tokens=11))] * 2, num_beams=4)
+            assert (e.value.param, e.value.code) == ("num_beams", "beam_budget_exceeded")
+            assert gen._beams.pending == (2, 80)  # neither refusal queued anything
+            model.go.set()
+            texts = [c.text for c in await asyncio.gather(*first)]
+            await asyncio.to_thread(_wait_done, gen)
+            return texts, (await gen.beam("x", greedy(max_tokens=4), num_beams=4)).text  # room again
+        assert run(main()) == (["bcdefghi", "lmnopqrs"], "yz{|")
+    finally:
+        gen.close()
+
+
+def test_closing_the_generator_stops_a_running_beam_search_and_tells_its_caller():
+    from opt_serving.engine import EngineClosed
+    from opt_serving.testing.fake_engine import FakeBeamModel, fake_engine
+    model = FakeBeamModel().hold(1)
+    gen = Generator(fake_engine(max_seq_len=256), byte_tokenizer(), model=model)
+
+    async def main():
+        search = gen.beam("a", greedy(max_tokens=200), num_beams=2)
+        assert await asyncio.to_thread(model.reached.wait, 30)
+        gen.close()  # (shutting down: it does not wait for the search)
+        model.go.set()
+        with pytest.raises(EngineClosed):
+            await search
+    try:
+        run(main())
+    finally:
+        model.go.set()
+        gen.close()
+    assert model.stopped_at == 2
 
 
 def test_beam_search_needs_a_model():

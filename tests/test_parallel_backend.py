@@ -78,6 +78,23 @@ def test_tensor_parallel_equals_jax(folder, reference, tp):
     np.testing.assert_allclose(np.asarray(model(IDS, MASK)), logits, atol=1e-4, rtol=1e-4)
     np.testing.assert_array_equal(model.generate(IDS, MASK, max_new_tokens=8), greedy)
     np.testing.assert_array_equal(model.generate(IDS, MASK, max_new_tokens=6, num_beams=3), beams)
+    # the search's host callback (asked before each step) on the sharded loop: no change, and a stop
+    np.testing.assert_array_equal(model.generate(IDS, MASK, max_new_tokens=6, num_beams=3,
+                                                 should_stop=lambda: False), beams)
+    _assert_stops_when_told(model)
+
+
+def _assert_stops_when_told(model):
+    """A beam search whose should_stop says stop at its third question ends there with SearchStopped."""
+    from opt_serving.model.beam_search import SearchStopped
+    asked = []
+
+    def should_stop():
+        asked.append(len(asked) >= 2)
+        return asked[-1]
+    with pytest.raises(SearchStopped):
+        model.generate(IDS, MASK, max_new_tokens=8, num_beams=3, should_stop=should_stop)
+    assert asked[:3] == [False, False, True] and all(asked[2:]) and len(asked) <= 4
 
 
 @needs8
@@ -125,7 +142,7 @@ def beam_reference(folder):
 @pytest.fixture(scope="module")
 def ray_local():
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR")  # ours alone
     yield ray
     ray.shutdown()
 
@@ -177,6 +194,9 @@ def test_pipelines_equal_jax_and_a_dead_stage_is_reported(ray_local, folder, ref
                 np.testing.assert_array_equal(model.generate(IDS, MASK, **kw), want)
             for kw, want in zip(FEATURE_CASES, feature_reference):
                 _same_generation(model.generate(IDS, MASK, **kw), want)
+            # told to stop, the host loop stops before the next micro-batch's step; the stages serve on
+            _assert_stops_when_told(model)
+            np.testing.assert_array_equal(model.generate(IDS, MASK, **BEAM_CASES[0]), beam_reference[0])
         if pp == 4:
             ray_local.kill(model.pipeline.actors[2])
             with pytest.raises(StageDied, match=r"stage 2 \(layers 2-2\) died.*loaded again"):

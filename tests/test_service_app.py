@@ -4,14 +4,20 @@ The fake model continues greedily with the next byte ("a" -> "bcdef..."), every 
 logprob -ln2 and the k-th alternative -k ln2; a sampled token is `last + 1 + (seed + k) % 3`. Prompt "a" is
 ids [2, 101] (</s> then byte 97 + 4); </s> (id 2) is EOS.
 """
+import json
 import math
+import socket
+import threading
+import time
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
 from opt_serving.engine import SlotSettings
 from opt_serving.generator import SamplingParams
 from opt_serving.service.app import create_app
+from opt_serving.service.testserver import serve_in_thread
 from opt_serving.testing.fake_engine import fake_generator
 
 LN2 = math.log(2)
@@ -213,6 +219,67 @@ def test_gptj_beam_search_without_sampling(client):
     r = post(client, {"prompt": ["a"], "max_length": 3, "min_length": 0, "do_sample": True, "num_beams": 4},
              "/generate")
     assert r.status_code == 400 and "do_sample=false" in r.json()["error"]["message"]
+
+
+def test_gptj_beam_search_larger_than_the_beam_budget_is_a_400_naming_it(client):
+    # 64 prompts x 64 beams x (2 + 16) tokens against the fake's 4 slots x 64 tokens = 256
+    r = post(client, {"prompt": ["a"] * 64, "max_length": 16, "min_length": 0, "do_sample": False,
+                      "num_beams": 64}, "/generate")
+    err = r.json()["error"]
+    assert r.status_code == 400 and (err["param"], err["code"]) == ("num_beams", "beam_budget_exceeded")
+    assert "73728 beam tokens" in err["message"] and "budget of 256" in err["message"]
+
+
+def _post_in_thread(url: str, body: dict, out: dict) -> threading.Thread:
+    def go():
+        try:
+            out["r"] = httpx.post(url + "/generate", json=body, timeout=60)
+        except httpx.HTTPError as e:
+            out["r"] = e
+    t = threading.Thread(target=go)
+    t.start()
+    return t
+
+
+def test_gptj_beam_search_while_others_hold_the_budget_is_a_429_with_retry_after(gen):
+    model = gen._model.hold(1)
+    beams = {"prompt": ["a"], "max_length": 50, "min_length": 0, "do_sample": False, "num_beams": 4}
+    with serve_in_thread(create_app(gen)) as url:
+        first, second = {}, {}
+        threads = [_post_in_thread(url, beams, first)]  # 4 x (2 + 50) = 208 beam tokens
+        try:
+            assert model.reached.wait(30)  # running, holding 208 of the 256
+            r = httpx.post(url + "/generate", json={**beams, "max_length": 11}, timeout=30)  # 52 more
+            assert r.status_code == 429 and r.headers["retry-after"] == "1"
+            assert "budget of 256" in r.json()["error"]["message"]
+            threads.append(_post_in_thread(url, {**beams, "max_length": 10}, second))  # 48: fits, waits
+        finally:
+            model.go.set()
+            for t in threads:
+                t.join(60)
+        assert first["r"].status_code == 200 and second["r"].status_code == 200
+
+
+def test_a_client_leaving_stops_its_running_beam_search_before_the_next_step(gen):
+    model = gen._model.hold(2)
+    body = json.dumps({"prompt": ["a"], "max_length": 60, "min_length": 0, "do_sample": False,
+                       "num_beams": 2}).encode()
+    with serve_in_thread(create_app(gen)) as url:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            assert model.reached.wait(30)  # the search is running, inside step 2
+        # the client is gone; the server notes it (a 499 in its metrics) once it has cancelled the search
+        deadline = time.monotonic() + 30
+        while 'endpoint="generate",status="499"} 1.0' not in httpx.get(url + "/metrics").text:
+            assert time.monotonic() < deadline, "the server did not notice the client leaving"
+            time.sleep(0.05)
+        model.go.set()
+        r = httpx.post(url + "/generate", json={"prompt": ["k"], "max_length": 2, "min_length": 0,
+                                                "do_sample": False, "num_beams": 2}, timeout=30)
+        assert r.json() == {"gen_text": ["klm"]}  # the worker is free: the search stopped
+    assert model.stopped_at == 3  # of 60 steps: the one after the client left did not run
 
 
 def test_gptj_bad_words_become_token_ids_with_and_without_a_leading_space(client):

@@ -2,11 +2,14 @@
 /health and a completion through Serve, then SIGINT (Ctrl-C) or SIGTERM: it exits 0 and no process it started
 survives. (Ray's driver installs its own SIGTERM handler, which exits without stopping Ray: the CLI takes the
 signal back after ray.init.)"""
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import httpx
@@ -33,6 +36,15 @@ def _wait_for_line(proc, text: str, timeout: float) -> list[str]:
     raise AssertionError(f"server did not print {text!r}; output:\n{''.join(seen)}")
 
 
+def _urllib_status(url: str, payload: dict) -> int:
+    request = urllib.request.Request(url, data=json.dumps(payload).encode(),
+                                     headers={"content-type": "application/json"})
+    try:
+        return urllib.request.urlopen(request, timeout=60).status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig,ingress,owner", [(signal.SIGINT, "auto", "ServeReplica"),
                                                (signal.SIGTERM, "proxy", "ProxyActor")],
@@ -53,6 +65,9 @@ def test_serve_answers_through_ray_and_a_signal_leaves_no_processes(sig, ingress
         r = httpx.post(base + "/v1/completions", timeout=60,
                        json={"prompt": "a", "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == "bcde"
+        # a body over the limit (4 MiB) read as a 413 by a client that sends it all before reading, through
+        # the replica's own server or Serve's proxy (they reset the connection while it was still sending)
+        assert _urllib_status(base + "/v1/completions", {"prompt": "x" * 20_000_000}) == 413
         try:  # bound to 127.0.0.1 only
             listening = [c for c in psutil.net_connections("tcp")
                          if c.status == psutil.CONN_LISTEN and c.laddr.port == port]

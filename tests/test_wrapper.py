@@ -69,6 +69,26 @@ def test_generate_matches_hf(models, case):
         assert base.shape != ref.shape or not torch.equal(base, ref)
 
 
+def test_a_beam_search_stops_before_the_step_after_should_stop_says_so(models):
+    """`should_stop` is asked before every step of the on-device loop (a host callback): the search ends
+    with SearchStopped at the first True, however many steps were left; one that never says stop gives
+    HF's beams exactly (the callback changes nothing else)."""
+    from opt_serving.model.beam_search import SearchStopped
+    _, ours, ids, mask, eos, _ = models
+    asked = []
+
+    def should_stop():  # says stop from its fourth question on
+        asked.append(len(asked) >= 3)
+        return asked[-1]
+    kw = dict(CASES["beam"], max_new_tokens=NEW, eos_token_id=eos)
+    with pytest.raises(SearchStopped):
+        ours.generate(ids.numpy(), attention_mask=mask.numpy(), should_stop=should_stop, **kw)
+    # asked before steps 1, 2, 3 and 4: the 4th said stop, then once more after the loop; no step ran after it
+    assert asked == [False, False, False, True, True] and NEW > 4
+    out = ours.generate(ids.numpy(), attention_mask=mask.numpy(), should_stop=lambda: False, **kw)
+    np.testing.assert_array_equal(out, ours.generate(ids.numpy(), attention_mask=mask.numpy(), **kw))
+
+
 def test_eos_finishes_rows_and_fills_pad(models):
     _, ours, ids, mask, eos, _ = models
     out = ours.generate(ids.numpy(), attention_mask=mask.numpy(), max_new_tokens=NEW, eos_token_id=eos)

@@ -1,16 +1,66 @@
 """Beam search, a port of transformers 5.23 `_beam_search` (vectorised, one EOS token): `beam_init` and
 `beam_step` are pure functions of the next-token logits and the beams' state, which the on-device loop
-(`search`) and the pipelined host loop (parallel/backend.py) run between decodes."""
+(`search`) and the pipelined host loop (parallel/backend.py) run between decodes.
+
+A search can be stopped between steps (a server's client gone): the caller's `should_stop` is asked before
+every step, on the host; the on-device loop asks it through a host callback (`stoppable`, `_stopped`), and
+the search then ends with SearchStopped instead of a result."""
 from __future__ import annotations
 
+import contextlib
+import itertools
+import threading
 from functools import partial
+from typing import Callable, Iterator, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
 
 from opt_serving import sampling
 from opt_serving.backend import Backend
 from opt_serving.model import kv_cache, opt
+
+
+class SearchStopped(Exception):
+    """The caller's `should_stop` said so before a step: the search ended without a result."""
+
+
+# searches that can be stopped, by the token their compiled loop passes to the host callback: the callback
+# is one module-level function, so a new search compiles nothing new
+_STOPS: dict[int, Callable[[], bool]] = {}
+_STOPS_LOCK = threading.Lock()
+_TOKENS = itertools.count(1)
+
+
+@contextlib.contextmanager
+def stoppable(should_stop: Optional[Callable[[], bool]]) -> Iterator[Optional[int]]:
+    """The token (None without `should_stop`) to give `search` while it runs; `should_stop` (once True, True
+    from then on) is then asked before every step."""
+    if should_stop is None:
+        yield None
+        return
+    with _STOPS_LOCK:
+        token = next(_TOKENS)
+        _STOPS[token] = should_stop
+    try:
+        yield token
+    finally:
+        with _STOPS_LOCK:
+            _STOPS.pop(token, None)
+
+
+def _stopped(token) -> np.ndarray:
+    with _STOPS_LOCK:
+        should_stop = _STOPS.get(int(token))
+    return np.bool_(should_stop is not None and should_stop())
+
+
+def check_stop(should_stop: Optional[Callable[[], bool]]) -> None:
+    """Raise SearchStopped if the caller wants the search stopped (host loops, and after the device loop)."""
+    if should_stop is not None and should_stop():
+        raise SearchStopped("beam search stopped by its caller")
 
 
 def _gather_beams(x, idx):
@@ -82,9 +132,11 @@ def beam_step(k, s, length_penalty, early_stop, eos, logits, c, prompt_seen, st)
 
 @partial(jax.jit, static_argnums=(0, 5, 6, 7, 8, 9, 10, 11, 12, 13))
 def search(cfg, params, ids, mask, st, max_new, k, n_return, length_penalty, early_stop,
-           eos, pad, output_scores, backend: Backend):
+           eos, pad, output_scores, backend: Backend, stop_token=None):
     """The whole search on device: decodes and beam_step in one jitted loop -> ((seqs, beam_idx) of the
-    n_return best per prompt, processed log-probs [max_new, B*K, V] (or [0, ...]), their scores)."""
+    n_return best per prompt, processed log-probs [max_new, B*K, V] (or [0, ...]), their scores).
+    `stop_token` (from `stoppable`): before each step the loop asks the host whether to stop (then its
+    results are partial: the caller raises SearchStopped); None: no host call, the loop runs on device."""
     bk, s = ids.shape
     b = bk // k
     n_real = jnp.sum(mask, axis=1).astype(jnp.int32)  # [B*K]; equal within a batch item
@@ -106,9 +158,13 @@ def search(cfg, params, ids, mask, st, max_new, k, n_return, length_penalty, ear
             lambda: (logits, cache))
         return c, logits, cache, go, scores_buf
 
+    def go_on(carry):
+        if stop_token is None:
+            return carry[3]
+        return carry[3] & ~io_callback(_stopped, jax.ShapeDtypeStruct((), jnp.bool_), stop_token)
+
     c = beam_init(ids, mask, k, s + max_new, pad if pad else eos)
-    c, *_, scores_buf = jax.lax.while_loop(lambda carry: carry[3], step,
-                                           (c, logits, cache, jnp.bool_(True), scores_buf))
+    c, *_, scores_buf = jax.lax.while_loop(go_on, step, (c, logits, cache, jnp.bool_(True), scores_buf))
     flat = lambda x: x[:, :n_return].reshape((b * n_return,) + x.shape[2:])  # noqa: E731
     return (flat(c["seqs"]), flat(c["beam_idx"])), scores_buf, flat(c["beam_scores"])
 

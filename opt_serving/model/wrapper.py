@@ -71,8 +71,10 @@ class Generation:
         """-> (history [B, S + new_bucket], steps taken, processed scores [new_bucket, B, V] or [0, ...])"""
         raise NotImplementedError
 
-    def _beams(self, ids, mask, st, max_new, k, n_return, length_penalty, early_stop, eos, pad, output_scores):
-        """-> ((seqs, beam_idx) of the n_return best per prompt, scores [max_new, B*K, V], beam scores)"""
+    def _beams(self, ids, mask, st, max_new, k, n_return, length_penalty, early_stop, eos, pad, output_scores,
+               should_stop=None):
+        """-> ((seqs, beam_idx) of the n_return best per prompt, scores [max_new, B*K, V], beam scores);
+        SearchStopped when `should_stop()` is true before a step"""
         raise NotImplementedError
 
     def generate(self, input_ids=None, attention_mask=None, max_length=None, max_new_tokens=None,
@@ -80,7 +82,10 @@ class Generation:
                  top_p=1.0, num_beams=1, num_return_sequences=1, repetition_penalty=1.0,
                  no_repeat_ngram_size=0, bad_words_ids=None, eos_token_id=None, pad_token_id=None,
                  output_scores=False, return_dict_in_generate=False, seed=None,
-                 length_penalty=1.0, early_stopping=False, **unused):
+                 length_penalty=1.0, early_stopping=False, should_stop=None, **unused):
+        """transformers' generate(). Beyond it: `should_stop`, a function asked before every step of a beam
+        search (num_beams > 1); once it returns True the search ends at once with
+        beam_search.SearchStopped (a server stops the search of a client that has gone)."""
         if unused:
             raise TypeError(f"generate() got unsupported arguments: {sorted(unused)}")
         cfg = self.config
@@ -105,7 +110,7 @@ class Generation:
                 raise NotImplementedError("beam sampling (num_beams > 1 with do_sample) is not supported")
             seqs, scores, seq_scores, n_steps = self._generate_beams(
                 ids, mask, settings, seed, max_new_tokens, num_beams, num_return_sequences, length_penalty,
-                early_stopping, eos, pad, output_scores)
+                early_stopping, eos, pad, output_scores, should_stop)
         else:
             if num_return_sequences > 1 and not do_sample:
                 raise ValueError("greedy search returns one sequence per prompt; "
@@ -116,7 +121,7 @@ class Generation:
         return _outputs(seqs, scores, seq_scores, n_steps, is_torch, output_scores, return_dict_in_generate)
 
     def _generate_beams(self, ids, mask, settings, seed, max_new_tokens, num_beams, num_return_sequences,
-                        length_penalty, early_stopping, eos, pad, output_scores):
+                        length_penalty, early_stopping, eos, pad, output_scores, should_stop=None):
         """generate()'s beam search -> (sequences [B * n, S + steps], per-step scores, sequence scores, steps)."""
         b, s = ids.shape
         if num_return_sequences > num_beams:
@@ -125,7 +130,7 @@ class Generation:
         st = sampling.make_settings(b * num_beams, seed=seed, **settings)
         seqs, scores, seq_scores = self._beams(
             ids, mask, st, max_new_tokens, num_beams, num_return_sequences, float(length_penalty),
-            bool(early_stopping is True), eos, pad, output_scores)
+            bool(early_stopping is True), eos, pad, output_scores, should_stop=should_stop)
         seqs, beam_idx = np.asarray(seqs[0]), np.asarray(seqs[1])
         out_len = s + int(((beam_idx + 1) != 0).sum(1).max())
         return seqs[:, :out_len], scores, seq_scores, out_len - s
@@ -204,9 +209,15 @@ class OPTModel(Generation):
         return _sample_loop(self.config, self.fused_params, jnp.asarray(ids), jnp.asarray(mask), st,
                             jnp.int32(max_new), new_bucket, pad, output_scores, self.backend)
 
-    def _beams(self, ids, mask, st, max_new, k, n_return, length_penalty, early_stop, eos, pad, output_scores):
-        return beam_search.search(self.config, self.fused_params, jnp.asarray(ids), jnp.asarray(mask), st, max_new,
-                                  k, n_return, length_penalty, early_stop, eos, pad, output_scores, self.backend)
+    def _beams(self, ids, mask, st, max_new, k, n_return, length_penalty, early_stop, eos, pad, output_scores,
+               should_stop=None):
+        with beam_search.stoppable(should_stop) as token:
+            out = beam_search.search(self.config, self.fused_params, jnp.asarray(ids), jnp.asarray(mask), st,
+                                     max_new, k, n_return, length_penalty, early_stop, eos, pad, output_scores,
+                                     self.backend, None if token is None else jnp.int32(token))
+            jax.block_until_ready(out)  # the loop asks about `token` while it runs: keep it registered till then
+        beam_search.check_stop(should_stop)
+        return out
 
 
 def processed_choice(logits, state, st, argmax=sampling.argmax):

@@ -245,7 +245,8 @@ class PipelinedOPT(wrapper.Generation):
             out[r["rows"], :s + r["steps"]] = np.asarray(r["state"].history)[:, :s + r["steps"]]
         return out, steps, scores
 
-    def _beams(self, ids, mask, st, max_new, k, n_return, length_penalty, early_stop, eos, pad, output_scores):
+    def _beams(self, ids, mask, st, max_new, k, n_return, length_penalty, early_stop, eos, pad, output_scores,
+               should_stop=None):
         """beam_search.search's contract over the stages: prompts in micro-batches, each with its K
         beams; per step the logits come to the driver, `beam_step` picks the beams, every stage reorders
         its cache rows to follow them (Ray runs one caller's calls to an actor in order, so the next
@@ -269,6 +270,7 @@ class PipelinedOPT(wrapper.Generation):
                 for r in runs:
                     if r["ref"] is None:
                         continue
+                    beam_search.check_stop(should_stop)  # before each micro-batch's step
                     cur = int(r["c"]["cur"])
                     r["c"], parents, last, go, lp = _beam_step(k, s, length_penalty, early_stop, eos,
                                                                jnp.asarray(self.stages.get(r["ref"])), r["c"],

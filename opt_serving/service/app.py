@@ -1,7 +1,8 @@
 """The HTTP service: `create_app(generator)`, a plain FastAPI app (no Ray; tests run it in-process against the
 fake engine). The Ray Serve deployment that hosts it is deployment.py.
 
-Request flow: body size limit (limits.py) -> pydantic validation (protocol.py) -> the API's router
+Request flow: a broken read taken as a disconnect, draining an unread body after an early answer, body size
+limit (limits.py) -> pydantic validation (protocol.py) -> the API's router
 (routes_openai.py, routes_metaseq.py, routes_gptj.py) -> one generator stream per (prompt, sample), all
 started before answering (serving.py) -> a JSON body, or server-sent events ending `data: [DONE]` (sse.py).
 Errors, wherever raised, are answered in OpenAI's shape with the status errors.py gives their type.
@@ -18,11 +19,20 @@ from fastapi.responses import HTMLResponse
 from opt_serving.service import protocol as P
 from opt_serving.service import routes_gptj, routes_metaseq, routes_openai, routes_probes
 from opt_serving.service.errors import install_error_handlers
-from opt_serving.service.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from opt_serving.service.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit, DisconnectOnReceiveFailure, DrainUnreadBody
 from opt_serving.service.metrics import CountRequests
 from opt_serving.service.serving import Service
 
 STATIC = Path(__file__).parent / "static"
+
+
+class _App(FastAPI):
+    """FastAPI with limits.py's connection wrappers outside everything, Starlette's own 500 answer included
+    (middleware added with add_middleware sits inside that one): every early answer on every route reaches the
+    client (DrainUnreadBody), and a broken read is a disconnect, not a 500 (DisconnectOnReceiveFailure)."""
+
+    def build_middleware_stack(self):
+        return DisconnectOnReceiveFailure(DrainUnreadBody(super().build_middleware_stack()))
 
 
 def create_app(generator, *, model_name: str | None = None, api_keys: Sequence[str] = (),
@@ -32,7 +42,7 @@ def create_app(generator, *, model_name: str | None = None, api_keys: Sequence[s
     `Authorization: Bearer <one of them>`. `close_generator`: close it when the app shuts down.
     `max_logprobs`: the most top alternatives per token a request may ask for (vLLM's --max-logprobs; the
     engine's model gives at most generator.max_top_logprobs). `max_body_bytes`: larger request bodies are a 413,
-    refused before they are read."""
+    refused before they are parsed (and then discarded, so every client reads the 413)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -40,7 +50,7 @@ def create_app(generator, *, model_name: str | None = None, api_keys: Sequence[s
         if close_generator:
             generator.close()
 
-    app = FastAPI(title="opt_serving", version="0.1.0", lifespan=lifespan,
+    app = _App(title="opt_serving", version="0.1.0", lifespan=lifespan,
                   description="OPT language models: OpenAI-, metaseq- and GPT-J-API-compatible completions.",
                   responses={400: {"model": P.ErrorResponse}, 401: {"model": P.ErrorResponse},
                              429: {"model": P.ErrorResponse}})

@@ -73,7 +73,7 @@ def _plan_and_ray_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="most top alternatives a request may ask for per token (vLLM's --max-logprobs)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20,
-                   help="request bodies larger than this are refused with 413 before they are read")
+                   help="request bodies larger than this are refused with 413 before they are parsed")
     p.add_argument("--num-replicas", type=int, default=None, help="model replicas (default 1)")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs for a Ray started here (default: all)")
     p.add_argument("--num-gpus", type=float, default=None, metavar="G",

@@ -63,17 +63,11 @@ def bad_words_ids(generator, words: Sequence[str]) -> list[list[int]]:
 
 async def _beam_search(svc: Service, request: Request, jobs: list[Job], req: P.GenerateRequest,
                        answer: Callable[[list], P.GenerateResponse]):
-    """Every prompt's beam search queued at once (a refusal is a 4xx and cancels the ones queued before
-    it), then awaited; a client that leaves drops the searches not yet started."""
-    futures = []
-    try:
-        with as_http_errors():
-            for prompt, params in jobs:
-                futures.append(svc.g.beam(prompt, params, req.num_beams, early_stopping=req.early_stop))
-    except Exception:
-        for f in futures:
-            f.cancel()
-        raise
+    """Every prompt's beam search queued at once, or none (a refusal is a 4xx: over the beam budget, 429
+    while other searches hold it, 400 when larger than all of it), then awaited; a client that leaves or a
+    timeout drops the searches not yet started and stops the running one before its next step."""
+    with as_http_errors():
+        futures = svc.g.beams(jobs, req.num_beams, early_stopping=req.early_stop)
 
     async def work():
         timer = svc.metrics.timer("generate")

@@ -123,21 +123,43 @@ class GatedSlots(FakeSlots):
         return super().step()
 
 
+class SearchStopped(Exception):
+    """FakeBeamModel's search stopped by its caller's should_stop."""
+
+
 class FakeBeamModel:
-    """What `Generator.beam()` calls on the fake engine: `generate(num_beams=...)` in HF's shape."""
+    """What `Generator.beam()` calls on the fake engine: `generate(num_beams=...)` in HF's shape.
+    `should_stop` is asked before every step, as the real search does (then SearchStopped; `stopped_at`
+    records the step it stopped before). `hold(k)`: the next search to reach step k sets `reached` and waits
+    there until `go` is set (a test's hold on a running search)."""
 
     def __init__(self, vocab_size: int = FAKE_VOCAB_SIZE):
         self.vocab_size = vocab_size
         self.calls = 0
+        self.stopped_at: Optional[int] = None
+        self.hold_at: Optional[int] = None
+        self.reached, self.go = threading.Event(), threading.Event()
+
+    def hold(self, step: int) -> "FakeBeamModel":
+        self.hold_at = step
+        self.reached.clear()
+        self.go.clear()
+        return self
 
     def generate(self, input_ids, num_beams: int = 1, max_new_tokens: int = 16, min_new_tokens=None,
-                 eos_token_id: int = -1, **_ignored) -> np.ndarray:
+                 eos_token_id: int = -1, should_stop=None, **_ignored) -> np.ndarray:
         self.calls += 1
         ids = np.asarray(input_ids)
         out = []
         for row in ids.tolist():
             row, last = list(row), row[-1]
             for k in range(max_new_tokens):
+                if should_stop is not None and should_stop():
+                    self.stopped_at = k
+                    raise SearchStopped(f"stopped before step {k}")
+                if k == self.hold_at and not self.reached.is_set():
+                    self.reached.set()
+                    assert self.go.wait(60), "a held beam search was never let go"
                 tok = (last + 1) % self.vocab_size
                 if k < (min_new_tokens or 0) and tok == eos_token_id:
                     tok = (last + 2) % self.vocab_size

@@ -1,9 +1,32 @@
 """A multi-node Ray cluster simulated on this machine (tests, benchmarks): `ray.cluster_utils.Cluster`,
-each node with its own custom resource ("node0", "node1", ...) so a test can tell where things ran."""
+each node with its own custom resource ("node0", "node1", ...) so a test can tell where things ran; and
+`no_foreign_clusters()`, which keeps tests and benchmarks off Ray clusters they did not start."""
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Iterator
+
+
+def no_foreign_clusters() -> bool:
+    """Make Ray's address discovery find no cluster, in this process: `ray.init()` with no address (which
+    joins the latest `ray start` or `ray.cluster_utils.Cluster` on the machine, or $RAY_ADDRESS) and with
+    address="auto" (which joins any Ray found running here; the alpa/ backend's `connect_ray` does this, as
+    a notebook should) then start a Ray of their own or find none. Another program's cluster on the machine
+    can then neither change a test's result nor be used by it. Clusters a test starts are joined by their
+    address (`simulated_cluster`) or started with address="local". False where Ray is not installed."""
+    os.environ.pop("RAY_ADDRESS", None)
+    try:
+        from ray._private import services
+    except ImportError:
+        return False
+
+    def none_found():
+        return []
+    none_found.cache_clear = lambda: None  # what Ray calls on the function it replaces
+    services.find_gcs_addresses = none_found
+    services.find_bootstrap_address = lambda temp_dir=None: None
+    return True
 
 
 @contextlib.contextmanager
