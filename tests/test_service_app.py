@@ -47,7 +47,8 @@ def test_greedy_completion_text_usage_and_finish(client):
     assert r.status_code == 200
     body = r.json()
     assert body["object"] == "text_completion" and body["model"] == "opt-fake"
-    assert body["choices"] == [{"text": "bcdef", "index": 0, "logprobs": None, "finish_reason": "length"}]
+    assert body["choices"] == [{"text": "bcdef", "index": 0, "logprobs": None, "finish_reason": "length",
+                                "prompt_logprobs": None}]
     assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
 
 
@@ -61,14 +62,16 @@ def test_logprobs_tokens_offsets_and_top_alternatives(client):
     assert lp["top_logprobs"][0]["c"] == pytest.approx(-2 * LN2)
 
 
-def test_echo_lists_the_prompt_as_sent(client):
+def test_echo_lists_every_prompt_token_the_model_read(client):
     r = post(client, {"prompt": "a", "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 0})
     choice = r.json()["choices"][0]
     assert choice["text"] == "abc"
-    # the tokenizer's </s> is not part of the prompt the user sent; "a" is scored after it
-    assert choice["logprobs"]["tokens"] == ["a", "b", "c"]
-    assert choice["logprobs"]["text_offset"] == [0, 1, 2]
-    assert choice["logprobs"]["token_logprobs"] == pytest.approx([math.log(2 ** -5 / 255), -LN2, -LN2])
+    # as OpenAI and vLLM: the tokenizer's </s> first with a null logprob (nothing before it), but no part of the
+    # text, which is the prompt as sent; "a" is scored after it
+    assert choice["logprobs"]["tokens"] == ["</s>", "a", "b", "c"]
+    assert choice["logprobs"]["text_offset"] == [0, 0, 1, 2]
+    assert choice["logprobs"]["token_logprobs"][0] is None and choice["logprobs"]["top_logprobs"][0] is None
+    assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx([math.log(2 ** -5 / 255), -LN2, -LN2])
     # a token prompt is echoed id for id, its explicit </s> (nothing before it: null logprob) included
     r = post(client, {"prompt": [2, 101], "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 0})
     lp = r.json()["choices"][0]["logprobs"]
@@ -383,8 +386,8 @@ def test_echo_with_zero_max_tokens_scores_the_prompt(client):
     assert r.status_code == 200
     choice = r.json()["choices"][0]
     assert choice["text"] == "ab"
-    assert choice["logprobs"]["tokens"] == ["a", "b"]
-    assert choice["logprobs"]["token_logprobs"] == pytest.approx([math.log(2 ** -5 / 255), -LN2])
+    assert choice["logprobs"]["tokens"] == ["</s>", "a", "b"]
+    assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx([math.log(2 ** -5 / 255), -LN2])
     assert post(client, {"prompt": "ab", "max_tokens": 0}).status_code == 400  # nothing to return
 
 

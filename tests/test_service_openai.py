@@ -53,7 +53,9 @@ def test_echo(fake_server):
     r = client.completions.create(model="opt-fake", prompt="hi", max_tokens=2, temperature=0, echo=True,
                                   logprobs=0)
     assert r.choices[0].text == "hijk"
-    assert r.choices[0].logprobs.tokens == ["h", "i", "j", "k"]  # the prompt's tokens, as OpenAI echoes them
+    # the prompt's tokens as vLLM echoes them: the tokenizer's </s> first, with a null logprob
+    assert r.choices[0].logprobs.tokens == ["</s>", "h", "i", "j", "k"]
+    assert r.choices[0].logprobs.token_logprobs[0] is None and r.choices[0].logprobs.token_logprobs[1] < 0
 
 
 def test_stop(fake_server):
@@ -104,15 +106,15 @@ def test_logprob_tokens_are_text_in_every_route(opt_server):
     import requests
     _, url, client = opt_server
     prompt = "Is it café? yes"
-    r = client.completions.create(model="opt", prompt=prompt, max_tokens=3, temperature=0, echo=True,
+    r = client.completions.create(model="opt-fake", prompt=prompt, max_tokens=3, temperature=0, echo=True,
                                   logprobs=2)
     lp = r.choices[0].logprobs
-    assert lp.tokens[:5] == ["Is", " it", " café", "?", " yes"] and "".join(lp.tokens) == r.choices[0].text
+    assert lp.tokens[:6] == ["</s>", "Is", " it", " café", "?", " yes"] and "".join(lp.tokens[1:]) == r.choices[0].text
     assert lp.top_logprobs[-1][lp.tokens[-1]] == pytest.approx(lp.token_logprobs[-1])
-    chunks = list(client.completions.create(model="opt", prompt=prompt, max_tokens=3, temperature=0,
+    chunks = list(client.completions.create(model="opt-fake", prompt=prompt, max_tokens=3, temperature=0,
                                             logprobs=1, stream=True))
     streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
-    assert streamed == lp.tokens[5:] and "".join(streamed) == "".join(c.choices[0].text for c in chunks)
+    assert streamed == lp.tokens[6:] and "".join(streamed) == "".join(c.choices[0].text for c in chunks)
     meta = requests.post(url + "/completions", json={"prompt": prompt, "max_tokens": 3, "temperature": 0},
                          timeout=30).json()["choices"][0]
-    assert meta["logprobs"]["tokens"] == lp.tokens[5:] and "".join(meta["logprobs"]["tokens"]) == meta["text"]
+    assert meta["logprobs"]["tokens"] == lp.tokens[6:] and "".join(meta["logprobs"]["tokens"]) == meta["text"]

@@ -25,10 +25,11 @@ from opt_serving.service.serving import Service
 STATIC = Path(__file__).parent / "static"
 
 
-def create_app(generator, *, model_name: str | None = None, api_keys: Sequence[str] = (),
+def create_app(generator, *, model_name: str | Sequence[str] | None = None, api_keys: Sequence[str] = (),
                request_timeout: float = 600.0, close_generator: bool = False,
                max_logprobs: int = P.MAX_LOGPROBS, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """FastAPI app serving `generator`. `api_keys`: if given, POST routes and /v1/models need
+    """FastAPI app serving `generator` under `model_name` (a name, or several as vLLM's --served-model-name: the
+    first is the one answers give; default: the generator's). `api_keys`: if given, POST routes and /v1/models need
     `Authorization: Bearer <one of them>`. `close_generator`: close it when the app shuts down.
     `max_logprobs`: the most top alternatives per token a request may ask for (vLLM's --max-logprobs; the
     engine's model gives at most generator.max_top_logprobs). `max_body_bytes`: larger request bodies are a 413,
