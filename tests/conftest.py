@@ -74,7 +74,8 @@ def opt_vocab_server(opt_tokenizer):
     hf = hf_model(OPT_VOCAB_SMALL, seed=1)
     slots = OPTSlots(OPT_VOCAB_SMALL, weights.params_from_hf_state_dict(OPT_VOCAB_SMALL, hf.state_dict()),
                      num_slots=8, max_seq_len=256)
-    g = Generator(Engine(slots, decode_steps=4), opt_tokenizer, model_name="opt-small")
+    # (however long a step takes on a busy machine, four a call while nobody waits for a slot)
+    g = Generator(Engine(slots, decode_steps=4, decode_call_s=3600), opt_tokenizer, model_name="opt-small")
     with serve_in_thread(create_app(g, model_name=["opt-small", "my-opt"])) as url:
         yield g, url, openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=120), hf
     g.close()

@@ -162,3 +162,40 @@ def test_constrained_steps_in_one_call_equal_single_steps(opt_vocab_server):
     for texts in want:
         for t in texts:
             jsonschema.validate(json.loads(t), PERSON)
+
+
+def test_metaseq_and_gpt_api_routes_take_the_same_fields(opt_vocab_server):
+    import requests
+    _, url, _, _ = opt_vocab_server
+    r = requests.post(url + "/completions", json={"prompt": PROMPTS, "max_tokens": 60, "temperature": 0,
+                                                   "structured_outputs": {"json": PERSON}}, timeout=120)
+    assert r.status_code == 200, r.text
+    for c in r.json()["choices"]:
+        jsonschema.validate(json.loads(c["text"]), PERSON)
+    r = requests.post(url + "/generate", json={"prompt": PROMPTS, "max_length": 12, "min_length": 0,
+                                                "guided_choice": ["left", "right"]}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert [t[len(p):] in ("left", "right") for p, t in zip(PROMPTS, r.json()["gen_text"])] == [True] * len(PROMPTS)
+    beams = requests.post(url + "/generate", json={"prompt": ["a"], "do_sample": False, "num_beams": 2,
+                                                    "guided_regex": "b+"}, timeout=120)
+    assert beams.status_code == 400 and "not available with beam search" in beams.json()["error"]["message"]
+
+
+def test_a_schema_llguidance_cannot_follow_is_a_400_naming_the_problem(opt_vocab_server):
+    _, _, client, _ = opt_vocab_server
+    with pytest.raises(openai.BadRequestError, match="Invalid type: foo") as e:
+        _create(client, "hi", extra_body={"response_format": {"type": "json_schema", "json_schema": {
+            "name": "bad", "schema": {"type": "object", "properties": {"a": {"type": "foo"}}}}}})
+    assert e.value.body["param"] == "response_format"
+    with pytest.raises(openai.BadRequestError, match="unclosed group"):
+        _create(client, "hi", extra_body={"structured_outputs": {"regex": "(a"}})
+
+
+def test_an_engine_that_cannot_mask_refuses_structured_output():
+    from opt_serving.testing.fake_engine import fake_generator
+    g = fake_generator()
+    try:
+        with pytest.raises(InvalidRequest, match="structured output is not available with opt-fake"):
+            g.prepare("a", SamplingParams(structured=StructuredOutput.of("regex", "b+", "guided_regex")))
+    finally:
+        g.close()

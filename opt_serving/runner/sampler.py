@@ -147,19 +147,17 @@ class Sampler:
             to the rows that are `active`; `allowed`: structured output's masks (sampling.allow_only), or None.
             When no row wants scores and every active row takes the plain argmax, the step skips the sampling
             processors and the scores (opt.lm_argmax: the logits and one argmax, or with the screened greedy
-            head not even the logits); the scores are then NaN. The scores are the model's own, unmasked."""
+            head not even the logits, a constrained row's argmax over its allowed tokens); the scores are then NaN.
+            The scores are the model's own, unmasked."""
             def full():
                 logits = opt.lm_logits(params, h, backend)  # [B, V]
                 tok, _ = sampling.sample(logits, state, settings, backend.argmax, allowed)
                 return (tok, *token_scores(logits, tok, want_top))
 
             def plain():
-                tok = opt.lm_argmax(params, h, sampling.held_back(state, settings), backend)
+                tok = opt.lm_argmax(params, h, sampling.held_back(state, settings), backend, allowed)
                 return (tok, jnp.full(tok.shape, jnp.nan, jnp.float32), *no_top(h.shape[0]))
-            plain_step = ~want_scores & sampling.plain_argmax(state, settings, active)
-            if allowed is not None:
-                plain_step &= ~jnp.any(allowed[1] & active)
-            out = jax.lax.cond(plain_step, plain, full)
+            out = jax.lax.cond(~want_scores & sampling.plain_argmax(state, settings, active), plain, full)
             # free slots keep their state, so their positions never run past the cache
             state = sampling.update_state(state, out[0], active)
             return state, out
