@@ -44,7 +44,7 @@ def create_app(generator, *, model_name: str | Sequence[str] | None = None, api_
     app = FastAPI(title="opt_serving", version="0.1.0", lifespan=lifespan,
                   description="OPT language models: OpenAI-, metaseq- and GPT-J-API-compatible completions.",
                   responses={400: {"model": P.ErrorResponse}, 401: {"model": P.ErrorResponse},
-                             429: {"model": P.ErrorResponse}})
+                             404: {"model": P.ErrorResponse}, 429: {"model": P.ErrorResponse}})
     app.state.service = svc = Service(generator, model_name, request_timeout, max_logprobs)
     app.state.api_keys = [k for k in api_keys if k]
     # before anything reads the body; inside the counting, so refusals show in the metrics
