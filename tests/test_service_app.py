@@ -335,6 +335,20 @@ def test_serve_args_from_command_line_strings():
     a = ServeArgs(**{"model": "facebook/opt-125m", "path": "/w", "max_batch_size": "8", "api_keys": "k1, k2,"})
     assert a.max_batch_size == 8 and a.key_list() == ["k1", "k2"]
     assert ServeArgs(api_keys=["x"]).key_list() == ["x"]
+    # vLLM's --served-model-name: the model's own name unless given (builder argument: comma separated)
+    assert a.model_names() == ["facebook/opt-125m"] and ServeArgs().model_names() == []
+    assert ServeArgs(model="jax/opt-125m", served_model_name="opt, my-opt ").model_names() == ["opt", "my-opt"]
+
+
+def test_served_model_names_from_the_command_line():
+    import argparse
+
+    from opt_serving.service import cli
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--model", "jax/opt-125m", "--served-model-name", "opt", "facebook/opt-125m"])
+    assert cli.serve_args_from(args).model_names() == ["opt", "facebook/opt-125m"]
+    assert cli.serve_args_from(parser.parse_args(["--model", "jax/opt-125m"])).model_names() == ["jax/opt-125m"]
 
 
 def test_builder_makes_a_deployment_sized_for_the_engine_queue():
