@@ -31,13 +31,14 @@ setup(
         "tokenizers>=0.22,<0.24", "safetensors>=0.4",
         "fastapi>=0.115", "uvicorn>=0.30", "pydantic>=2.7,<3",
         "prometheus_client>=0.20", "tqdm>=4.66", "psutil>=5.9", "pyyaml>=6",
+        "llguidance>=1.9,<1.10",
     ],
     # torch: the .pt checkpoint converter (opt-serving convert) and the facebook/ reference backend; serving
     # needs none of it. cuda12 / cuda13: JAX's NVIDIA GPU plugin and its CUDA libraries
     extras_require={"torch": ["torch>=2.4"],
                     "cuda12": ["jax[cuda12]>=0.10,<0.13"], "cuda13": ["jax[cuda13]>=0.10,<0.13"],
                     "test": ["pytest>=8", "requests>=2.31", "httpx>=0.27", "openai>=1.40",
-                             "schemathesis>=4.0,<5", "selenium>=4.20,<5"],
+                             "schemathesis>=4.0,<5", "selenium>=4.20,<5", "jsonschema>=4.20,<5"],
                     "bench": ["aiohttp>=3.9", "httpx>=0.27", "py-spy>=0.3.14"]},
     ext_modules=ext_modules,
     entry_points={"console_scripts": ["opt-serving=opt_serving.cli:main"]},

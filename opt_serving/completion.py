@@ -25,7 +25,9 @@ class Delta:
     """A piece of one completion as it streams; the last one has finish_reason set.
 
     The lists run over the tokens whose text is in this delta (the echoed prompt's tokens in the first delta when
-    echo is on). `prompt_tokens`, `completion_tokens` and `cumulative_logprob` are running totals."""
+    echo is on). `prompt_tokens`, `completion_tokens` and `cumulative_logprob` are running totals.
+    `prompt_logprobs` (vLLM's, in the first delta when asked): per prompt token None for the first, then
+    {token id: (logprob, rank, its text)} for the token itself and the top alternatives asked for."""
     text: str = ""
     token_ids: list[int] = dataclasses.field(default_factory=list)
     tokens: list[str] = dataclasses.field(default_factory=list)
@@ -36,6 +38,7 @@ class Delta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cumulative_logprob: Optional[float] = 0.0  # None when the tokens are not scored (score_tokens)
+    prompt_logprobs: Optional[list[Optional[dict[int, tuple[float, int, str]]]]] = None
 
 
 @dataclasses.dataclass
@@ -52,6 +55,8 @@ class Completion(Delta):
             c.finish_reason = d.finish_reason
             c.prompt_tokens, c.completion_tokens = d.prompt_tokens, d.completion_tokens
             c.cumulative_logprob = d.cumulative_logprob
+            if d.prompt_logprobs is not None:
+                c.prompt_logprobs = d.prompt_logprobs
         return c
 
 
@@ -88,31 +93,44 @@ class RequestText:
         self.tokenizer, self.token_text = tokenizer, token_text
         self.params, self.settings, self.sink = params, settings, sink
         self.prompt_ids, self.base = prompt_ids, len(prompt_text)
-        self.hidden = hidden  # leading prompt tokens the tokenizer added (BOS): read by the model, not echoed
+        self.hidden = hidden  # leading prompt tokens the tokenizer added (BOS): echoed as tokens, not as text
         self.detok = Detokenizer(tokenizer, params.skip_special_tokens)
         self.text = ""       # completion text so far (cut at a stop string)
         self.safe = 0        # text[:safe] can no longer turn into a stop string
         self.sent = 0        # text[:sent] has been sent
         self.toks: list[tuple[TokenInfo, int, int]] = []  # kept tokens with their [start, end) in text
         self.n_sent = 0
-        self.echo_pending = params.echo and not settings.prompt_logprobs  # echo without scores: no prompt output
+        # echo without prompt scores: the engine sends no prompt output
+        self.echo_pending = params.echo and not settings.prompt_logprobs
         self.generated = 0
         self.cum_logprob = 0.0 if settings.logprob else None
         self.finished = False
 
     # ---- prompt echo ----
     def echo_delta(self, scores: Optional[list[TokenInfo]]) -> Delta:
+        """The echoed prompt: every token the model read, its first (OPT's </s>) with no logprob as OpenAI and
+        vLLM list it; the tokens the tokenizer added (`hidden`) are not part of the text."""
         detok = Detokenizer(self.tokenizer, self.params.skip_special_tokens)
         d = Delta(prompt_tokens=len(self.prompt_ids))
-        for i in range(self.hidden):  # context for the detokenizer, not echoed
-            detok.add(self.prompt_ids[i])
-        for i in range(self.hidden, len(self.prompt_ids)):
-            tid = self.prompt_ids[i]
+        for i, tid in enumerate(self.prompt_ids):
             d.text_offset.append(len(d.text))
-            d.text += detok.add(tid, final=i == len(self.prompt_ids) - 1)
-            info = scores[i] if scores is not None else TokenInfo(tid, None)
-            self._append(d, info)
+            piece = detok.add(tid, final=i == len(self.prompt_ids) - 1)
+            if i >= self.hidden:
+                d.text += piece
+            self._append(d, scores[i] if scores is not None else TokenInfo(tid, None))
         return d
+
+    def prompt_scores(self, scores: list[TokenInfo]) -> list[Optional[dict[int, tuple[float, int, str]]]]:
+        """vLLM's prompt_logprobs: None for the first token, then each token's (logprob, rank, text) and its
+        `prompt_logprobs` best alternatives' (ranked in order)."""
+        k, text = self.params.prompt_logprobs or 0, self.token_text
+        out: list[Optional[dict[int, tuple[float, int, str]]]] = [None]
+        for info in scores[1:]:
+            entry = {info.id: (info.logprob, info.rank, text(info.id))}
+            for rank, (tid, lp) in enumerate(info.top[:k], 1):
+                entry.setdefault(tid, (lp, rank, text(tid)))
+            out.append(entry)
+        return out
 
     def _append(self, d: Delta, tok: TokenInfo) -> None:
         d.token_ids.append(tok.id)
@@ -135,7 +153,10 @@ class RequestText:
             self.sink(out.error)
             return True
         if out.is_prompt:
-            self.sink(self.echo_delta(out.tokens))
+            d = self.echo_delta(out.tokens) if self.params.echo else Delta(prompt_tokens=len(self.prompt_ids))
+            if self.params.prompt_logprobs is not None:
+                d.prompt_logprobs = self.prompt_scores(out.tokens)
+            self.sink(d)
             return False
         if self.echo_pending:
             self.echo_pending = False

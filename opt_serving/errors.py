@@ -3,6 +3,7 @@
 
     InvalidRequest          a request this server will never answer as asked (HTTP 400)
       ContextLengthExceeded the prompt (+ the tokens asked for) does not fit the model's context
+    NotFound                what the request names is not here, e.g. a model this server does not serve (HTTP 404)
     Overloaded              no room now; the same request may succeed later (HTTP 429)
     Unavailable             the model cannot answer now: shutting down, a dead worker (HTTP 503)
 """
@@ -29,6 +30,14 @@ class ContextLengthExceeded(InvalidRequest):
 
     def __init__(self, message: str, param: Optional[str] = "prompt"):
         super().__init__(message, param=param, code="context_length_exceeded")
+
+
+class NotFound(OPTServingError, LookupError):
+    """What a request names (a model) is not served here; `param` names the field, `code` OpenAI's reason."""
+
+    def __init__(self, message: str, param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.param, self.code = param, code
 
 
 class Overloaded(OPTServingError, RuntimeError):

@@ -15,10 +15,10 @@ Conventions (OpenAI's legacy completions API):
   * `text_offset` counts characters into prompt text + completion text, also without echo.
   * `token_logprobs` are the model's log-softmax before temperature/penalties; `top_logprobs[i]` holds the
     `logprobs` most likely tokens plus the chosen one.
-  * echo lists exactly the prompt the user sent: for a text prompt, the BOS the tokenizer adds (OPT's leading
-    </s>) is not echoed, and the first echoed token has a real logprob (it is scored after that BOS); a prompt
-    sent as token ids is echoed id for id, an explicit leading </s> included, and its first token has None.
-    `prompt_tokens` (usage) counts what the model read, the added BOS included.
+  * echo lists every token the model read, as OpenAI and vLLM do: for a text prompt the BOS the tokenizer adds
+    (OPT's leading </s>) comes first, with a None logprob, but its text is not part of the echoed text (which
+    is the prompt as sent); a prompt sent as token ids is echoed id for id. `prompt_tokens` (usage) counts the
+    same tokens.
   * EOS is not part of `text`/`tokens`; tokens cut by a stop string are dropped, but `completion_tokens` (usage)
     counts every token the model generated, EOS and cut ones included; `cumulative_logprob` sums them all
     (best_of ranks by it).
@@ -26,6 +26,8 @@ Conventions (OpenAI's legacy completions API):
     request needs it: `logprobs` is set, best_of > n ranks the samples, or `score_tokens=True`. So an engine
     step where every request is plainly greedy and unscored may skip the logits (the CPU's screened greedy
     head), without the caller saying so.
+  * `logit_bias` is added to the logits the token is chosen from, and structured output masks them; neither
+    changes the reported logprobs, which stay the model's own (vLLM's default, raw logprobs).
 The engine's output callback runs on the engine thread; so does each request's text state, so a stop string
 frees the slot before the next step.
 """
@@ -46,6 +48,8 @@ from opt_serving.engine import MAX_TOP_LOGPROBS, Engine, EngineRequest, QueueFul
 from opt_serving.errors import InvalidRequest
 from opt_serving.request import (ModelLimits, Prompt, SamplingParams, check_for_model, check_n, check_prompt,
                                  prompt_form, refuse_surely_too_long, stop_ids)
+from opt_serving.runner.grammar import ll_tokenizer, tokenizer_json
+from opt_serving.structured import StructuredOutput, check_grammar, grammar_of
 from opt_serving.token_text import TokenTexts
 
 # what callers import from here
@@ -71,6 +75,8 @@ class Generator:
         self._model = model
         self._beams = BeamQueue(engine.max_queue, beam_budget or engine.num_slots * engine.max_seq_len)
         self._closed = False
+        self._grammar_lock = threading.Lock()
+        self._ll_tokenizer = None  # structured output's view of the tokenizer, made at the first such request
 
     @classmethod
     def from_pretrained(cls, model_name: str, path=None, dtype: str = "auto", max_batch_size: Optional[int] = None,
@@ -105,6 +111,21 @@ class Generator:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """vLLM's /tokenize: text -> ids (OPT's leading </s> with `add_special_tokens`)."""
+        if not isinstance(text, str):
+            raise InvalidRequest(f"prompt must be a string, got {text!r:.60}", param="prompt")
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """vLLM's /detokenize: ids of this model's vocabulary -> their text, special tokens written as they are
+        spelled ("</s>Hello"), as vLLM decodes them."""
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"tokens: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                                 param="tokens")
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     @functools.cached_property
     def max_token_chars(self) -> Optional[int]:
@@ -153,10 +174,27 @@ class Generator:
         """Every check that needs no tokenising; the prompt as text or as a list of ids."""
         params.validate()
         check_for_model(params, self.limits)
+        if params.structured is not None:
+            check_grammar(params.structured, self.grammar_tokenizer(params.structured))
         prompt = prompt_form(prompt)
         if isinstance(prompt, str):
             refuse_surely_too_long(prompt, params.max_tokens, self.max_seq_len, self.max_token_chars)
         return prompt
+
+    def grammar_tokenizer(self, so: StructuredOutput):
+        """llguidance's view of the tokenizer (runner.grammar.ll_tokenizer), made at the first structured-output
+        request and handed to the stage that samples; InvalidRequest where the engine has no such stage."""
+        with self._grammar_lock:
+            if self._ll_tokenizer is None:
+                use = getattr(self.engine.model, "use_tokenizer", None)
+                if use is None:
+                    raise InvalidRequest(f"structured output is not available with {self.model_name}: its engine "
+                                         "cannot mask its tokens", param=so.param)
+                text = tokenizer_json(self.tokenizer)
+                tok = ll_tokenizer(text, self.vocab_size, self.eos_token_id)
+                use(text, self.eos_token_id)
+                self._ll_tokenizer = tok
+            return self._ll_tokenizer
 
     # ---- streaming (call inside an event loop) ----
     def stream(self, prompt: Prompt, params: SamplingParams, ids: Optional[list[int]] = None) -> DeltaStream:
@@ -213,6 +251,10 @@ class Generator:
         beam tokens summed against the budget)."""
         if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
             raise InvalidRequest(f"num_beams must be an integer >= 1, got {num_beams!r}", param="num_beams")
+        for name in ("structured", "logit_bias", "prompt_logprobs"):  # the decode slots' features, not generate()'s
+            if getattr(params, name) not in (None, {}):
+                raise InvalidRequest(f"{'structured output' if name == 'structured' else name} is not available "
+                                     "with beam search", param="num_beams")
         model = self.beam_model()
         searches = []
         for prompt, params in jobs:
@@ -352,8 +394,10 @@ class Generator:
             stop_token_ids=stop_ids(params, self.eos_token_id),
             bad_words_ids=tuple(tuple(w) for w in params.bad_words_ids),
             no_repeat_ngram_size=params.no_repeat_ngram_size,
-            prompt_logprobs=params.echo and params.logprobs is not None,
-            logprob=params.scored, top_logprobs=bool(params.logprobs))
+            prompt_logprobs=(params.echo and params.logprobs is not None) or params.prompt_logprobs is not None,
+            logprob=params.scored, top_logprobs=bool(params.logprobs),
+            logit_bias=tuple(sorted((params.logit_bias or {}).items())),
+            grammar=None if params.structured is None else grammar_of(params.structured))
 
     def _start(self, prompt: Prompt, params: SamplingParams, sink: Callable[[Any], None],
                ids: list[int]) -> EngineRequest:

@@ -21,7 +21,8 @@ import numbers
 from typing import Any, Optional, Sequence, Union
 
 from opt_serving.errors import ContextLengthExceeded, InvalidRequest
-from opt_serving.runner.types import MAX_BAD_WORD_LEN, MAX_BAD_WORDS, MAX_TOP_LOGPROBS
+from opt_serving.runner.types import MAX_BAD_WORD_LEN, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
+from opt_serving.structured import StructuredOutput
 
 Prompt = Union[str, Sequence[int]]
 
@@ -34,12 +35,15 @@ MAX_LOGPROBS = MAX_TOP_LOGPROBS  # top alternatives per token: what the slot mod
 LEGACY_MAX_LOGPROBS = 5    # OpenAI's legacy completions and metaseq: the batch runner's file format
 MAX_STOP_TOKEN_IDS = 64
 MAX_NO_REPEAT_NGRAM = 8    # sampling.MAX_NGRAM: the decode step unrolls the n-gram match to this length
-# MAX_BAD_WORDS, MAX_BAD_WORD_LEN (runner.types): bad words live in fixed-shape per-slot arrays
+# MAX_BAD_WORDS, MAX_BAD_WORD_LEN, MAX_LOGIT_BIAS (runner.types): bad words and logit biases live in fixed-shape
+# per-slot arrays
+MAX_ABS_LOGIT_BIAS = 100   # OpenAI's range for a logit_bias value
 
-__all__ = ["BATCH_MAX_N", "LEGACY_MAX_LOGPROBS", "MAX_BAD_WORDS", "MAX_BAD_WORD_LEN", "MAX_LOGPROBS", "MAX_N",
+__all__ = ["BATCH_MAX_N", "LEGACY_MAX_LOGPROBS", "MAX_ABS_LOGIT_BIAS", "MAX_BAD_WORDS", "MAX_BAD_WORD_LEN",
+           "MAX_LOGIT_BIAS", "MAX_LOGPROBS", "MAX_N",
            "MAX_NO_REPEAT_NGRAM", "MAX_PROMPTS", "MAX_STOP", "MAX_STOP_TOKEN_IDS", "ModelLimits", "Prompt",
-           "SamplingParams", "check_bad_words", "check_for_model", "check_n", "check_prompt", "prompt_form",
-           "refuse_surely_too_long", "stop_ids"]
+           "SamplingParams", "check_bad_words", "check_for_model", "check_logit_bias", "check_n", "check_prompt",
+           "prompt_form", "refuse_surely_too_long", "stop_ids"]
 
 
 @dataclasses.dataclass
@@ -71,6 +75,12 @@ class SamplingParams:
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's prompt_logprobs: each prompt token's logprob, rank and this many top alternatives (None: off)
+    prompt_logprobs: Optional[int] = None
+    # OpenAI's logit_bias: token id -> a bias in [-100, 100] added to its logit before sampling
+    logit_bias: Optional[dict[int, float]] = None
+    # structured output: what the text must follow (structured.py)
+    structured: Optional[StructuredOutput] = None
 
     @property
     def scored(self) -> bool:
@@ -113,6 +123,12 @@ class SamplingParams:
                                  f"(integers >= 0), got {self.stop_token_ids!r:.80}", param="stop_token_ids")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _flag(name, getattr(self, name))
+        if self.prompt_logprobs is not None:
+            _integer("prompt_logprobs", self.prompt_logprobs, 0, max_logprobs)
+        check_logit_bias(self.logit_bias)
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise InvalidRequest(f"structured must be a StructuredOutput, got {self.structured!r:.60}",
+                                 param="structured_outputs")
 
     def replace(self, **changes: Any) -> "SamplingParams":
         return dataclasses.replace(self, **changes)
@@ -140,7 +156,14 @@ def check_for_model(params: SamplingParams, limits: ModelLimits) -> None:
     if params.logprobs is not None and params.logprobs > most:
         raise InvalidRequest(f"logprobs: at most {most} alternatives per token with this model, got "
                              f"{params.logprobs}", param="logprobs")
+    if params.prompt_logprobs is not None and params.prompt_logprobs > most:
+        raise InvalidRequest(f"prompt_logprobs: at most {most} alternatives per token with this model, got "
+                             f"{params.prompt_logprobs}", param="prompt_logprobs")
     vocab = limits.vocab_size
+    bad = [t for t in params.logit_bias or () if t >= vocab]
+    if bad:
+        raise InvalidRequest(f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                             param="logit_bias")
     bad = [t for t in params.stop_token_ids if t >= vocab]
     if bad:
         raise InvalidRequest(f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {vocab})",
@@ -201,6 +224,24 @@ def check_bad_words(words: Any) -> None:
                     and all(_is_int(t) and t >= 0 for t in w) for w in words)):
         raise InvalidRequest(f"bad_words_ids takes at most {MAX_BAD_WORDS} words of 1 to {MAX_BAD_WORD_LEN} "
                              f"token ids each, got {words!r:.80}", param="bad_words_ids")
+
+
+def check_logit_bias(bias: Any) -> None:
+    """OpenAI's logit_bias: at most MAX_LOGIT_BIAS token ids (integers >= 0), each with a number in [-100, 100]."""
+    if bias is None:
+        return
+    if not isinstance(bias, dict):
+        raise InvalidRequest(f"logit_bias must map token ids to biases, got {bias!r:.60}", param="logit_bias")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"logit_bias: at most {MAX_LOGIT_BIAS} token ids, got {len(bias)}", param="logit_bias")
+    for token, value in bias.items():
+        if not (_is_int(token) and token >= 0):
+            raise InvalidRequest(f"logit_bias: invalid key {token!r:.40}: keys must be token ids (integers >= 0)",
+                                 param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not abs(value) <= MAX_ABS_LOGIT_BIAS:
+            raise InvalidRequest(f"logit_bias: the bias of token {token} must be a number in "
+                                 f"[-{MAX_ABS_LOGIT_BIAS}, {MAX_ABS_LOGIT_BIAS}], got {value!r:.40}",
+                                 param="logit_bias")
 
 
 def check_n(n: Any, best_of: Any = None, max_n: Optional[int] = None) -> int:

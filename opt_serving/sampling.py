@@ -4,7 +4,8 @@ generate() and the engine both call `sample(logits, state, settings)` inside
 their jitted steps. Every setting is a `[B]` array (never a compile-time
 constant), so rows with different requests share one compiled step.
 
-Processors apply in Hugging Face's order (transformers 5.23 `_get_logits_processor`):
+Processors apply in Hugging Face's order (transformers 5.23 `_get_logits_processor`), after OpenAI's
+`logit_bias` (added to the raw logits) and a structured-output token mask (`allowed`):
 repetition penalty, (OpenAI presence/frequency penalties), no-repeat n-gram,
 bad words, min length, min new tokens; then, for sampled rows only,
 temperature, top-k, top-p. Rows with temperature 0 take the argmax (greedy).
@@ -28,7 +29,7 @@ MAX_NGRAM = 8  # longest no_repeat_ngram_size supported (a static unroll bound)
 
 @flax.struct.dataclass
 class Settings:
-    """Per-row sampling settings, every field shaped [B] (bad_words [B, W, L])."""
+    """Per-row sampling settings, every field shaped [B] (bad_words [B, W, L], bias_ids / bias_values [B, K])."""
     temperature: jax.Array         # float32; 0 = greedy
     top_k: jax.Array               # int32; 0 = off
     top_p: jax.Array               # float32; 1 = off
@@ -42,16 +43,20 @@ class Settings:
     eos_token_id: jax.Array        # int32; -1 = none
     seed: jax.Array                # uint32
     bad_words: jax.Array           # int32 [B, W, L]: banned sequences, right-padded with -1
+    bias_ids: jax.Array            # int32 [B, K]: OpenAI's logit_bias, token ids (-1: none) ...
+    bias_values: jax.Array         # float32 [B, K]: ... and what is added to their logits
 
 
 def make_settings(batch: int, *, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
                   presence_penalty=0.0, frequency_penalty=0.0, no_repeat_ngram_size=0,
                   min_length=0, min_new_tokens=0, eos_token_id=-1, seed=0,
-                  bad_words_ids: Sequence[Sequence[int]] | Sequence[Sequence[Sequence[int]]] | None = None
-                  ) -> Settings:
+                  bad_words_ids: Sequence[Sequence[int]] | Sequence[Sequence[Sequence[int]]] | None = None,
+                  logit_bias: Sequence | None = None, bias_width: int = 0) -> Settings:
     """Settings for `batch` rows; each argument is a scalar (all rows) or a length-`batch` sequence.
 
-    `bad_words_ids` is one list of token sequences for every row, or a list per row."""
+    `bad_words_ids` is one list of token sequences for every row, or a list per row. `logit_bias`: one
+    {token id: bias} mapping (or (id, bias) pairs) per row, or None; `bias_width`: the entries a row can hold
+    (at least the most any row has), so that settings of any requests have one shape."""
     def arr(x, dtype):
         a = np.broadcast_to(np.asarray(x, dtype), (batch,))
         return jnp.asarray(a)
@@ -67,7 +72,23 @@ def make_settings(batch: int, *, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
         no_repeat_ngram_size=arr(ngram, np.int32), min_length=arr(min_length, np.int32),
         min_new_tokens=arr(min_new_tokens, np.int32), eos_token_id=arr(eos_token_id, np.int32),
         seed=arr(np.asarray(seed, np.int64) % (1 << 32), np.uint32),
-        bad_words=jnp.asarray(pack_bad_words(bad_words_ids, batch)))
+        bad_words=jnp.asarray(pack_bad_words(bad_words_ids, batch)),
+        **{k: jnp.asarray(v) for k, v in zip(("bias_ids", "bias_values"),
+                                              pack_logit_bias(logit_bias, batch, bias_width))})
+
+
+def pack_logit_bias(logit_bias, batch: int, width: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row logit biases ({id: bias} or (id, bias) pairs, or None) -> (int32 ids [batch, K] padded with -1,
+    float32 biases [batch, K]), K the largest of `width` and the most entries of a row."""
+    rows = [dict(r or {}) for r in (logit_bias or [None] * batch)]
+    if len(rows) != batch:
+        raise ValueError(f"logit_bias has {len(rows)} rows for a batch of {batch}")
+    k = max([width] + [len(r) for r in rows])
+    ids, values = np.full((batch, k), -1, np.int32), np.zeros((batch, k), np.float32)
+    for b, r in enumerate(rows):
+        ids[b, :len(r)] = list(r.keys())
+        values[b, :len(r)] = list(r.values())
+    return ids, values
 
 
 def pack_bad_words(bad_words_ids, batch: int) -> np.ndarray:
@@ -187,10 +208,42 @@ def _bad_words_mask(state, s, vocab):
         True, mode="drop")
 
 
+def add_logit_bias(logits, s: Settings):
+    """OpenAI's logit_bias: each row's biases added to the logits of their tokens (a scatter of B x K
+    entries, not a pass over [B, V]); rows without any pass as they are."""
+    if not s.bias_ids.shape[1]:
+        return logits
+    v = logits.shape[-1]
+    rows = jnp.broadcast_to(jnp.arange(logits.shape[0])[:, None], s.bias_ids.shape)
+    ids = jnp.where(s.bias_ids >= 0, s.bias_ids, v)  # none: out of range, dropped
+    return jax.lax.cond(jnp.any(s.bias_ids >= 0),
+                        lambda x: x.at[rows, ids].add(s.bias_values.astype(x.dtype), mode="drop"),
+                        lambda x: x, logits)
+
+
+def unpack_bitmask(bitmask, vocab: int):
+    """A token bitmask int32 [B, W] (token t allowed where bit t % 32 of word t // 32 is set, as llguidance and
+    xgrammar write them) -> bool [B, vocab]."""
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab] > 0
+
+
+def allow_only(logits, allowed):
+    """Structured output: `allowed` = (bitmask int32 [B, W], constrained bool [B]); a constrained row's tokens
+    outside its mask get -inf, the other rows pass as they are (and a step with none skips the pass)."""
+    if allowed is None:
+        return logits
+    bitmask, constrained = allowed
+    return jax.lax.cond(
+        jnp.any(constrained),
+        lambda x: jnp.where(constrained[:, None] & ~unpack_bitmask(bitmask, x.shape[-1]), NEG_INF, x),
+        lambda x: x, logits)
+
+
 @jax.jit
 def process_logits(logits, state: State, s: Settings):
-    """The non-warping processors, HF order; float32 [B, V] in and out."""
-    logits = logits.astype(jnp.float32)
+    """The non-warping processors, HF order, after the logit bias; float32 [B, V] in and out."""
+    logits = add_logit_bias(logits.astype(jnp.float32), s)
     v = logits.shape[-1]
     # each pass over [B, V] costs real time at large batch: skip what no row asks for
     logits = jax.lax.cond(jnp.any(s.repetition_penalty != 1.0),
@@ -266,6 +319,8 @@ def plain_argmax(state: State, s: Settings, active=None):
              & (s.frequency_penalty == 0) & (s.no_repeat_ngram_size <= 0))
     if s.bad_words.shape[1]:
         plain = plain & ~jnp.any(s.bad_words >= 0, axis=(1, 2))
+    if s.bias_ids.shape[1]:
+        plain = plain & ~jnp.any(s.bias_ids >= 0, axis=1)
     if active is not None:
         plain = plain | ~active
     return jnp.all(plain)
@@ -284,12 +339,13 @@ def argmax(x):
 
 
 @partial(jax.jit, static_argnames=("argmax",))
-def sample(logits, state: State, s: Settings, argmax: Callable = argmax):
-    """Next token per row -> (tokens int32 [B], logprobs float32 [B, V]).
+def sample(logits, state: State, s: Settings, argmax: Callable = argmax, allowed=None):
+    """Next token per row -> (tokens int32 [B], logprobs float32 [B, V]). `allowed`: structured output's
+    token masks (`allow_only`), or None.
 
     logprobs are of the distribution the token was chosen from (processed, and
     warped for sampled rows)."""
-    scores = warp(process_logits(logits, state, s), s)
+    scores = warp(process_logits(allow_only(logits.astype(jnp.float32), allowed), state, s), s)
     return choose(scores, state, s, argmax), jax.nn.log_softmax(scores, axis=-1)
 
 

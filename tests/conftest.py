@@ -85,3 +85,30 @@ def opt_tokenizer(tmp_path_factory):
         '{"tokenizer_class": "GPT2Tokenizer", "bos_token": "</s>", "eos_token": "</s>", '
         '"unk_token": "</s>", "pad_token": "<pad>", "add_bos_token": true}')
     return AutoTokenizer.from_pretrained(str(d))
+
+
+# OPT's real vocabulary at a test's size: the real tokenizer's ids (structured output, logit_bias, prompt scores)
+# through a model that compiles in seconds
+OPT_VOCAB_SMALL = OPTConfig(vocab_size=50272, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            ffn_dim=128, max_position_embeddings=256, word_embed_proj_dim=64)
+
+
+@pytest.fixture(scope="session")
+def opt_vocab_server(opt_tokenizer):
+    """A random-weight OPT_VOCAB_SMALL model (Hugging Face's, the reference, and the engine over the same weights,
+    four decode steps a call as served by default) behind the real OPT tokenizer, served under two names (vLLM's
+    --served-model-name) -> (generator, base URL, `openai` client, the HF model)."""
+    openai = pytest.importorskip("openai")
+    from opt_serving.engine import Engine, OPTSlots
+    from opt_serving.generator import Generator
+    from opt_serving.model import weights
+    from opt_serving.service.app import create_app
+    from opt_serving.service.testserver import serve_in_thread
+    hf = hf_model(OPT_VOCAB_SMALL, seed=1)
+    slots = OPTSlots(OPT_VOCAB_SMALL, weights.params_from_hf_state_dict(OPT_VOCAB_SMALL, hf.state_dict()),
+                     num_slots=8, max_seq_len=256)
+    # (however long a step takes on a busy machine, four a call while nobody waits for a slot)
+    g = Generator(Engine(slots, decode_steps=4, decode_call_s=3600), opt_tokenizer, model_name="opt-small")
+    with serve_in_thread(create_app(g, model_name=["opt-small", "my-opt"])) as url:
+        yield g, url, openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=120), hf
+    g.close()

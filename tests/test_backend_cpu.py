@@ -309,6 +309,22 @@ def test_screened_greedy_tokens_are_the_exact_argmax(kind):
     masked[np.arange(m)[exclude >= 0], exclude[exclude >= 0]] = -np.inf
     np.testing.assert_array_equal(got, masked.argmax(-1))
     assert (got[0:32:6] == np.arange(0, 64, 12) + 1).all()
+    # structured output's masks: each masked row's exact argmax over its allowed tokens (a near-tie's other token
+    # when the best is masked out); a row of -1 allows every token
+    rng = np.random.default_rng(5)
+    allowed = rng.random((m, 3000)) < 0.3
+    allowed[0:32:4, exact.argmax(-1)[0:32:4]] = False
+    allowed[np.arange(0, 32, 4), exact.argmax(-1)[0:32:4] ^ 1] = True  # (the pairs: 2r and 2r + 1)
+    allowed[1] = True
+    words = np.zeros((m, (3000 + 31) // 32), np.uint32)
+    for r, t in zip(*np.nonzero(allowed)):
+        words[r, t // 32] |= np.uint32(1 << (t % 32))
+    words[1] = 0xFFFFFFFF
+    got = np.asarray(jax.jit(head.greedy_tokens)(params, x, None, words.view(np.int32)))
+    np.testing.assert_array_equal(got, np.where(allowed, exact, -np.inf).argmax(-1))
+    assert (got[0:32:4] == exact.argmax(-1)[0:32:4] ^ 1).all()
+    with pytest.raises(Exception, match="allowed must be"):
+        np.asarray(head.greedy_tokens(params, x, None, words[:, :5].view(np.int32)))
     # leading dimensions are kept, and the row norms bound every row of e from above
     assert head.greedy_tokens(params, jnp.asarray(x)[None]).shape == (1, m)
     assert (np.asarray(packed_head["row_norms"]) >= np.linalg.norm(e.astype(np.float64), axis=1)).all()
@@ -347,9 +363,20 @@ def test_lm_argmax_with_and_without_the_screened_head():
     exclude = jnp.asarray([logits[0].argmax(), -1, 5, logits[3].argmax()], jnp.int32)
     logits[[0, 2, 3], [int(exclude[0]), 5, int(exclude[3])]] = -np.inf
     # the plain logits path, the packed one with the CPU argmax, and the screen where this CPU has one
+    # structured output's masks on rows 1 and 2 (row 1's best left out), none on rows 0 and 3
+    allowed = np.zeros((4, (CFG.vocab_size + 31) // 32), np.int32)
+    allowed[1, :] = -1
+    allowed[1, int(logits[1].argmax()) // 32] &= ~(1 << (int(logits[1].argmax()) % 32))
+    allowed[2, 0] = 0b1010_0000
+    constrained = np.array([False, True, True, False])
+    masked = np.where(np.asarray(sampling.unpack_bitmask(jnp.asarray(allowed), CFG.vocab_size)) | ~constrained[:, None],
+                      logits, -np.inf)
     for p, b in ((params, Backend.xla()), (packed, Backend(products=True, cpu_argmax=True)), (packed, backend)):
         got = jax.jit(opt.lm_argmax, static_argnums=(3,))(p, h, exclude, b)
         assert np.asarray(got).tolist() == logits.argmax(-1).tolist()
+        got = jax.jit(opt.lm_argmax, static_argnums=(3,))(p, h, exclude, b, (allowed, constrained))
+        assert np.asarray(got).tolist() == masked.argmax(-1).tolist()
+    assert masked.argmax(-1)[2] in (5, 7)
 
 
 # ---- attention.py ----

@@ -148,9 +148,11 @@ def test_mixed_settings_round_trip_in_the_seed_shape(tmp_path, fake):
     assert get(2)[0]["text"] == "abcd"                       # echo
     assert get(3)[0]["text"] == "bc"                         # a token-id prompt, same as "a"
     assert (get(4)[0]["text"], get(4)[0]["finish_reason"]) == ("bcd", "stop")
-    # echo scores the prompt's own tokens (not the implicit BOS): "b" after "a" is the fake's greedy pick
-    assert get(5)[0]["text"] == "ab" and get(5)[0]["logprobs"]["tokens"] == ["a", "b"]
-    assert get(5)[0]["logprobs"]["token_logprobs"][1] == pytest.approx(-LN2)
+    # echo lists every token the model read, the tokenizer's </s> first (no logprob, no text), as vLLM does:
+    # "b" after "a" is the fake's greedy pick
+    assert get(5)[0]["text"] == "ab" and get(5)[0]["logprobs"]["tokens"] == ["</s>", "a", "b"]
+    assert get(5)[0]["logprobs"]["token_logprobs"][0] is None
+    assert get(5)[0]["logprobs"]["token_logprobs"][2] == pytest.approx(-LN2)
     assert all(len(t) <= 3 for c in get(6) for t in c["logprobs"]["top_logprobs"])
 
 

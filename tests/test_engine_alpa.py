@@ -1,11 +1,12 @@
 """The continuous-batching engine serves an alpa/ tensor-parallel model: the same tokens as jax/, with
-several decode steps a call (the default) on the sharded params.
+several decode steps a call (the default) on the sharded params, and structured output's masks.
 
 The engine's jitted steps take the plan's sharded params as they are (GSPMD places the
 KV cache by heads). jax must see several CPU devices before it is imported, so the check runs
 in a child process. Pipelined plans (Ray stage actors) are served in tests/test_service_pipeline.py.
 """
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -32,6 +33,11 @@ CHILD = textwrap.dedent("""
     prompts = ["Hello world", "Paris is the capital of", "a", "The quick brown fox jumps"]
     served = [c[0].token_ids for c in gen.complete_many(
         prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))]
+    # structured output on the sharded params: greedy (the screened head's masks) and sampled
+    from opt_serving.structured import StructuredOutput
+    rx = StructuredOutput.of("regex", "[a-z]{2,6}[.]", "guided_regex")
+    constrained = [c[0].text for t in (0, 1.0) for c in gen.complete_many(
+        prompts, SamplingParams(max_tokens=12, temperature=t, seed=2, structured=rx))]
     gen.close()
     ref = get_model("jax/opt-tiny", path)
     offline = []
@@ -40,7 +46,7 @@ CHILD = textwrap.dedent("""
         out = ref.generate(input_ids=ids, max_new_tokens=8, min_new_tokens=8)
         offline.append(np.asarray(out)[0, ids.shape[1]:].tolist())
     print(json.dumps({"served": served, "offline": offline, "cache_spec": cache_spec,
-                      "devices": len(jax.devices()), "calls": calls}))
+                      "devices": len(jax.devices()), "calls": calls, "constrained": constrained}))
 """)
 
 
@@ -58,3 +64,5 @@ def test_engine_serves_a_tensor_parallel_alpa_model(tmp_path):
     assert result["served"] == result["offline"]
     assert result["calls"] and set(result["calls"]) == {4}  # some steps ran four a call
     assert "tp" in result["cache_spec"], result["cache_spec"]   # the cache really is sharded
+    assert len(result["constrained"]) == 8
+    assert all(re.fullmatch(r"[a-z]{2,6}[.]", t) for t in result["constrained"]), result["constrained"]

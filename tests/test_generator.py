@@ -104,11 +104,13 @@ def test_logprobs_top_alternatives(gen):
 def test_echo_with_logprobs(gen):
     c = run(gen.complete("a", greedy(max_tokens=2, echo=True, logprobs=1)))
     assert c.text == "abc"
-    # the prompt as sent: the tokenizer's </s> is read by the model but not echoed; "a" is scored after it
-    assert c.tokens == ["a", "b", "c"]
-    assert c.text_offset == [0, 1, 2]
-    assert c.token_logprobs == pytest.approx([fake_logprob(2, 101), -LN2, -LN2])
-    assert c.top_logprobs[0] == pytest.approx({"<unk>": -LN2, "a": fake_logprob(2, 101)})
+    # every token the model read, as OpenAI and vLLM echo: the tokenizer's </s> first, with no logprob and no text
+    # (the text is the prompt as sent); "a" is scored after it
+    assert c.tokens == ["</s>", "a", "b", "c"]
+    assert c.text_offset == [0, 0, 1, 2]
+    assert c.token_logprobs[0] is None and c.top_logprobs[0] is None
+    assert c.token_logprobs[1:] == pytest.approx([fake_logprob(2, 101), -LN2, -LN2])
+    assert c.top_logprobs[1] == pytest.approx({"<unk>": -LN2, "a": fake_logprob(2, 101)})
     assert (c.prompt_tokens, c.completion_tokens) == (2, 2)  # usage counts what the model read
 
 
@@ -122,11 +124,11 @@ def test_echo_of_token_ids_keeps_an_explicit_bos(gen):
 def test_echo_without_logprobs_and_scoring_only(gen):
     deltas = run(collect(gen, "ab", greedy(max_tokens=1, echo=True)))
     assert [d.text for d in deltas] == ["ab", "c"]
-    assert (deltas[0].tokens, deltas[0].token_logprobs) == (["a", "b"], [None, None])  # not scored: not asked
+    assert (deltas[0].tokens, deltas[0].token_logprobs) == (["</s>", "a", "b"], [None] * 3)  # not scored: not asked
     # max_tokens=0 with echo scores the prompt and generates nothing
     c = run(gen.complete("ab", greedy(max_tokens=0, echo=True, logprobs=0)))
     assert (c.text, c.finish_reason, c.completion_tokens) == ("ab", "length", 0)
-    assert c.token_logprobs == pytest.approx([fake_logprob(2, 101), -LN2])
+    assert c.token_logprobs[0] is None and c.token_logprobs[1:] == pytest.approx([fake_logprob(2, 101), -LN2])
     with pytest.raises(ValueError, match="max_tokens"):
         run(gen.complete("ab", greedy(max_tokens=0)))
 
@@ -449,9 +451,11 @@ def test_real_tokenizer_echo_and_stop(opt_gen, opt_tokenizer):
     expected = [opt_tokenizer.decode([i]) for i in (233, 234, 235)]
     c = run(opt_gen.complete("Hello world", greedy(max_tokens=3, echo=True, logprobs=1)))
     assert c.text == "Hello world" + "".join(expected)
-    assert c.tokens[:2] == ["Hello", " world"]  # as OpenAI: the prompt's tokens as text, no added </s>
-    assert c.text_offset == [0, 5, 11, 11 + len(expected[0]), 11 + len(expected[0] + expected[1])]
-    assert c.token_logprobs[0] is not None and c.token_logprobs[2:] == pytest.approx([-LN2] * 3)
+    # as vLLM: every token the model read as text, the added </s> first (no logprob, no text)
+    assert c.tokens[:3] == ["</s>", "Hello", " world"]
+    assert c.text_offset == [0, 0, 5, 11, 11 + len(expected[0]), 11 + len(expected[0] + expected[1])]
+    assert c.token_logprobs[0] is None and c.token_logprobs[1] is not None
+    assert c.token_logprobs[3:] == pytest.approx([-LN2] * 3)
     # stop at the second generated token's text: only the first survives
     c = run(opt_gen.complete("Hello world", greedy(max_tokens=3, stop=[expected[1]])))
     assert (c.text, c.token_ids, c.finish_reason) == (expected[0], [233], "stop")
@@ -480,12 +484,12 @@ def _token_bytes(token: str) -> bytes:
 def test_logprob_tokens_are_their_text_and_join_to_the_completion(opt_gen, opt_tokenizer):
     # greedy continues 39301, 39302, ... after "... naïve" (39300): whatever those are, each is its own text
     c = run(opt_gen.complete("Hello world, café naïve", greedy(max_tokens=3, echo=True, logprobs=2)))
-    assert c.tokens[:5] == ["Hello", " world", ",", " café", " naïve"]
-    assert "".join(c.tokens) == c.text
-    assert [c.text_offset[i] + len(c.tokens[i]) for i in range(len(c.tokens) - 1)] == c.text_offset[1:]
+    assert c.tokens[:6] == ["</s>", "Hello", " world", ",", " café", " naïve"]
+    assert "".join(c.tokens[1:]) == c.text  # (the </s> the tokenizer added is no part of the text)
+    assert [c.text_offset[i] + len(c.tokens[i]) for i in range(1, len(c.tokens) - 1)] == c.text_offset[2:]
     # the keys of top_logprobs are text too: a client finds the chosen token under its own text
-    assert all(tok in top for tok, top in zip(c.tokens[1:], c.top_logprobs[1:]))
-    assert not any("\u0120" in k for top in c.top_logprobs[1:] for k in top)
+    assert all(tok in top for tok, top in zip(c.tokens[2:], c.top_logprobs[2:]))
+    assert not any("\u0120" in k for top in c.top_logprobs[2:] for k in top)
     expected = {opt_tokenizer.decode([i]) for i in (39301, 39302)}
     assert set(c.top_logprobs[-3]) >= expected  # after " naïve": its two most likely successors
 
@@ -493,6 +497,6 @@ def test_logprob_tokens_are_their_text_and_join_to_the_completion(opt_gen, opt_t
 def test_part_of_a_multibyte_character_is_a_byte_escape(opt_gen):
     # " 😀" is two tokens, " \xf0\x9f\x98" and "\x80": neither is text alone
     c = run(opt_gen.complete(" 😀 ok", greedy(max_tokens=1, echo=True, logprobs=0)))
-    assert c.tokens[:3] == ["bytes:\\x20\\xf0\\x9f\\x98", "bytes:\\x80", " ok"]
-    assert b"".join(_token_bytes(t) for t in c.tokens).decode() == c.text
-    assert c.text_offset[:3] == [0, 0, 2]  # both halves start where the character does; " ok" after it
+    assert c.tokens[:4] == ["</s>", "bytes:\\x20\\xf0\\x9f\\x98", "bytes:\\x80", " ok"]
+    assert b"".join(_token_bytes(t) for t in c.tokens[1:]).decode() == c.text
+    assert c.text_offset[:4] == [0, 0, 0, 2]  # both halves start where the character does; " ok" after it

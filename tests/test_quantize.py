@@ -189,7 +189,7 @@ def test_int8_greedy_tokens_agree_across_generate_the_engine_and_the_openai_rout
                 [engine] = g.complete_many([prompt], SamplingParams(max_tokens=10, temperature=0,
                                                                     ignore_eos=True))[0]
                 assert engine.token_ids == offline
-                r = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0,
+                r = client.completions.create(model="jax/opt-tiny", prompt=prompt, max_tokens=10, temperature=0,
                                               extra_body={"ignore_eos": True})
                 assert r.choices[0].text == g.decode(offline)
     finally:

@@ -155,3 +155,35 @@ def test_bad_settings_are_rejected():
         sampling.make_settings(1, no_repeat_ngram_size=sampling.MAX_NGRAM + 1)
     with pytest.raises(ValueError, match="non-empty lists of token ids"):
         sampling.make_settings(1, bad_words_ids=[[]])
+
+
+def test_logit_bias_is_added_to_its_rows_logits():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(3, 50)).astype(np.float32)
+    bias = [{7: 5.0, 3: -100.0}, None, {int(logits[2].argmax()): -100.0, 11: 0.5}]
+    s = sampling.make_settings(3, logit_bias=bias, bias_width=4)
+    assert s.bias_ids.shape == (3, 4)
+    want = logits.copy()
+    for row, b in enumerate(bias):
+        for t, v in (b or {}).items():
+            want[row, t] += v
+    state = sampling.init_state(jnp.zeros((3, 1), jnp.int32), jnp.ones((3, 1), jnp.int32), 50, 8)
+    np.testing.assert_allclose(np.asarray(sampling.process_logits(logits, state, s)), want, rtol=1e-6)
+    tok, _ = sampling.sample(logits, state, s)
+    assert list(np.asarray(tok)) == list(want.argmax(-1))
+    assert not bool(sampling.plain_argmax(state, s)) and bool(sampling.plain_argmax(state, sampling.make_settings(3)))
+
+
+def test_a_token_bitmask_masks_only_its_constrained_rows():
+    rng = np.random.default_rng(1)
+    logits = rng.normal(size=(3, 70)).astype(np.float32)
+    allowed = rng.random((3, 70)) < 0.2
+    words = np.zeros((3, 3), np.uint32)  # bit t % 32 of word t // 32 (llguidance's and xgrammar's layout)
+    for r, t in zip(*np.nonzero(allowed)):
+        words[r, t // 32] |= np.uint32(1 << (t % 32))
+    np.testing.assert_array_equal(np.asarray(sampling.unpack_bitmask(jnp.asarray(words.view(np.int32)), 70)),
+                                  allowed)
+    constrained = np.array([True, False, True])
+    out = np.asarray(sampling.allow_only(jnp.asarray(logits), (jnp.asarray(words.view(np.int32)), constrained)))
+    want = np.where(constrained[:, None] & ~allowed, -np.inf, logits)
+    np.testing.assert_array_equal(out, want)

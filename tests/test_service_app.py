@@ -53,7 +53,8 @@ def test_greedy_completion_text_usage_and_finish(client):
     assert r.status_code == 200
     body = r.json()
     assert body["object"] == "text_completion" and body["model"] == "opt-fake"
-    assert body["choices"] == [{"text": "bcdef", "index": 0, "logprobs": None, "finish_reason": "length"}]
+    assert body["choices"] == [{"text": "bcdef", "index": 0, "logprobs": None, "finish_reason": "length",
+                                "prompt_logprobs": None}]
     assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
 
 
@@ -67,14 +68,16 @@ def test_logprobs_tokens_offsets_and_top_alternatives(client):
     assert lp["top_logprobs"][0]["c"] == pytest.approx(-2 * LN2)
 
 
-def test_echo_lists_the_prompt_as_sent(client):
+def test_echo_lists_every_prompt_token_the_model_read(client):
     r = post(client, {"prompt": "a", "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 0})
     choice = r.json()["choices"][0]
     assert choice["text"] == "abc"
-    # the tokenizer's </s> is not part of the prompt the user sent; "a" is scored after it
-    assert choice["logprobs"]["tokens"] == ["a", "b", "c"]
-    assert choice["logprobs"]["text_offset"] == [0, 1, 2]
-    assert choice["logprobs"]["token_logprobs"] == pytest.approx([math.log(2 ** -5 / 255), -LN2, -LN2])
+    # as OpenAI and vLLM: the tokenizer's </s> first with a null logprob (nothing before it), but no part of the
+    # text, which is the prompt as sent; "a" is scored after it
+    assert choice["logprobs"]["tokens"] == ["</s>", "a", "b", "c"]
+    assert choice["logprobs"]["text_offset"] == [0, 0, 1, 2]
+    assert choice["logprobs"]["token_logprobs"][0] is None and choice["logprobs"]["top_logprobs"][0] is None
+    assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx([math.log(2 ** -5 / 255), -LN2, -LN2])
     # a token prompt is echoed id for id, its explicit </s> (nothing before it: null logprob) included
     r = post(client, {"prompt": [2, 101], "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 0})
     lp = r.json()["choices"][0]["logprobs"]
@@ -399,6 +402,20 @@ def test_serve_args_from_command_line_strings():
     a = ServeArgs(**{"model": "facebook/opt-125m", "path": "/w", "max_batch_size": "8", "api_keys": "k1, k2,"})
     assert a.max_batch_size == 8 and a.key_list() == ["k1", "k2"]
     assert ServeArgs(api_keys=["x"]).key_list() == ["x"]
+    # vLLM's --served-model-name: the model's own name unless given (builder argument: comma separated)
+    assert a.model_names() == ["facebook/opt-125m"] and ServeArgs().model_names() == []
+    assert ServeArgs(model="jax/opt-125m", served_model_name="opt, my-opt ").model_names() == ["opt", "my-opt"]
+
+
+def test_served_model_names_from_the_command_line():
+    import argparse
+
+    from opt_serving.service import cli
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--model", "jax/opt-125m", "--served-model-name", "opt", "facebook/opt-125m"])
+    assert cli.serve_args_from(args).model_names() == ["opt", "facebook/opt-125m"]
+    assert cli.serve_args_from(parser.parse_args(["--model", "jax/opt-125m"])).model_names() == ["jax/opt-125m"]
 
 
 def test_builder_makes_a_deployment_sized_for_the_engine_queue():
@@ -450,8 +467,8 @@ def test_echo_with_zero_max_tokens_scores_the_prompt(client):
     assert r.status_code == 200
     choice = r.json()["choices"][0]
     assert choice["text"] == "ab"
-    assert choice["logprobs"]["tokens"] == ["a", "b"]
-    assert choice["logprobs"]["token_logprobs"] == pytest.approx([math.log(2 ** -5 / 255), -LN2])
+    assert choice["logprobs"]["tokens"] == ["</s>", "a", "b"]
+    assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx([math.log(2 ** -5 / 255), -LN2])
     assert post(client, {"prompt": "ab", "max_tokens": 0}).status_code == 400  # nothing to return
 
 

@@ -104,7 +104,11 @@ def test_a_bug_is_a_500_that_names_only_the_exception_type(gen, monkeypatch):
 
 
 @pytest.mark.parametrize("path, body, param", [
-    ("/v1/completions", {"prompt": "a", "logit_bias": {"5": 1.0}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"5": 101.0}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/completions", {"prompt": "a", "guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+    ("/completions", {"prompt": "a", "response_format": {"type": "json_schema"}}, "response_format"),
+    ("/generate", {"prompt": ["a"], "structured_outputs": {"choice": []}}, "structured_outputs"),
     ("/v1/completions", {"prompt": "a", "n": 2, "best_of": 3, "stream": True}, "best_of"),
     ("/v1/completions", {"prompt": ["a", ""]}, "prompt"),
     ("/v1/completions", {"prompt": "a", "stop": ["x", ""]}, "stop"),

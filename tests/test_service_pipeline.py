@@ -10,6 +10,7 @@ serves the whole module.
 """
 import concurrent.futures
 import os
+import re
 import signal
 import time
 
@@ -105,6 +106,12 @@ def test_a_small_device_memory_pipelines_the_model_over_both_nodes(cluster, fold
     # eight at once (two micro-batch groups of four slots, in the stages together) = each alone
     assert texts(cluster, GREEDY, concurrent=True) == reference["greedy"]
     assert texts(cluster, SAMPLED, concurrent=True) == reference["sampled"]
+    # structured output: the last stage's actor keeps the matchers of its groups' rows
+    rx = r"[a-z]{2,6}\."
+    with concurrent_pool() as pool:
+        outs = list(pool.map(lambda p: complete(cluster, p, max_tokens=12, temperature=0, guided_regex=rx), PROMPTS))
+    assert all(r.status_code == 200 for r in outs), outs[0].text
+    assert all(re.fullmatch(rx, r.json()["choices"][0]["text"]) for r in outs), [r.json() for r in outs]
     # beam search (GPT-J's route) runs generate() over the same stage actors
     r = requests.post(cluster + "/generate", json={"prompt": [PROMPTS[1]], "max_length": 8, "min_length": 8,
                                                    "do_sample": False, "num_beams": 3}, timeout=120)

@@ -1,4 +1,6 @@
 """protocol.py: the request models accept what the three APIs send and reject the rest with a reason."""
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -56,10 +58,59 @@ def test_nullable_fields_mean_the_default_and_integers_are_accepted_as_floats():
 
 
 def test_unsupported_openai_options_are_refused_not_ignored():
-    with pytest.raises(ValidationError, match="logit_bias"):
-        P.CompletionRequest(prompt="hi", logit_bias={"50256": -100})
     with pytest.raises(ValidationError, match="suffix"):
         P.CompletionRequest(prompt="hi", suffix="!")
+    with pytest.raises(ValidationError, match="structural_tag is not supported"):
+        P.CompletionRequest(prompt="hi", structured_outputs={"structural_tag": "{}"})
+
+
+def test_logit_bias_takes_token_ids_with_biases_in_openais_range():
+    assert P.CompletionRequest(prompt="hi", logit_bias={"50256": -100, "7": 2.5}).extensions()["logit_bias"] == {
+        50256: -100, 7: 2.5}
+    for bad, match in (({"abc": 1}, "invalid key 'abc'"), ({"-1": 1}, "invalid key '-1'"),
+                       ({"5": 100.5}, r"token 5 must be a number in \[-100, 100\]"),
+                       ({"5": -101}, r"\[-100, 100\]"), ({str(i): 1 for i in range(301)}, "at most 300")):
+        with pytest.raises(ValidationError, match=match):
+            P.CompletionRequest(prompt="hi", logit_bias=bad)
+
+
+def test_stream_options_only_with_stream():
+    assert P.CompletionRequest(prompt="hi", stream=True, stream_options={"include_usage": True}).stream_options
+    with pytest.raises(ValidationError, match="stream_options can only be set when stream is true"):
+        P.CompletionRequest(prompt="hi", stream=False, stream_options={"include_usage": True})
+    with pytest.raises(ValidationError, match="prompt_logprobs are not available when stream"):
+        P.CompletionRequest(prompt="hi", stream=True, prompt_logprobs=1)
+
+
+def test_structured_output_fields_map_to_one_constraint():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    forms = [  # (request fields, kind, the field errors name)
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}, "json",
+         "response_format"),
+        ({"response_format": {"type": "json_object"}}, "json_object", "response_format"),
+        ({"structured_outputs": {"json": json.dumps(schema)}}, "json", "structured_outputs"),
+        ({"structured_outputs": {"regex": "[a-z]+"}}, "regex", "structured_outputs"),
+        ({"structured_outputs": {"choice": ["yes", "no"]}}, "choice", "structured_outputs"),
+        ({"structured_outputs": {"grammar": 'start: "a"'}}, "grammar", "structured_outputs"),
+        ({"guided_json": schema}, "json", "guided_json"), ({"guided_regex": "a+"}, "regex", "guided_regex"),
+        ({"guided_choice": ["a"]}, "choice", "guided_choice"), ({"guided_grammar": 'start: "a"'}, "grammar",
+                                                                 "guided_grammar")]
+    for fields, kind, param in forms:
+        for cls in (P.CompletionRequest, P.MetaseqRequest):
+            so = cls(prompt="hi", **fields).structured()
+            assert (so.kind, so.param) == (kind, param)
+            if kind == "json":
+                assert json.loads(so.spec) == schema
+    assert P.GenerateRequest(guided_regex="a+").structured().kind == "regex"
+    assert P.CompletionRequest(prompt="hi", response_format={"type": "text"}).structured() is None
+    with pytest.raises(ValidationError, match="only one kind of structured output"):
+        P.CompletionRequest(prompt="hi", guided_regex="a", structured_outputs={"choice": ["a"]})
+    with pytest.raises(ValidationError, match="json_schema needs json_schema.schema"):
+        P.CompletionRequest(prompt="hi", response_format={"type": "json_schema"})
+    with pytest.raises(ValidationError, match="not valid JSON"):
+        P.CompletionRequest(prompt="hi", guided_json="{oops")
+    with pytest.raises(ValidationError, match="non-empty list"):
+        P.CompletionRequest(prompt="hi", guided_choice=[])
 
 
 def test_metaseq_defaults_and_token_prompts():

@@ -48,9 +48,9 @@ def test_greedy_over_http_equals_offline_generate(tiny):
         new = np.asarray(getattr(out, "sequences", out))[0][len(ids):].tolist()
         if g.eos_token_id in new:  # the server stops at EOS; offline generate pads after it
             new = new[:new.index(g.eos_token_id)]
-        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+        r = client.completions.create(model="jax/opt-tiny", prompt=prompt, max_tokens=12, temperature=0)
         assert r.choices[0].text == g.decode(new)
-        streamed = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+        streamed = client.completions.create(model="jax/opt-tiny", prompt=prompt, max_tokens=12, temperature=0,
                                              stream=True)
         assert "".join(c.choices[0].text for c in streamed) == g.decode(new)
 
@@ -116,7 +116,7 @@ def test_vllm_extensions_change_the_tokens_as_vllm_documents(tiny):
     token already in the prompt or the output (a random model's loops stop); ignore_eos fixes the length."""
     g, _, url = tiny
     client = openai.OpenAI(base_url=url + "/v1", api_key="dummy", max_retries=0, timeout=120)
-    ask = dict(model="tiny", prompt="Hello world", max_tokens=12)
+    ask = dict(model="jax/opt-tiny", prompt="Hello world", max_tokens=12)
     greedy = client.completions.create(**ask, temperature=0, extra_body={"ignore_eos": True})
     top1 = client.completions.create(**ask, temperature=1.0, seed=3, extra_body={"top_k": 1, "ignore_eos": True})
     assert top1.choices[0].text == greedy.choices[0].text

@@ -91,12 +91,16 @@ class Backend:
         embedding = params["embed_tokens"]["embedding"]  # [V, D]
         return jnp.einsum("...d,vd->...v", h, embedding, preferred_element_type=jnp.float32)
 
-    def greedy(self, params: dict, h, exclude=None):
+    def greedy(self, params: dict, h, exclude=None, allowed=None):
         """argmax of logits(params, h) over the vocabulary -> int32 [...], each row's `exclude` token (int32
-        [...], -1 for none) left out. With the screened head the float32 logits are never made."""
+        [...], -1 for none) left out, and with `allowed` (structured output's masks: sampling.allow_only) a
+        constrained row's disallowed tokens. With the screened head the float32 logits are never made."""
         if self.greedy_head:
-            return head.greedy_tokens(params, h, exclude)
-        logits = self.logits(params, h)
+            masks = None
+            if allowed is not None:  # unconstrained rows: every token allowed
+                masks = jnp.where(allowed[1][:, None], allowed[0], -1)
+            return head.greedy_tokens(params, h, exclude, masks)
+        logits = sampling.allow_only(self.logits(params, h), allowed)
         return self.argmax(logits if exclude is None else sampling.leave_out(logits, exclude))
 
     def argmax(self, x):

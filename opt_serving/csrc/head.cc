@@ -23,8 +23,10 @@ using namespace opt;
 //   opt_head_supported()                        1 when oneDNN runs bfloat16 products natively here
 //   opt_head_packed_bytes(K, N)                 size of the packed bfloat16 [K, N] head
 //   opt_head_pack(e, K, N, out, norms)          e row-major [N, K] float32 (the embedding) -> packed, row norms
-//   OptGreedyHead (FFI handler)                 tok[M] = argmax_{j != exclude[M]} x[M, K] . e[j]
-// (`exclude`: a token held back, e.g. EOS before min_new_tokens; -1 for none)
+//   OptGreedyHead (FFI handler)                 tok[M] = argmax_{j != exclude[M], j allowed} x[M, K] . e[j]
+// (`exclude`: a token held back, e.g. EOS before min_new_tokens; -1 for none. `allowed` [M, W] int32, W = 0 or
+// ceil(N / 32): structured output's token masks, token j allowed where bit j % 32 of word j / 32 is set; W = 0: every
+// token. A row's disallowed tokens are left out as `exclude` is: the token is the float32 argmax over its allowed ones)
 namespace {
 
 const dnnl::memory::desc& head_packed_desc(int64_t k, int64_t n) { return packed_desc(k, n, dt::bf16); }
@@ -50,15 +52,25 @@ struct Radius {
   }
 };
 
+bool is_allowed(const uint32_t* allowed, int64_t j) { return allowed == nullptr || (allowed[j >> 5] >> (j & 31)) & 1u; }
+
 int64_t head_row(const float* x, float* a, const float* e, int64_t k, int64_t n, const Radius& rad, bool all,
-                 int64_t exclude, std::vector<int64_t>& cand) {
+                 int64_t exclude, const uint32_t* allowed, std::vector<int64_t>& cand) {
   cand.clear();
   if (all) {
     for (int64_t j = 0; j < n; ++j) {
-      if (j != exclude) cand.push_back(j);
+      if (j != exclude && is_allowed(allowed, j)) cand.push_back(j);
     }
   } else {
     if (exclude >= 0 && exclude < n) a[exclude] = -std::numeric_limits<float>::infinity();
+    if (allowed != nullptr) {  // a masked row: its disallowed tokens can be no candidate (a word at a time)
+      for (int64_t w = 0; w * 32 < n; ++w) {
+        if (allowed[w] == 0xFFFFFFFFu) continue;
+        for (int64_t j = w * 32, j1 = std::min(n, j + 32); j < j1; ++j) {
+          if (!((allowed[w] >> (j & 31)) & 1u)) a[j] = -std::numeric_limits<float>::infinity();
+        }
+      }
+    }
     // pass 1: the highest lower bound, and each block's highest upper bound; pass 2 looks for
     // candidates only in the blocks that reach it (a few of ~200)
     constexpr int64_t kBlock = 256;
@@ -99,7 +111,7 @@ int64_t head_row(const float* x, float* a, const float* e, int64_t k, int64_t n,
 // given, and its radius; `all` rows score every token exactly. Both screens end here.
 void decide_rows(const float* xs, float* approx, const float* e, int64_t m, int64_t k, int64_t n,
                  const std::vector<Radius>& rads, const std::vector<char>& all, const int32_t* exclude,
-                 const float* row_scale, int32_t* tok) {
+                 const int32_t* allowed, int64_t words, const float* row_scale, int32_t* tok) {
 #pragma omp parallel
   {
     std::vector<int64_t> cand;
@@ -109,7 +121,8 @@ void decide_rows(const float* xs, float* approx, const float* e, int64_t m, int6
       if (row_scale != nullptr) {
         for (int64_t j = 0; j < n; ++j) a[j] *= row_scale[r];
       }
-      tok[r] = static_cast<int32_t>(head_row(xs + r * k, a, e, k, n, rads[r], all[r], exclude[r], cand));
+      const uint32_t* mask = words ? reinterpret_cast<const uint32_t*>(allowed) + r * words : nullptr;
+      tok[r] = static_cast<int32_t>(head_row(xs + r * k, a, e, k, n, rads[r], all[r], exclude[r], mask, cand));
     }
   }
 }
@@ -163,8 +176,16 @@ extern "C" int opt_head_pack(const float* e, int64_t k, int64_t n, void* out, fl
   return reorder_plain(k, n, /*transposed=*/1, e, out, /*pack=*/true, dt::bf16);
 }
 
+// The token masks' words per row (0: none), or -1 when `allowed` is not [M, 0] or [M, ceil(N / 32)].
+static int64_t mask_words(const ffi::Buffer<ffi::S32>& allowed, int64_t m, int64_t n) {
+  auto d = allowed.dimensions();
+  if (d.size() != 2 || d[0] != m) return -1;
+  return d[1] == 0 || d[1] == (n + 31) / 32 ? d[1] : -1;
+}
+
 static ffi::Error GreedyHead(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ffi::Buffer<ffi::F32> embedding,
-                             ffi::Buffer<ffi::F32> norms, ffi::Buffer<ffi::S32> exclude, ffi::ResultBuffer<ffi::S32> out) {
+                             ffi::Buffer<ffi::F32> norms, ffi::Buffer<ffi::S32> exclude, ffi::Buffer<ffi::S32> allowed,
+                             ffi::ResultBuffer<ffi::S32> out) {
   use_threads();
   auto xd = x.dimensions(), ed = embedding.dimensions();
   if (xd.size() != 2 || ed.size() != 2 || xd[1] != ed[1] || norms.element_count() != static_cast<size_t>(ed[0]) ||
@@ -172,8 +193,9 @@ static ffi::Error GreedyHead(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ffi
     return ffi::Error::InvalidArgument(
         "opt_greedy_head: x must be [M, K], embedding [N, K], norms [N], exclude and out [M]");
   }
-  const int64_t m = xd[0], k = xd[1], n = ed[0];
+  const int64_t m = xd[0], k = xd[1], n = ed[0], words = mask_words(allowed, xd[0], ed[0]);
   if (n > (1 << 20)) return ffi::Error::InvalidArgument("opt_greedy_head: a vocabulary over 2^20 tokens");
+  if (words < 0) return ffi::Error::InvalidArgument("opt_greedy_head: allowed must be [M, 0] or [M, ceil(N / 32)]");
   if (m == 0) return ffi::Error::Success();
   try {
     const dnnl::memory::desc& wd = head_packed_desc(k, n);
@@ -207,8 +229,8 @@ static ffi::Error GreedyHead(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ffi
     dnnl::stream stream(eng);
     prim.execute(stream, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wts}, {DNNL_ARG_DST, dst}});
     stream.wait();
-    decide_rows(xs, approx.data(), embedding.typed_data(), m, k, n, rads, all, exclude.typed_data(), nullptr,
-                out->typed_data());
+    decide_rows(xs, approx.data(), embedding.typed_data(), m, k, n, rads, all, exclude.typed_data(),
+                allowed.typed_data(), words, nullptr, out->typed_data());
   } catch (const dnnl::error& e) {
     return ffi::Error::Internal(std::string("opt_greedy_head: ") + e.what());
   }
@@ -221,6 +243,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptGreedyHead, OnKernelThread<GreedyHead>::call,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
 
@@ -242,7 +265,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptGreedyHead, OnKernelThread<GreedyHead>::call,
 //   opt_head8_supported()                                1 when oneDNN's int8 products here are VNNI or AMX
 //   opt_head8_pack(e, K, N, out, scales, l1, norms)      e row-major [N, K] float32 -> the packed int8 [K, N] head
 //                                                        (its size: opt_onednn_packed_bytes_as(K, N, 2)), s_j, norms
-//   OptGreedyHead8 (FFI handler)                         tok[M] as OptGreedyHead, from that head
+//   OptGreedyHead8 (FFI handler)                         tok[M] as OptGreedyHead (`allowed` too), from that head
 namespace {
 
 // x [k] -> p (int8) with t = max |x_i| / 127 (1 for a zero row), each p_i the nearest integer to x_i / t
@@ -289,7 +312,8 @@ extern "C" int opt_head8_pack(const float* e, int64_t k, int64_t n, void* out, f
 
 static ffi::Error GreedyHead8(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ffi::Buffer<ffi::F32> embedding,
                               ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> l1, ffi::Buffer<ffi::F32> norms,
-                              ffi::Buffer<ffi::S32> exclude, ffi::ResultBuffer<ffi::S32> out) {
+                              ffi::Buffer<ffi::S32> exclude, ffi::Buffer<ffi::S32> allowed,
+                              ffi::ResultBuffer<ffi::S32> out) {
   use_threads();
   auto xd = x.dimensions(), ed = embedding.dimensions();
   const size_t nv = ed.size() == 2 ? static_cast<size_t>(ed[0]) : 0;
@@ -299,8 +323,9 @@ static ffi::Error GreedyHead8(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ff
     return ffi::Error::InvalidArgument(
         "opt_greedy_head8: x must be [M, K], embedding [N, K], scales, l1 and norms [N], exclude and out [M]");
   }
-  const int64_t m = xd[0], k = xd[1], n = ed[0];
+  const int64_t m = xd[0], k = xd[1], n = ed[0], words = mask_words(allowed, xd[0], ed[0]);
   if (n > (1 << 20)) return ffi::Error::InvalidArgument("opt_greedy_head8: a vocabulary over 2^20 tokens");
+  if (words < 0) return ffi::Error::InvalidArgument("opt_greedy_head8: allowed must be [M, 0] or [M, ceil(N / 32)]");
   if (m == 0) return ffi::Error::Success();
   try {
     const dnnl::memory::desc& wd = packed_desc(k, n, dt::s8);
@@ -343,8 +368,8 @@ static ffi::Error GreedyHead8(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ff
     prim.execute(stream, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, wts}, {DNNL_ARG_DST, dst},
                           {DNNL_ARG_ATTR_SCALES | DNNL_ARG_WEIGHTS, sc}});
     stream.wait();
-    decide_rows(xs, approx.data(), embedding.typed_data(), m, k, n, rads, all, exclude.typed_data(), t.data(),
-                out->typed_data());
+    decide_rows(xs, approx.data(), embedding.typed_data(), m, k, n, rads, all, exclude.typed_data(),
+                allowed.typed_data(), words, t.data(), out->typed_data());
   } catch (const dnnl::error& e) {
     return ffi::Error::Internal(std::string("opt_greedy_head8: ") + e.what());
   }
@@ -359,5 +384,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptGreedyHead8, OnKernelThread<GreedyHead8>::call,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());

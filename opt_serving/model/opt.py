@@ -199,10 +199,12 @@ def lm_logits(params, h, backend: Backend = XLA):
     return backend.logits(params, h)
 
 
-def lm_argmax(params, h, exclude=None, backend: Backend = XLA):
+def lm_argmax(params, h, exclude=None, backend: Backend = XLA, allowed=None):
     """argmax of lm_logits(params, h) over the vocabulary -> int32 [...], each row's `exclude` token
-    (int32 [...], -1 for none) left out; a backend with the screened greedy head never makes the logits."""
-    return backend.greedy(params, h, exclude)
+    (int32 [...], -1 for none) left out, and with `allowed` (structured output's token masks:
+    sampling.allow_only) the tokens a constrained row may not take; a backend with the screened greedy head
+    never makes the logits."""
+    return backend.greedy(params, h, exclude, allowed)
 
 
 def _masked_softmax(scores, mask):

@@ -159,6 +159,9 @@ class StageActor:
     def free(self, group, row):
         self.slots.free(group, row)
 
+    def use_tokenizer(self, tokenizer_json, eos):
+        self.slots.use_tokenizer(tokenizer_json, eos)
+
     def end_warmup(self):
         self.slots.end_warmup()
 

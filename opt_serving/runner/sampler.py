@@ -3,7 +3,8 @@
 Lives with the stage that holds the LM head (the whole model on one device; the last pipeline stage
 otherwise), so hidden states never leave it: a step hands on only the chosen tokens and their scores.
 Slots are split into groups (the pipeline's micro-batches); each group has its own state arrays, so a
-group is chosen for while the others are still in the stages.
+group is chosen for while the others are still in the stages. Structured output's matchers live here too
+(runner/grammar.py): a step's masks are made from them just before it, and they take its tokens just after.
 """
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ import numpy as np
 
 from opt_serving import sampling
 from opt_serving.backend import Backend
-from opt_serving.runner.types import MAX_BAD_WORD_LEN, MAX_BAD_WORDS, MAX_TOP_LOGPROBS, SlotSettings
+from opt_serving.runner.grammar import Matchers
+from opt_serving.runner.types import (MAX_BAD_WORD_LEN, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS,
+                                      SlotSettings)
 from opt_serving.model import opt
 
 
@@ -29,6 +32,8 @@ def settings_rows(rows: Sequence[SlotSettings], batch: int) -> sampling.Settings
             raise ValueError(f"at most {MAX_BAD_WORDS} bad words of up to {MAX_BAD_WORD_LEN} tokens each")
         for i, w in enumerate(s.bad_words_ids):
             bad[r, i, :len(w)] = w
+        if len(s.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries")
     col = lambda f: [f(s) for s in rows]  # noqa: E731
     settings = sampling.make_settings(
         batch, temperature=col(lambda s: s.temperature), top_k=col(lambda s: s.top_k),
@@ -38,8 +43,13 @@ def settings_rows(rows: Sequence[SlotSettings], batch: int) -> sampling.Settings
         frequency_penalty=col(lambda s: s.frequency_penalty),
         no_repeat_ngram_size=col(lambda s: s.no_repeat_ngram_size), min_new_tokens=col(lambda s: s.min_tokens),
         eos_token_id=col(lambda s: s.stop_token_ids[0] if s.stop_token_ids else -1),
-        seed=col(lambda s: s.seed % 2 ** 63))
+        seed=col(lambda s: s.seed % 2 ** 63), logit_bias=col(lambda s: s.logit_bias), bias_width=MAX_LOGIT_BIAS)
     return settings.replace(bad_words=bad)
+
+
+def no_masks(rows: int, vocab: int):
+    """The structured-output masks of a step with no constrained row: (bitmask [rows, W], constrained [rows])."""
+    return np.zeros((rows, (vocab + 31) // 32), np.int32), np.zeros(rows, np.bool_)
 
 
 def prompt_state(ids, mask, lengths, rows: int, history_len: int, vocab: int) -> sampling.State:
@@ -110,35 +120,42 @@ class Sampler:
         self.settings = [settings_rows([], rows) for _ in range(groups)]
         self.active = [jnp.zeros(rows, jnp.bool_) for _ in range(groups)]
         self.pending: dict[int, tuple] = {}  # handle -> (row state, row settings)
+        self.grammar = Matchers(groups, V)  # structured output's matchers
+        self._no_masks: dict[int, tuple] = {}  # rows -> no_masks(rows), on the device once
 
         def first(params, h, ids, mask, lengths, want_prompt, state_rows):
             """k right-padded prompts' final hidden states h [k, n, D] -> their sampling state padded to
             `state_rows` rows, the last positions' hidden states [state_rows, D], and the prompt scores of
-            rows that `want_prompt` (zeros otherwise)."""
+            rows that `want_prompt` (zeros otherwise): each next token's logprob and rank (vLLM's: 1 + the
+            tokens above it), the top alternatives."""
             k, n = ids.shape
             last = jnp.zeros((state_rows, h.shape[-1]), h.dtype).at[:k].set(h[jnp.arange(k), lengths - 1])
 
             def prompt_scores():  # position i predicts token i+1; the full logits only when asked
                 plp, ptop, ptop_lp = raw_scores(opt.lm_logits(params, h, backend))  # [k, n, V], [k, n, K] x 2
-                return jnp.take_along_axis(plp, jnp.roll(ids, -1, axis=1)[..., None], axis=-1)[..., 0], ptop, ptop_lp
+                lp = jnp.take_along_axis(plp, jnp.roll(ids, -1, axis=1)[..., None], axis=-1)[..., 0]  # [k, n]
+                return lp, jnp.sum(plp >= lp[..., None], axis=-1, dtype=jnp.int32), ptop, ptop_lp
 
-            none = lambda: (jnp.zeros((k, n), jnp.float32), jnp.zeros((k, n, MAX_TOP_LOGPROBS), jnp.int32),  # noqa: E731
+            none = lambda: (jnp.zeros((k, n), jnp.float32), jnp.zeros((k, n), jnp.int32),  # noqa: E731
+                            jnp.zeros((k, n, MAX_TOP_LOGPROBS), jnp.int32),
                             jnp.zeros((k, n, MAX_TOP_LOGPROBS), jnp.float32))
             return (prompt_state(ids, mask, lengths, state_rows, L, V), last,
                     jax.lax.cond(jnp.any(want_prompt), prompt_scores, none))
 
-        def choose(params, h, state, settings, active, want_scores, want_top):
+        def choose(params, h, state, settings, active, want_scores, want_top, allowed=None):
             """One token per row from the final hidden states h [B, D], scored when `want_scores`, appended
-            to the rows that are `active`. When no row wants scores and every active row takes the plain
-            argmax, the step skips the sampling processors and the scores (opt.lm_argmax: the logits and one
-            argmax, or with the screened greedy head not even the logits); the scores are then NaN."""
+            to the rows that are `active`; `allowed`: structured output's masks (sampling.allow_only), or None.
+            When no row wants scores and every active row takes the plain argmax, the step skips the sampling
+            processors and the scores (opt.lm_argmax: the logits and one argmax, or with the screened greedy
+            head not even the logits, a constrained row's argmax over its allowed tokens); the scores are then NaN.
+            The scores are the model's own, unmasked."""
             def full():
                 logits = opt.lm_logits(params, h, backend)  # [B, V]
-                tok, _ = sampling.sample(logits, state, settings, backend.argmax)
+                tok, _ = sampling.sample(logits, state, settings, backend.argmax, allowed)
                 return (tok, *token_scores(logits, tok, want_top))
 
             def plain():
-                tok = opt.lm_argmax(params, h, sampling.held_back(state, settings), backend)
+                tok = opt.lm_argmax(params, h, sampling.held_back(state, settings), backend, allowed)
                 return (tok, jnp.full(tok.shape, jnp.nan, jnp.float32), *no_top(h.shape[0]))
             out = jax.lax.cond(~want_scores & sampling.plain_argmax(state, settings, active), plain, full)
             # free slots keep their state, so their positions never run past the cache
@@ -157,11 +174,11 @@ class Sampler:
             return (jax.tree_util.tree_map(put, state, rows_state), jax.tree_util.tree_map(put, settings, row_settings),
                     active.at[rows].set(True, mode="drop"))
 
-        def choose_joining(params, h, state, settings, active, want_scores, want_top, joining):
+        def choose_joining(params, h, state, settings, active, want_scores, want_top, allowed, joining):
             # the joining rows' state first, in the same computation: dispatched apart, it would run beside the
             # step's products (it does not wait for them) and slow them down
             state, settings, active = join(state, settings, active, *joining)
-            state, out = choose(params, h, state, settings, active, want_scores, want_top)
+            state, out = choose(params, h, state, settings, active, want_scores, want_top, allowed)
             return state, settings, active, out
 
         self.choose_rows = choose  # traced inside the stage's decode steps taken in one call (StageSlots)
@@ -190,41 +207,76 @@ class Sampler:
         return self._first_tokens(params, [handle], state, last, [settings], 1), None
 
     def _first_tokens(self, params, handles, state, last, settings: Sequence[SlotSettings], state_rows: int):
-        """Choose the first tokens from the prompts' last hidden states and keep each sampling row."""
+        """Choose the first tokens from the prompts' last hidden states and keep each sampling row (and each
+        constrained prompt's matcher, which took its first token)."""
         k = len(settings)
         want_top = np.array([s.top_logprobs for s in settings] + [False] * (state_rows - k))
         want_scores = any(s.top_logprobs or s.logprob for s in settings)
         pass_settings = settings_rows(settings, state_rows)
+        constrained = [(j, self.grammar.new(s.grammar)) for j, s in enumerate(settings) if s.grammar is not None]
         state, first = self._choose(params, last, state, pass_settings, np.arange(state_rows) < k,
-                                    np.bool_(want_scores), np.bool_(want_top.any()))
+                                    np.bool_(want_scores), np.bool_(want_top.any()),
+                                    self._masks(constrained, state_rows))
         tok, lp, top_ids, top_lp = (np.asarray(a) for a in first)
+        self.grammar.consume(constrained, tok)
+        for j, m in constrained:
+            self.grammar.pending[handles[j]] = m
         rows = self._split_rows((state, pass_settings)) if state_rows > 1 else [(state, pass_settings)]
         for j, handle in enumerate(handles):
             self.pending[handle] = rows[j]
         return tok[:k], lp[:k], np.where(want_top[:k, None], top_ids[:k], -1), top_lp[:k]
 
+    def _masks(self, constrained, rows: int):
+        """A step's structured-output masks over `rows` rows, its constrained ones (row, matcher) given."""
+        masks = self.grammar.masks(constrained, rows)
+        if masks is None:  # (the same arrays every step: nothing to copy to the device)
+            masks = self._no_masks.get(rows)
+            if masks is None:
+                masks = self._no_masks[rows] = tuple(jax.device_put(a) for a in no_masks(rows, self.cfg.vocab_size))
+        return masks
+
+    def use_tokenizer(self, tokenizer_json: str, eos: int) -> None:
+        """The tokenizer structured output's grammars are matched against (runner/grammar.py)."""
+        self.grammar.use_tokenizer(tokenizer_json, eos)
+
     def insert(self, handle: int, group: int, row: int, keep: bool = False) -> None:
         row_state, row_settings = self.pending[handle] if keep else self.pending.pop(handle)
         self.state[group], self.settings[group], self.active[group] = self._insert(
             self.state[group], self.settings[group], self.active[group], row_state, row_settings, np.int32(row))
+        self.grammar.insert(handle, group, row, keep)
 
     def drop(self, handle: int) -> None:
         self.pending.pop(handle, None)
+        self.grammar.drop(handle)
+
+    def constrained(self, group: int) -> bool:
+        """Does a request in the group follow a grammar (its steps need their masks one at a time)?"""
+        return self.grammar.constrained(group)
 
     def choose(self, params, group: int, h, want_scores: bool, want_top: bool, join=None):
         """-> (tokens, logprobs, top ids, top logprobs) of the group's rows, as numpy. With `join` (a
-        `JoinBlock`), its prompts take their rows first: their tokens are their first."""
+        `JoinBlock`), its prompts take their rows first: their tokens are their first. Constrained rows choose
+        within their masks, and their matchers take the tokens."""
         g = group
+        if join is not None:  # a constrained prompt's matcher starts with its row
+            for j, s in enumerate(join.settings):
+                if s.grammar is not None:
+                    self.grammar.slots[g][int(join.last_rows[j])] = self.grammar.new(s.grammar)
+        constrained = self.grammar.slot_rows(g)
+        masks = self._masks(constrained, self.rows)
         if join is None:
             self.state[g], out = self._choose(params, h, self.state[g], self.settings[g], self.active[g],
-                                              np.bool_(want_scores), np.bool_(want_top))
+                                              np.bool_(want_scores), np.bool_(want_top), masks)
         else:
             joining = (join.prompts, join.mask, join.lengths, settings_rows(join.settings, join.prompts.shape[0]),
                        join.last_rows)
             self.state[g], self.settings[g], self.active[g], out = self._choose_joining(
                 params, h, self.state[g], self.settings[g], self.active[g], np.bool_(want_scores),
-                np.bool_(want_top), joining)
-        return tuple(np.asarray(a) for a in out)
+                np.bool_(want_top), masks, joining)
+        out = tuple(np.asarray(a) for a in out)
+        self.grammar.consume(constrained, out[0])
+        return out
 
     def free(self, group: int, row: int) -> None:
         self.active[group] = self._free(self.active[group], np.int32(row))
+        self.grammar.free(group, row)

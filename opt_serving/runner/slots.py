@@ -199,9 +199,10 @@ class Slots:
         top = [(int(t), float(v)) for t, v in zip(top_ids[j], top_lp[j]) if t >= 0]
         prompt = None
         if s.prompt_logprobs:
-            plp, ptop, ptop_lp = scores
+            plp, prank, ptop, ptop_lp = scores
             prompt = [TokenInfo(int(tokens[0]), None)] + [
-                TokenInfo(int(tokens[i + 1]), float(plp[j, i]), list(zip(ptop[j, i].tolist(), ptop_lp[j, i].tolist())))
+                TokenInfo(int(tokens[i + 1]), float(plp[j, i]), list(zip(ptop[j, i].tolist(), ptop_lp[j, i].tolist())),
+                          int(prank[j, i]))
                 for i in range(len(tokens) - 1)]
         return Prefix(length=len(tokens), first=TokenInfo(int(tok[j]), float(lp[j]), top), prompt=prompt,
                       state=handle, settings=s)
@@ -213,6 +214,11 @@ class Slots:
 
     def discard(self, prefix: Prefix) -> None:
         self._to_all("drop", prefix.state)
+
+    def use_tokenizer(self, tokenizer_json: str, eos: int) -> None:
+        """Structured output: the tokenizer (runner/grammar.tokenizer_json) the stage that samples matches
+        grammars against, sent to it once (a pipeline's last stage is an actor)."""
+        self.stages.get(self.stages.call(self.stages.n - 1, "use_tokenizer", tokenizer_json, eos))
 
     # ---- joining: a short prompt's prefill rides in a decode step ----
     def joinable(self, tokens: Sequence[int], settings: SlotSettings) -> bool:

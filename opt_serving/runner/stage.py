@@ -243,13 +243,26 @@ class StageSlots:
                      want_top: bool = True):
         """`n` decode steps of a group in one call, on a stage that is the whole model: as `decode` n times,
         each step given the tokens of the one before (free rows' positions move on too: their entries are
-        overwritten when a request is inserted). -> each step's chosen tokens and scores, [n, rows, ...]."""
-        self._fit_cache(group, window, shrink=not self.backend.attention)
+        overwritten when a request is inserted). -> each step's chosen tokens and scores, [n, rows, ...].
+        While a request of the group follows a grammar, each step's masks need the token before: the steps
+        are then taken one at a time here (the engine still gets them in one call)."""
         s = self.sampler
+        if s.constrained(group):
+            outs = []
+            for i in range(n):
+                outs.append(self.decode(group, x, positions + i, window, read_len + i, want_scores, want_top))
+                x = outs[-1][0]
+            return tuple(np.stack(a) for a in zip(*outs))
+        self._fit_cache(group, window, shrink=not self.backend.attention)
         self.caches[group], s.state[group], out = self._steps(
             self.params, self.caches[group], x, positions, np.int32(read_len), s.state[group], s.settings[group],
             s.active[group], np.bool_(want_scores), np.bool_(want_top), n)
         return tuple(np.asarray(a) for a in out)
+
+    def use_tokenizer(self, tokenizer_json: str, eos: int) -> None:
+        """The last stage: the tokenizer structured output's grammars are matched against."""
+        if self.sampler is not None:
+            self.sampler.use_tokenizer(tokenizer_json, eos)
 
     def free(self, group: int, row: int) -> None:
         self.caches[group] = self._free(self.caches[group], np.int32(row))

@@ -28,6 +28,8 @@ PREFILL_BATCH_TOKENS = 32
 JOIN_BLOCKS, JOIN_PROMPTS, JOIN_PROMPT_TOKENS = (8, 16, 32, 64, 128), 16, 32
 # bad words live in fixed-shape per-slot arrays so the decode step compiles once
 MAX_BAD_WORDS, MAX_BAD_WORD_LEN = 8, 8
+# and so do logit_bias entries (token id, bias), at most this many a request
+MAX_LOGIT_BIAS = 300
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +53,11 @@ class SlotSettings:
     # them and every slot is plainly greedy may then skip the logits (OPTSlots: the screened greedy head)
     logprob: bool = True
     top_logprobs: bool = True       # find each token's top alternatives (a top-k over the vocabulary)
+    # OpenAI's logit_bias: (token id, bias) pairs added to the logits before sampling (at most MAX_LOGIT_BIAS)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # structured output: an llguidance grammar (a JSON string, runner/grammar.py) every token must follow; the
+    # stage that samples keeps a matcher for the request and masks each step's logits with it
+    grammar: Optional[str] = None
 
 
 @dataclasses.dataclass
@@ -59,6 +66,7 @@ class TokenInfo:
     id: int
     logprob: Optional[float]   # None for a prompt's first token, and when not asked (SlotSettings.logprob)
     top: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # best first
+    rank: Optional[int] = None  # a scored prompt token's rank in its distribution (1: the likeliest; vLLM's)
 
 
 @dataclasses.dataclass

@@ -35,10 +35,11 @@ class _App(FastAPI):
         return DisconnectOnReceiveFailure(DrainUnreadBody(super().build_middleware_stack()))
 
 
-def create_app(generator, *, model_name: str | None = None, api_keys: Sequence[str] = (),
+def create_app(generator, *, model_name: str | Sequence[str] | None = None, api_keys: Sequence[str] = (),
                request_timeout: float = 600.0, close_generator: bool = False,
                max_logprobs: int = P.MAX_LOGPROBS, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """FastAPI app serving `generator`. `api_keys`: if given, POST routes and /v1/models need
+    """FastAPI app serving `generator` under `model_name` (a name, or several as vLLM's --served-model-name: the
+    first is the one answers give; default: the generator's). `api_keys`: if given, POST routes and /v1/models need
     `Authorization: Bearer <one of them>`. `close_generator`: close it when the app shuts down.
     `max_logprobs`: the most top alternatives per token a request may ask for (vLLM's --max-logprobs; the
     engine's model gives at most generator.max_top_logprobs). `max_body_bytes`: larger request bodies are a 413,
@@ -53,7 +54,7 @@ def create_app(generator, *, model_name: str | None = None, api_keys: Sequence[s
     app = _App(title="opt_serving", version="0.1.0", lifespan=lifespan,
                   description="OPT language models: OpenAI-, metaseq- and GPT-J-API-compatible completions.",
                   responses={400: {"model": P.ErrorResponse}, 401: {"model": P.ErrorResponse},
-                             429: {"model": P.ErrorResponse}})
+                             404: {"model": P.ErrorResponse}, 429: {"model": P.ErrorResponse}})
     app.state.service = svc = Service(generator, model_name, request_timeout, max_logprobs)
     app.state.api_keys = [k for k in api_keys if k]
     # before anything reads the body; inside the counting, so refusals show in the metrics

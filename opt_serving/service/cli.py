@@ -52,6 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=int, default=None, help="prompt + generated tokens (default: the model's)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond which the answer is 429")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is cut off")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model name(s) requests may use, as vLLM's flag: the first is the one answers give and "
+                        "/v1/models lists them all; a request naming another model is a 404 (default: --model, or "
+                        "the embedded model's name)")
     p.add_argument("--api-key", action="append", default=[],
                    help="accept only requests with `Authorization: Bearer KEY` (repeatable; also "
                         "$OPT_SERVING_API_KEYS, comma separated)")
@@ -177,7 +181,7 @@ def serve_args_from(args: argparse.Namespace):
                      prefill_budget=args.prefill_budget, decode_steps=args.decode_steps,
                      max_batch_size=args.max_batch_size,
                      max_seq_len=args.max_seq_len, max_queue=args.max_queue, request_timeout=args.request_timeout,
-                     api_keys=keys,
+                     api_keys=keys, served_model_name=args.served_model_name,
                      num_replicas=args.num_replicas, num_gpus=args.num_gpus,
                      graceful_shutdown_timeout_s=args.drain_timeout,
                      tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel,

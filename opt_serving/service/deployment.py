@@ -40,6 +40,9 @@ class ServeArgs(BaseModel):
     decode_steps: PositiveInt = DECODE_STEPS  # decode steps in one call while nobody waits for a slot
     request_timeout: float = 600.0
     api_keys: list[str] | str = []       # a list, or comma separated
+    # the names requests may call the model by (vLLM's --served-model-name; a list, or comma separated); the
+    # first is the one answers give. None: the model's name
+    served_model_name: list[str] | str | None = None
     num_replicas: Optional[int] = None  # None: 1, or what serve_config.yaml's autoscaling_config decides
     num_cpus: float = 1.0                # per replica
     # GPUs per replica of a one-device model; None: one where the cluster has GPUs, else none (alpa/ plans
@@ -58,6 +61,12 @@ class ServeArgs(BaseModel):
     def key_list(self) -> list[str]:
         keys = self.api_keys.split(",") if isinstance(self.api_keys, str) else self.api_keys
         return [k.strip() for k in keys if k.strip()]
+
+    def model_names(self) -> list[str]:
+        """The served model names (none given: the model's own name, or the generator's for the embedded one)."""
+        names = self.served_model_name or []
+        names = names.split(",") if isinstance(names, str) else names
+        return [n.strip() for n in names if n.strip()] or [n for n in (self.model,) if n]
 
     def plan_args(self) -> dict:
         """What load_engine takes about the plan (alpa/ models only)."""
@@ -224,7 +233,7 @@ def build_app(args: ServeArgs | dict | None = None):
             gc.freeze()
 
         def __serve_build_asgi_app__(self):
-            return create_app(self.generator, model_name=self.args.model, api_keys=self.args.key_list(),
+            return create_app(self.generator, model_name=self.args.model_names(), api_keys=self.args.key_list(),
                               request_timeout=self.args.request_timeout, close_generator=True,
                               max_logprobs=self.args.max_logprobs, max_body_bytes=self.args.max_body_bytes)
 

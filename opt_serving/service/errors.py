@@ -1,6 +1,7 @@
 """Every error the HTTP service answers, mapped to its status in one place, by exception type.
 
     opt_serving.errors.InvalidRequest      400  param and code from the exception (context_length_exceeded, ...)
+    opt_serving.errors.NotFound            404  (a model this server does not serve: model_not_found)
     ValueError (any other)                  400  no param: nothing says which field is at fault
     opt_serving.errors.Overloaded          429  Retry-After (engine.QueueFull: code queue_full)
     opt_serving.errors.Unavailable         503  (engine.EngineClosed: shutting_down; runner StageDied:
@@ -26,7 +27,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from opt_serving.engine import EngineClosed, QueueFull
-from opt_serving.errors import InvalidRequest, OPTServingError, Overloaded, Unavailable
+from opt_serving.errors import InvalidRequest, NotFound, OPTServingError, Overloaded, Unavailable
 from opt_serving.runner.types import StageDied
 from opt_serving.service import protocol as P
 
@@ -77,6 +78,8 @@ def to_api_error(e: BaseException) -> Optional[ApiError]:
         return ApiError(504, "request timed out", "timeout_error", code="timeout")
     if isinstance(e, InvalidRequest):
         return ApiError(400, str(e), param=e.param, code=e.code)
+    if isinstance(e, NotFound):
+        return ApiError(404, str(e), param=e.param, code=e.code)
     if isinstance(e, ValueError):  # not typed: a 400 all the same, the message says what is wrong
         return ApiError(400, str(e))
     return None

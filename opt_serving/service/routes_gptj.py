@@ -38,7 +38,7 @@ def _sampling(req: P.GenerateRequest, generator) -> dict:
                 temperature=req.temperature if sample else 0.0, top_k=int(req.top_k) if sample else 0,
                 top_p=req.top_p if sample else 1.0, repetition_penalty=req.repetition_penalty,
                 seed=None if req.seed == -1 else req.seed, stop=[req.end_sequence] if req.end_sequence else [],
-                bad_words_ids=bad_words_ids(generator, req.bad_words))
+                bad_words_ids=bad_words_ids(generator, req.bad_words), structured=req.structured())
 
 
 def _gen_text(req: P.GenerateRequest, prompt: str, completion: str) -> str:

@@ -17,7 +17,8 @@ async def completions(req: P.MetaseqRequest, request: Request, svc: Service = De
     temperature, top_p = greedy_if_no_top_p(req.temperature, req.top_p)
     jobs = svc.jobs(P.normalize_prompt(req.prompt), best_of, req.n, max_tokens=req.max_tokens,
                     min_tokens=req.min_tokens, temperature=temperature, top_p=top_p, seed=req.seed,
-                    stop=P._stop_list(req.stop), logprobs=req.logprobs, echo=req.echo)
+                    stop=P._stop_list(req.stop), logprobs=req.logprobs, echo=req.echo,
+                    structured=req.structured())
 
     async def work(streams):
         outs = await svc.complete_all(streams, "metaseq", best_of)

@@ -7,12 +7,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Optional, Sequence
 
 from fastapi import Request
 from fastapi.responses import Response
 
-from opt_serving.errors import InvalidRequest
+from opt_serving.errors import InvalidRequest, NotFound
 from opt_serving.service import protocol as P
 from opt_serving.service.errors import ClientGone, as_http_errors
 from opt_serving.service.metrics import ServiceMetrics
@@ -23,22 +23,35 @@ Job = tuple[Any, Any]  # (prompt, generator.SamplingParams)
 class Service:
     """The generator plus what every route needs: sampling-parameter mapping, concurrency, metrics."""
 
-    def __init__(self, generator, model_name: str | None = None, request_timeout: float = 600.0,
+    def __init__(self, generator, model_name: str | Sequence[str] | None = None, request_timeout: float = 600.0,
                  max_logprobs: int = P.MAX_LOGPROBS):
+        """`model_name`: the name (or names, vLLM's --served-model-name) requests may call the model by; the
+        first is the one answers give when a request names none. Default: the generator's."""
         from opt_serving.generator import SamplingParams
         self.g = generator
         self.SamplingParams = SamplingParams
-        self.model_name = model_name or getattr(generator, "model_name", None) or "opt"
+        names = [model_name] if isinstance(model_name, str) else list(model_name or [])
+        self.model_names = [n for n in names if n] or [getattr(generator, "model_name", None) or "opt"]
+        self.model_name = self.model_names[0]
         self.max_seq_len = int(generator.max_seq_len)
         self.request_timeout = request_timeout
         # what the server answers for: its configured limit, within the alternatives the engine computes
         self.max_logprobs = min(max_logprobs, getattr(generator, "max_top_logprobs", max_logprobs))
         self.metrics = ServiceMetrics(generator.stats)
 
-    def check_logprobs(self, logprobs: Optional[int]) -> Optional[int]:
+    def served_name(self, name: Optional[str]) -> str:
+        """The name an answer gives for a request naming `name` (None: the first served name); NotFound (404)
+        for a model not served here, as OpenAI and vLLM answer."""
+        if name is None:
+            return self.model_name
+        if name not in self.model_names:
+            raise NotFound(f"The model `{name}` does not exist.", param="model", code="model_not_found")
+        return name
+
+    def check_logprobs(self, logprobs: Optional[int], param: str = "logprobs") -> Optional[int]:
         if logprobs is not None and logprobs > self.max_logprobs:
-            raise InvalidRequest(f"logprobs: at most {self.max_logprobs} alternatives per token on this server, "
-                                 f"got {logprobs}", param="logprobs")
+            raise InvalidRequest(f"{param}: at most {self.max_logprobs} alternatives per token on this server, "
+                                 f"got {logprobs}", param=param)
         return logprobs
 
     def jobs(self, prompts: list, count: int, n: Optional[int] = None, **params) -> list[Job]:

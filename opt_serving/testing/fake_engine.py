@@ -35,6 +35,13 @@ def fake_logprob(last: int, token: int, vocab_size: int = FAKE_VOCAB_SIZE) -> fl
     return math.log(2.0 ** -MAX_TOP_LOGPROBS / (vocab_size - MAX_TOP_LOGPROBS))
 
 
+def fake_rank(last: int, token: int, vocab_size: int = FAKE_VOCAB_SIZE) -> int:
+    """`token`'s rank after `last` as vLLM counts it (the tokens at least as likely): j for the j-th likeliest, the
+    whole vocabulary for the tokens sharing the rest."""
+    j = (token - last) % vocab_size
+    return j if 1 <= j <= MAX_TOP_LOGPROBS else vocab_size
+
+
 def fake_top(last: int, vocab_size: int = FAKE_VOCAB_SIZE) -> list[tuple[int, float]]:
     return [((last + j) % vocab_size, -j * LN2) for j in range(1, MAX_TOP_LOGPROBS + 1)]
 
@@ -69,7 +76,7 @@ class FakeSlots:
         prompt = None
         if settings.prompt_logprobs:
             prompt = [TokenInfo(tokens[0], None)] + [
-                TokenInfo(t, fake_logprob(p, t, self.vocab_size), fake_top(p, self.vocab_size))
+                TokenInfo(t, fake_logprob(p, t, self.vocab_size), fake_top(p, self.vocab_size), fake_rank(p, t))
                 for p, t in zip(tokens, tokens[1:])]
         first = self._next(tokens[-1], 0, settings)
         return Prefix(length=len(tokens), first=first, prompt=prompt, state=None, settings=settings)

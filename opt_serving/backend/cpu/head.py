@@ -75,19 +75,23 @@ def pack_head(embedding, device=None, kind: str | None = None) -> dict:
     return {name: jax.device_put(a, device) for name, a in packed.items()}
 
 
-def greedy_tokens(params: dict, h, exclude=None) -> jax.Array:
+def greedy_tokens(params: dict, h, exclude=None, allowed=None) -> jax.Array:
     """argmax_j h[..., K] . embedding[j] as int32 [...], for params whose `lm_head` holds pack_head's entries
     (float32 h). `exclude` [...] (int32, -1 for none): a token each row may not take (EOS while
-    min_new_tokens holds it back)."""
+    min_new_tokens holds it back). `allowed` [..., W] (int32, W = ceil(V / 32), or None: every token): structured
+    output's token bitmask of each row (bit t % 32 of word t // 32; a row of -1 allows every token): the argmax
+    is over the row's allowed tokens, still the float32 one."""
     _lib.lib()  # its FFI target registered
     head, embedding = params["lm_head"], params["embed_tokens"]["embedding"]
     x2 = h.astype(jnp.float32).reshape(-1, h.shape[-1])  # [rows, K]
     ex = jnp.full(h.shape[:-1], -1, jnp.int32) if exclude is None else jnp.asarray(exclude, jnp.int32)
     ex = jnp.broadcast_to(ex, h.shape[:-1]).reshape(-1)
+    masks = jnp.zeros((x2.shape[0], 0), jnp.int32) if allowed is None else \
+        jnp.asarray(allowed, jnp.int32).reshape(x2.shape[0], -1)  # [rows, W]
     tok = jax.ShapeDtypeStruct((x2.shape[0],), jnp.int32)
     if "s8" in head:
         out = jax.ffi.ffi_call(_lib.GREEDY_HEAD8, tok)(x2, head["s8"], embedding, head["s8_scales"],
-                                                      head["l1_norms"], head["row_norms"], ex)
+                                                      head["l1_norms"], head["row_norms"], ex, masks)
     else:
-        out = jax.ffi.ffi_call(_lib.GREEDY_HEAD, tok)(x2, head["bf16"], embedding, head["row_norms"], ex)
+        out = jax.ffi.ffi_call(_lib.GREEDY_HEAD, tok)(x2, head["bf16"], embedding, head["row_norms"], ex, masks)
     return out.reshape(h.shape[:-1])
