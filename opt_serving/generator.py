@@ -251,10 +251,11 @@ class Generator:
         beam tokens summed against the budget)."""
         if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
             raise InvalidRequest(f"num_beams must be an integer >= 1, got {num_beams!r}", param="num_beams")
-        for name in ("structured", "logit_bias", "prompt_logprobs"):  # the decode slots' features, not generate()'s
-            if getattr(params, name) not in (None, {}):
-                raise InvalidRequest(f"{'structured output' if name == 'structured' else name} is not available "
-                                     "with beam search", param="num_beams")
+        for _, params in jobs:
+            for name in ("structured", "logit_bias", "prompt_logprobs"):  # the decode slots' features, not generate()'s
+                if getattr(params, name) not in (None, {}):
+                    raise InvalidRequest(f"{'structured output' if name == 'structured' else name} is not "
+                                         "available with beam search", param="num_beams")
         model = self.beam_model()
         searches = []
         for prompt, params in jobs:
