@@ -53,9 +53,13 @@ class ChunkedPrefill:
         return list(self._jobs)
 
     def wants(self, req) -> bool:
-        """Is the request's prompt prefilled in chunks? Longer than a chunk, and not scored (prompt scores
-        come from a whole prefill)."""
-        return self.chunk is not None and len(req.prompt) > self.chunk and not req.settings.prompt_logprobs
+        """Is the request's prompt prefilled in chunks? More than a chunk to compute (past what the slot
+        model has cached of it: `prompt_cost`), and not scored (a scored prompt that misses the cache is
+        prefilled whole)."""
+        if self.chunk is None or len(req.prompt) <= self.chunk or req.settings.prompt_logprobs:
+            return False
+        cost = getattr(self.model, "prompt_cost", None)
+        return cost is None or cost(req.prompt, req.settings) > self.chunk
 
     def add(self, req) -> None:
         self._jobs[req] = None
@@ -75,10 +79,11 @@ class ChunkedPrefill:
             try:
                 if self._jobs[req] is None:
                     self._jobs[req] = self.model.open_prefill(req.prompt, req.settings, self.chunk)
-                prefix = None
+                prefix, job = None, self._jobs[req]
                 while prefix is None and spent < self.budget:
-                    prefix = self.model.prefill_chunk(self._jobs[req])
-                    spent += self.chunk
+                    before = job.done
+                    prefix = self.model.prefill_chunk(job)
+                    spent += job.done - before  # (a last chunk, or one after a cached prefix, may be short)
             except Exception as e:  # this request fails, the others carry on
                 log.exception("request %d: chunked prefill failed", req.id)
                 self.drop(req)

@@ -25,7 +25,8 @@ class Delta:
     """A piece of one completion as it streams; the last one has finish_reason set.
 
     The lists run over the tokens whose text is in this delta (the echoed prompt's tokens in the first delta when
-    echo is on). `prompt_tokens`, `completion_tokens` and `cumulative_logprob` are running totals."""
+    echo is on). `prompt_tokens`, `completion_tokens` and `cumulative_logprob` are running totals;
+    `cached_tokens` is how many prompt tokens the prefill reused from the prefix cache."""
     text: str = ""
     token_ids: list[int] = dataclasses.field(default_factory=list)
     tokens: list[str] = dataclasses.field(default_factory=list)
@@ -36,6 +37,7 @@ class Delta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cumulative_logprob: Optional[float] = 0.0  # None when the tokens are not scored (score_tokens)
+    cached_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -51,6 +53,7 @@ class Completion(Delta):
                 getattr(c, f).extend(getattr(d, f))
             c.finish_reason = d.finish_reason
             c.prompt_tokens, c.completion_tokens = d.prompt_tokens, d.completion_tokens
+            c.cached_tokens = d.cached_tokens
             c.cumulative_logprob = d.cumulative_logprob
         return c
 
@@ -97,13 +100,14 @@ class RequestText:
         self.n_sent = 0
         self.echo_pending = params.echo and not settings.prompt_logprobs  # echo without scores: no prompt output
         self.generated = 0
+        self.cached = 0      # prompt tokens the prefill reused (the engine's first output says)
         self.cum_logprob = 0.0 if settings.logprob else None
         self.finished = False
 
     # ---- prompt echo ----
     def echo_delta(self, scores: Optional[list[TokenInfo]]) -> Delta:
         detok = Detokenizer(self.tokenizer, self.params.skip_special_tokens)
-        d = Delta(prompt_tokens=len(self.prompt_ids))
+        d = Delta(prompt_tokens=len(self.prompt_ids), cached_tokens=self.cached)
         for i in range(self.hidden):  # context for the detokenizer, not echoed
             detok.add(self.prompt_ids[i])
         for i in range(self.hidden, len(self.prompt_ids)):
@@ -134,6 +138,8 @@ class RequestText:
             self.finished = True
             self.sink(out.error)
             return True
+        if out.cached_tokens is not None:
+            self.cached = out.cached_tokens
         if out.is_prompt:
             self.sink(self.echo_delta(out.tokens))
             return False
@@ -188,7 +194,7 @@ class RequestText:
     def _send(self, reason: Optional[str]) -> None:
         d = Delta(text=self.text[self.sent:self.safe], finish_reason=reason,
                   prompt_tokens=len(self.prompt_ids), completion_tokens=self.generated,
-                  cumulative_logprob=self.cum_logprob)
+                  cumulative_logprob=self.cum_logprob, cached_tokens=self.cached)
         while self.n_sent < len(self.toks) and (reason is not None or self.toks[self.n_sent][2] <= self.safe):
             tok, start, _ = self.toks[self.n_sent]
             self._append(d, tok)

@@ -778,6 +778,36 @@ def test_the_prefill_chunk_option_reaches_the_engine(monkeypatch):
     assert Engine(FakeSlots(), start=False, prefill_chunk=8).prefill_chunk is None
 
 
+def test_the_prefix_caching_option_reaches_the_slot_model(monkeypatch):
+    """Prefix caching is on by default (load_engine, `serve`, `batch`, ServeArgs) and `--no-prefix-caching`
+    (prefix_caching=False) turns it off: the slot model then has no prefix cache and its stages no pool."""
+    import argparse
+    from opt_serving import batch, loading
+    from opt_serving.embedded import ensure_embedded_model
+    from opt_serving.cli import build_parser
+    from opt_serving.service.cli import serve_args_from
+    from opt_serving.service.deployment import ServeArgs, build_generator
+    folder = ensure_embedded_model()
+    for kw, on in (({}, True), ({"prefix_caching": False}, False)):
+        e = loading.load_engine("jax/opt-tiny", folder, num_slots=2, max_seq_len=64, warmup=False, **kw)
+        e.close()
+        assert (e.model.prefix is not None, e.model.stages.stages[0].pool is not None) == (on, on)
+    parser = argparse.ArgumentParser()
+    batch.add_arguments(parser)
+    files = ["--input", "in.jsonl", "--output", "out.jsonl"]
+    assert parser.parse_args(files).prefix_caching is True
+    assert parser.parse_args(files + ["--no-prefix-caching"]).prefix_caching is False
+    serve, _ = build_parser("serve")
+    assert serve_args_from(serve.parse_args(["serve"])).prefix_caching is True
+    assert serve_args_from(serve.parse_args(["serve", "--no-prefix-caching"])).prefix_caching is False
+    seen = {}
+    monkeypatch.setattr(loading, "load_generator", lambda *a, **kw: seen.update(kw))
+    build_generator(ServeArgs())
+    assert seen["prefix_caching"] is True
+    build_generator(ServeArgs(prefix_caching="false"))  # a builder argument from `serve run ... prefix_caching=false`
+    assert seen["prefix_caching"] is False
+
+
 def test_prefill_widths_pad_long_prompts_by_at_most_a_quarter():
     from opt_serving.runner.stage import cache_bucket, cache_buckets, prefill_bucket, prefill_buckets
     assert prefill_buckets(1024) == [8, 16, 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512,

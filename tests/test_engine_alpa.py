@@ -1,5 +1,5 @@
 """The continuous-batching engine serves an alpa/ tensor-parallel model: the same tokens as jax/, with
-several decode steps a call (the default) on the sharded params.
+several decode steps a call (the default) and prefix caching (the default) on the sharded params.
 
 The engine's jitted steps take the plan's sharded params as they are (GSPMD places the
 KV cache by heads). jax must see several CPU devices before it is imported, so the check runs
@@ -27,9 +27,12 @@ CHILD = textwrap.dedent("""
     stage.decode_steps = lambda *a: (calls.append(a[5]), real(*a))[1]
     tok = load_tokenizer(path)
     gen = Generator(engine, tok, max_seq_len=64, model_name="alpa/opt-tiny")
-    prompts = ["Hello world", "Paris is the capital of", "a", "The quick brown fox jumps"]
+    head = "A tensor-parallel stage keeps its share of the heads of every cached block of a prompt, so that"
+    prompts = ["Hello world", "Paris is the capital of", "a", "The quick brown fox jumps", head + " one", head + " two"]
     served = [c[0].token_ids for c in gen.complete_many(
         prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))]
+    cached = engine.stats().cached_tokens  # the second long prompt reuses the first one's blocks
+    pool_spec = str(stage.pool["k"][0].sharding.spec)
     gen.close()
     ref = get_model("jax/opt-tiny", path)
     offline = []
@@ -38,7 +41,7 @@ CHILD = textwrap.dedent("""
         out = ref.generate(input_ids=ids, max_new_tokens=8, min_new_tokens=8)
         offline.append(np.asarray(out)[0, ids.shape[1]:].tolist())
     print(json.dumps({"served": served, "offline": offline, "cache_spec": cache_spec,
-                      "devices": len(jax.devices()), "calls": calls}))
+                      "devices": len(jax.devices()), "calls": calls, "cached": cached, "pool_spec": pool_spec}))
 """)
 
 
@@ -56,3 +59,4 @@ def test_engine_serves_a_tensor_parallel_alpa_model(tmp_path):
     assert result["served"] == result["offline"]
     assert result["calls"] and set(result["calls"]) == {4}  # some steps ran four a call
     assert "tp" in result["cache_spec"], result["cache_spec"]   # the cache really is sharded
+    assert result["cached"] >= 32  # prefix caching (on by default) reused a prompt's blocks on the sharded stage
