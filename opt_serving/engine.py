@@ -8,9 +8,9 @@
   * `Engine`, this module, the scheduler: a bounded queue and a background thread that admits queued requests into free
     slots (a short prompt joins the next decode step where the slot model has `join`, or the one after where
     that step's block is full; the others are prefilled,
-    together when it has `prefill_batch`; a prompt with more than `prefill_chunk` tokens to compute a chunk per
-    iteration, between decode steps: admission.py), steps (`decode_steps` at a time while nobody waits for a slot),
-    and hands each request its tokens through a callback (called on the engine thread; the
+    together when it has `prefill_batch`, up to a budget of prompt tokens an iteration; a prompt with more than
+    `prefill_chunk` tokens to compute in chunks, between decode steps: admission.py), steps (`decode_steps` at a
+    time while nobody waits for a slot), and hands each request its tokens through a callback (called on the engine thread; the
     generator forwards them to asyncio with `loop.call_soon_threadsafe`). EOS, max_tokens, the context limit,
     a callback asking to stop (stop strings) and `cancel()` (client disconnects) free the slot before the next
     step.
@@ -49,10 +49,10 @@ class Engine:
                  prefill_budget: Optional[int] = None, decode_steps: int = 1,
                  decode_call_s: float = admission.DECODE_CALL_S):
         """`prefill_chunk`: prompts with more than this many tokens to compute are prefilled in chunks of it,
-        between decode steps (where the slot model can; 0 or None: every prompt whole), `prefill_budget` tokens
-        of chunks an iteration (default: one chunk). `decode_steps`: decode steps taken in one call of the slot
-        model (where it has `step_many`) while no queued request could take a free slot and no prompt is being
-        prefilled in chunks, and while that many steps take at most `decode_call_s` seconds (as the steps so far
+        between decode steps (where the slot model can; 0 or None: every prompt whole); `prefill_budget`: the
+        prompt tokens an iteration prefills, whole prompts and chunks (default admission.PREFILL_BUDGET, at least
+        one prompt or chunk). `decode_steps`: decode steps taken in one call of the slot model (where it has
+        `step_many`) while no queued request could take a free slot and no prompt is being prefilled in chunks, and while that many steps take at most `decode_call_s` seconds (as the steps so far
         went); each request gets the call's tokens in one output. Fewer calls, less of the host's work a token; a
         request finishing at the first of them holds its slot until the last, one arriving meanwhile waits for it."""
         if decode_steps < 1:

@@ -46,7 +46,8 @@ def load_generator(model: Optional[str], path=None, dtype: str = "float32", max_
     tokenizer from instead (needed with `dummy` when the vocabulary is larger than the embedded model's).
     `max_batch_size` decode slots; every shape is compiled before it returns when `warmup`. `prefill_chunk`:
     prompts longer than this are prefilled that many tokens an engine iteration, between decode steps (0 or
-    None: whole; engine.Engine), `prefill_budget` tokens of chunks an iteration (default one chunk), `decode_steps`
+    None: whole; engine.Engine), `prefill_budget` prompt tokens an iteration (whole prompts and chunks; default
+    admission.PREFILL_BUDGET), `decode_steps`
     decode steps in one call while nobody waits for a slot (engine.Engine), `prefix_caching`: prompts that start
     as earlier ones did reuse their KV cache (runner/prefix.py). `plan`: an alpa/
     model's tensor_parallel, pipeline_parallel, device_memory, micro_batches (`load_engine`).

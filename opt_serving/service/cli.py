@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 
-from opt_serving.admission import DECODE_STEPS, PREFILL_CHUNK
+from opt_serving.admission import DECODE_STEPS, PREFILL_BUDGET, PREFILL_CHUNK
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,9 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"prompts with more than N tokens to compute are prefilled N at a time, between decode "
                         f"steps, so running streams keep their pace (default {PREFILL_CHUNK}; 0: whole prefills)")
     p.add_argument("--prefill-budget", type=int, default=None, metavar="T",
-                   help="prompt tokens prefilled in chunks per engine iteration, across the long prompts "
-                        "waiting, oldest first (default: one chunk); more: shorter waits for a first token "
-                        "under a burst of long prompts, longer pauses of the running streams")
+                   help=f"prompt tokens prefilled per engine iteration, whole prompts and chunks, oldest first "
+                        f"(default {PREFILL_BUDGET}, vLLM's max_num_batched_tokens on CPUs); less: shorter pauses "
+                        "of the running streams, longer waits for a first token under a burst of prompts")
     p.add_argument("--decode-steps", type=int, default=DECODE_STEPS, metavar="K",
                    help="decode steps taken in one call while no waiting request could take a free slot: "
                         "the host's work (dispatch, handing out tokens, streaming) is paid once for K tokens "

@@ -35,7 +35,7 @@ class ServeArgs(BaseModel):
     max_seq_len: Optional[int] = None
     max_queue: int = 256
     prefill_chunk: NonNegativeInt = PREFILL_CHUNK  # prompts longer than this: prefilled this many tokens a step (0: whole)
-    prefill_budget: Optional[PositiveInt] = None  # tokens of chunks an iteration (None: one chunk)
+    prefill_budget: Optional[PositiveInt] = None  # prompt tokens an iteration, whole and chunks (None: 2048)
     decode_steps: PositiveInt = DECODE_STEPS  # decode steps in one call while nobody waits for a slot
     prefix_caching: bool = True          # keep prompts' KV for later prompts that start the same way
     request_timeout: float = 600.0
