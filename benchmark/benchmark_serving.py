@@ -7,9 +7,14 @@ Usage:
   # ratio to the offline figure at the same batch size
   python benchmark/benchmark_text_gen.py --model jax/opt-125m --dummy --batch-size 32 --json offline.json
   python benchmark/benchmark_serving.py --concurrency 32 --compare-offline offline.json
+  # shared-prefix traffic: every prompt is one 448-token prefix and a 16-token tail of its own
+  python benchmark/benchmark_serving.py --concurrency 16 --num-requests 64 --shared-prefix 448 --prompt-len 16 \
+      --output-len 32 --ignore-eos
 
 Each request is greedy (temperature 0) with a prompt of random token ids and a max_tokens, both drawn
-(seeded) from the given ranges, so a run is repeatable. Clients either keep --concurrency requests in
+(seeded) from the given ranges, so a run is repeatable; with --shared-prefix N every prompt starts with the
+same N random ids (a system prompt, few-shot examples), and the server's prefix cache, if it has one, can reuse
+them (the cached prompt tokens its usage reports, `prompt_tokens_details.cached_tokens`, are summed). Clients either keep --concurrency requests in
 flight (closed loop) or start requests at --request-rate per second (Poisson arrivals; both together:
 at that rate, at most that many in flight). The run is bounded by --num-requests and --max-duration.
 
@@ -60,6 +65,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="seconds; no request starts after it and unfinished ones are cancelled")
     p.add_argument("--prompt-len", type=parse_range, default=(16, 128), metavar="LO:HI", help="prompt tokens")
     p.add_argument("--output-len", type=parse_range, default=(16, 128), metavar="LO:HI", help="max_tokens")
+    p.add_argument("--shared-prefix", type=int, default=0, metavar="N",
+                   help="every prompt starts with the same N random token ids, then its own --prompt-len")
     p.add_argument("--token-ids", type=parse_range, default=(4, 1000), metavar="LO:HI",
                    help="prompt token ids are drawn from this range (keep it inside the model's vocabulary)")
     p.add_argument("--ignore-eos", action="store_true",
@@ -107,14 +114,16 @@ class Result:
     chunk_times: list = dataclasses.field(default_factory=list)  # seconds since the request was sent
     output_tokens: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0
 
 
 def make_requests(args) -> list[tuple[list[int], int]]:
     rng = np.random.default_rng(args.seed)
+    shared = rng.integers(args.token_ids[0], args.token_ids[1] + 1, size=args.shared_prefix).tolist()
     out = []
     for _ in range(args.num_requests):
         n = int(rng.integers(args.prompt_len[0], args.prompt_len[1] + 1))
-        ids = rng.integers(args.token_ids[0], args.token_ids[1] + 1, size=n).tolist()
+        ids = shared + rng.integers(args.token_ids[0], args.token_ids[1] + 1, size=n).tolist()
         out.append((ids, int(rng.integers(args.output_len[0], args.output_len[1] + 1))))
     return out
 
@@ -152,6 +161,7 @@ async def one_request(client, args, model: str, prompt: list[int], max_tokens: i
     res.e2e = time.perf_counter() - t0
     res.output_tokens = int(usage["completion_tokens"]) if usage else len(res.chunk_times)
     res.prompt_tokens = int(usage["prompt_tokens"]) if usage else len(prompt)
+    res.cached_tokens = int(((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
     if not res.chunk_times:
         res.error = "no text in the stream"
         return res
@@ -220,9 +230,11 @@ def report(args, model: str, results: list[Result], wall: float, unfinished: int
         "time": now(), "machine": machine_description(), "url": args.url, "model": model,
         "concurrency": args.concurrency, "request_rate": args.request_rate,
         "num_requests": args.num_requests, "prompt_len": list(args.prompt_len), "output_len": list(args.output_len),
+        "shared_prefix": args.shared_prefix,
         "completed": len(ok), "failed": len(results) - len(ok), "unfinished": unfinished,
         "duration_s": wall,
         "total_input_tokens": sum(r.prompt_tokens for r in ok), "total_output_tokens": out_tokens,
+        "cached_input_tokens": sum(r.cached_tokens for r in ok),
         "request_throughput": len(ok) / wall, "output_tokens_per_s": out_tokens / wall,
         "ttft_s": summarize(r.ttft for r in ok), "tpot_s": summarize(tpot), "itl_s": summarize(itl),
         "e2e_s": summarize(r.e2e for r in ok),
@@ -243,7 +255,8 @@ def print_report(s: dict) -> None:
     print(f"requests: {s['completed']} completed, {s['failed']} failed, {s['unfinished']} unfinished "
           f"in {s['duration_s']:.2f} s")
     print(f"request throughput: {s['request_throughput']:.2f} req/s; output: {s['output_tokens_per_s']:.1f} tokens/s "
-          f"({s['total_output_tokens']} tokens; input {s['total_input_tokens']} tokens)")
+          f"({s['total_output_tokens']} tokens; input {s['total_input_tokens']} tokens, "
+          f"{s['cached_input_tokens']} of them cached as the server reports)")
     for key, label in (("ttft_s", "time to first token"), ("tpot_s", "time per output token"),
                        ("itl_s", "inter-token latency"), ("e2e_s", "end-to-end latency")):
         v = s[key]

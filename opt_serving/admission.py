@@ -1,12 +1,17 @@
 """Admission, for the engine's scheduler (engine.py): which queued requests start in an iteration, and how
 their prompts are prefilled.
 
-A prompt of at most `prefill_chunk` tokens is prefilled whole, several together where the slot model has
-`prefill_batch`. A longer one is prefilled a chunk at a time (vLLM's chunked prefill), so decode steps of the
-running requests come between its chunks, where a whole prefill of it would hold every stream up for the
-length of the pass. Each iteration prefills chunks up to a budget of prompt tokens (`prefill_budget`, a
-chunk by default), oldest prompt first; every prompt being prefilled holds the free slot it will take, so the
-short prompts queued behind a long one start beside it instead of waiting for it.
+A prompt with at most `prefill_chunk` tokens to compute (past what the slot model has cached of it,
+`prompt_cost`) is prefilled whole, several together where the slot model has `prefill_batch`. A longer one is
+prefilled a chunk at a time (vLLM's chunked prefill), so decode steps of the running requests come between its
+chunks, where a whole prefill of it would hold every stream up for the length of the pass. Each iteration
+prefills up to a budget of prompt tokens (`prefill_budget`, vLLM's max_num_batched_tokens), whole prompts and
+chunks together, in the order the prompts came, at least one prompt or chunk: a burst of prompts is prefilled
+in few passes between decode steps (each stream waits at most about a budget's pass for its next token),
+not one chunk between every two steps (the first tokens of the last prompts of a burst then waited behind
+every decode step the chunks of the others were interleaved with). Every prompt being prefilled in chunks
+holds the free slot it will take, so the short prompts queued behind a long one start beside it instead of
+waiting for it.
 """
 from __future__ import annotations
 
@@ -19,8 +24,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# the default chunk (tokens): the running streams wait at most one chunk's pass between two of their tokens
+# the default chunk (tokens): a longer prompt is prefilled a chunk at a time
 PREFILL_CHUNK = 256
+# the default prompt tokens prefilled in an engine iteration, whole prompts and chunks (vLLM's CPU default of
+# max_num_batched_tokens for its API server): the running streams wait about one such pass between two tokens
+PREFILL_BUDGET = 2048
 # the default decode steps in one call while no queued request could take a slot (engine.Engine; `serve`,
 # load_generator): the host's work of a call is paid once for them, and a newcomer waits at most that many
 # steps for its prefill
@@ -34,12 +42,13 @@ class ChunkedPrefill:
     """The requests whose prompts are being prefilled a chunk at a time (`reqs`, oldest first), over a slot
     model with `open_prefill`, `prefill_chunk` and `discard_partial` (runner.slots.Slots); `chunk` is None
     where chunked prefill is off or the slot model has none. `budget`: the prompt tokens an iteration
-    prefills in chunks (whole chunks, at least one)."""
+    prefills, whole prompts (`take`) then chunks (`advance`: at least one chunk)."""
 
-    def __init__(self, model, chunk: Optional[int], budget: Optional[int] = None):
+    def __init__(self, model, chunk: Optional[int], budget: Optional[int] = PREFILL_BUDGET):
         self.model = model
         self.chunk = chunk if chunk and chunk > 0 and hasattr(model, "prefill_chunk") else None
-        self.budget = max(budget or 0, self.chunk or 0)
+        self.budget = max(budget or PREFILL_BUDGET, self.chunk or 0)
+        self.spent = 0  # prompt tokens of this iteration's whole prefills (take)
         self._jobs: dict = {}  # request -> its job (open_prefill's), None until its first chunk; oldest first
 
     @property
@@ -53,9 +62,21 @@ class ChunkedPrefill:
         return list(self._jobs)
 
     def wants(self, req) -> bool:
-        """Is the request's prompt prefilled in chunks? Longer than a chunk, and not scored (prompt scores
-        come from a whole prefill)."""
-        return self.chunk is not None and len(req.prompt) > self.chunk and not req.settings.prompt_logprobs
+        """Is the request's prompt prefilled in chunks? More than a chunk to compute (past what the slot
+        model has cached of it: `prompt_cost`), and not scored (a scored prompt that misses the cache is
+        prefilled whole)."""
+        if self.chunk is None or len(req.prompt) <= self.chunk or req.settings.prompt_logprobs:
+            return False
+        return self.cost(req) > self.chunk
+
+    def cost(self, req) -> int:
+        """The prompt tokens the request's prefill computes: past its cached prefix (`prompt_cost`), none for
+        a prompt that joins a decode step (its tokens ride in the step's products)."""
+        joinable = getattr(self.model, "joinable", None)
+        if joinable is not None and req.settings.max_tokens > 0 and joinable(req.prompt, req.settings):
+            return 0
+        cost = getattr(self.model, "prompt_cost", None)
+        return len(req.prompt) if cost is None else cost(req.prompt, req.settings)
 
     def add(self, req) -> None:
         self._jobs[req] = None
@@ -64,7 +85,7 @@ class ChunkedPrefill:
         """Prefill this iteration's chunks, oldest prompt first -> (request, its Prefix, or the exception that
         stopped it) for each prompt whose last chunk ran (it is no longer held). A cancelled request is let
         go with the cache rows its chunks filled, and reported with a None Prefix."""
-        done, spent = [], 0
+        done, spent = [], min(self.spent, self.budget - (self.chunk or 0))  # (at least one chunk)
         for req in list(self._jobs):
             if spent >= self.budget:
                 break
@@ -75,10 +96,11 @@ class ChunkedPrefill:
             try:
                 if self._jobs[req] is None:
                     self._jobs[req] = self.model.open_prefill(req.prompt, req.settings, self.chunk)
-                prefix = None
+                prefix, job = None, self._jobs[req]
                 while prefix is None and spent < self.budget:
-                    prefix = self.model.prefill_chunk(self._jobs[req])
-                    spent += self.chunk
+                    before = job.done
+                    prefix = self.model.prefill_chunk(job)
+                    spent += job.done - before  # (a last chunk, or one after a cached prefix, may be short)
             except Exception as e:  # this request fails, the others carry on
                 log.exception("request %d: chunked prefill failed", req.id)
                 self.drop(req)
@@ -101,18 +123,26 @@ class ChunkedPrefill:
 
 def take(queue: collections.deque, free: int, chunked: ChunkedPrefill) -> list:
     """(Under the engine's lock.) The queued requests to prefill whole now, first come first served, at
-    most `free` (the free slots, less those the prompts being prefilled in chunks hold). A long prompt
-    (`chunked.wants`) joins `chunked`, taking a free slot too."""
-    admit = []
+    most `free` (the free slots, less those the prompts being prefilled in chunks hold) and within the
+    iteration's budget of prompt tokens (at least one); a long prompt (`chunked.wants`) joins `chunked`,
+    taking a free slot too, its chunks prefilled with what the budget leaves (`advance`)."""
+    admit, spent = [], 0
     while queue and free > 0:
-        req = queue.popleft()
+        req = queue[0]
         if req.cancelled:
+            queue.popleft()
             continue
         if chunked.wants(req):
             chunked.add(req)
         else:
+            cost = chunked.cost(req)
+            if admit and spent + cost > chunked.budget:
+                break
             admit.append(req)
+            spent += cost
+        queue.popleft()
         free -= 1
+    chunked.spent = spent
     return admit
 
 

@@ -248,6 +248,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="N",
                         help=f"prompts longer than N tokens are prefilled N at a time, between decode steps "
                              f"(default {PREFILL_CHUNK}; 0: whole)")
+    parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                        help="do not reuse the KV cache of prompts that start the same way (on by default)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto (default): float16 on GPUs, float32 on CPUs")
     parser.add_argument("--quantize", choices=["int8"], default=None,
@@ -287,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
             device_memory=args.device_memory)
         gen = load_generator(args.model, args.path, args.dtype, args.max_batch_size, args.max_seq_len,
                              dummy=args.dummy, seed=args.seed, tokenizer=args.tokenizer, quantize=args.quantize,
-                             prefill_chunk=args.prefill_chunk, **plan)
+                             prefill_chunk=args.prefill_chunk, prefix_caching=args.prefix_caching, **plan)
     except (OSError, ValueError, NotImplementedError) as e:  # missing folder, unknown name, alpa/ not ready
         print(f"batch: cannot load {args.model}: {e}", file=sys.stderr)
         return 2

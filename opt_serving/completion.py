@@ -25,7 +25,8 @@ class Delta:
     """A piece of one completion as it streams; the last one has finish_reason set.
 
     The lists run over the tokens whose text is in this delta (the echoed prompt's tokens in the first delta when
-    echo is on). `prompt_tokens`, `completion_tokens` and `cumulative_logprob` are running totals.
+    echo is on). `prompt_tokens`, `completion_tokens` and `cumulative_logprob` are running totals;
+    `cached_tokens` is how many prompt tokens the prefill reused from the prefix cache.
     `prompt_logprobs` (vLLM's, in the first delta when asked): per prompt token None for the first, then
     {token id: (logprob, rank, its text)} for the token itself and the top alternatives asked for."""
     text: str = ""
@@ -39,6 +40,7 @@ class Delta:
     completion_tokens: int = 0
     cumulative_logprob: Optional[float] = 0.0  # None when the tokens are not scored (score_tokens)
     prompt_logprobs: Optional[list[Optional[dict[int, tuple[float, int, str]]]]] = None
+    cached_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -54,6 +56,7 @@ class Completion(Delta):
                 getattr(c, f).extend(getattr(d, f))
             c.finish_reason = d.finish_reason
             c.prompt_tokens, c.completion_tokens = d.prompt_tokens, d.completion_tokens
+            c.cached_tokens = d.cached_tokens
             c.cumulative_logprob = d.cumulative_logprob
             if d.prompt_logprobs is not None:
                 c.prompt_logprobs = d.prompt_logprobs
@@ -103,6 +106,7 @@ class RequestText:
         # echo without prompt scores: the engine sends no prompt output
         self.echo_pending = params.echo and not settings.prompt_logprobs
         self.generated = 0
+        self.cached = 0      # prompt tokens the prefill reused (the engine's first output says)
         self.cum_logprob = 0.0 if settings.logprob else None
         self.finished = False
 
@@ -111,7 +115,7 @@ class RequestText:
         """The echoed prompt: every token the model read, its first (OPT's </s>) with no logprob as OpenAI and
         vLLM list it; the tokens the tokenizer added (`hidden`) are not part of the text."""
         detok = Detokenizer(self.tokenizer, self.params.skip_special_tokens)
-        d = Delta(prompt_tokens=len(self.prompt_ids))
+        d = Delta(prompt_tokens=len(self.prompt_ids), cached_tokens=self.cached)
         for i, tid in enumerate(self.prompt_ids):
             d.text_offset.append(len(d.text))
             piece = detok.add(tid, final=i == len(self.prompt_ids) - 1)
@@ -152,8 +156,11 @@ class RequestText:
             self.finished = True
             self.sink(out.error)
             return True
+        if out.cached_tokens is not None:
+            self.cached = out.cached_tokens
         if out.is_prompt:
-            d = self.echo_delta(out.tokens) if self.params.echo else Delta(prompt_tokens=len(self.prompt_ids))
+            d = (self.echo_delta(out.tokens) if self.params.echo
+                 else Delta(prompt_tokens=len(self.prompt_ids), cached_tokens=self.cached))
             if self.params.prompt_logprobs is not None:
                 d.prompt_logprobs = self.prompt_scores(out.tokens)
             self.sink(d)
@@ -209,7 +216,7 @@ class RequestText:
     def _send(self, reason: Optional[str]) -> None:
         d = Delta(text=self.text[self.sent:self.safe], finish_reason=reason,
                   prompt_tokens=len(self.prompt_ids), completion_tokens=self.generated,
-                  cumulative_logprob=self.cum_logprob)
+                  cumulative_logprob=self.cum_logprob, cached_tokens=self.cached)
         while self.n_sent < len(self.toks) and (reason is not None or self.toks[self.n_sent][2] <= self.safe):
             tok, start, _ = self.toks[self.n_sent]
             self._append(d, tok)

@@ -8,9 +8,9 @@
   * `Engine`, this module, the scheduler: a bounded queue and a background thread that admits queued requests into free
     slots (a short prompt joins the next decode step where the slot model has `join`, or the one after where
     that step's block is full; the others are prefilled,
-    together when it has `prefill_batch`; a prompt longer than `prefill_chunk` a chunk per iteration, between
-    decode steps: admission.py), steps (`decode_steps` at a time while nobody waits for a slot), and hands
-    each request its tokens through a callback (called on the engine thread; the
+    together when it has `prefill_batch`, up to a budget of prompt tokens an iteration; a prompt with more than
+    `prefill_chunk` tokens to compute in chunks, between decode steps: admission.py), steps (`decode_steps` at a
+    time while nobody waits for a slot), and hands each request its tokens through a callback (called on the engine thread; the
     generator forwards them to asyncio with `loop.call_soon_threadsafe`). EOS, max_tokens, the context limit,
     a callback asking to stop (stop strings) and `cancel()` (client disconnects) free the slot before the next
     step.
@@ -48,13 +48,13 @@ class Engine:
                  health_stall_s: float = HEALTH_STALL_S, prefill_chunk: Optional[int] = admission.PREFILL_CHUNK,
                  prefill_budget: Optional[int] = None, decode_steps: int = 1,
                  decode_call_s: float = admission.DECODE_CALL_S):
-        """`prefill_chunk`: prompts longer than this many tokens are prefilled in chunks of it, between decode
-        steps (where the slot model can; 0 or None: every prompt whole), `prefill_budget` tokens of chunks an
-        iteration (default: one chunk). `decode_steps`: decode steps taken in one call of the slot model (where it
-        has `step_many`) while no queued request could take a free slot and no prompt is being prefilled in
-        chunks, and while that many steps take at most `decode_call_s` seconds (as the steps so far went); each
-        request gets the call's tokens in one output. Fewer calls, less of the host's work a token; a request
-        finishing at the first of them holds its slot until the last, one arriving meanwhile waits for it."""
+        """`prefill_chunk`: prompts with more than this many tokens to compute are prefilled in chunks of it,
+        between decode steps (where the slot model can; 0 or None: every prompt whole); `prefill_budget`: the
+        prompt tokens an iteration prefills, whole prompts and chunks (default admission.PREFILL_BUDGET, at least
+        one prompt or chunk). `decode_steps`: decode steps taken in one call of the slot model (where it has
+        `step_many`) while no queued request could take a free slot and no prompt is being prefilled in chunks, and while that many steps take at most `decode_call_s` seconds (as the steps so far
+        went); each request gets the call's tokens in one output. Fewer calls, less of the host's work a token; a
+        request finishing at the first of them holds its slot until the last, one arriving meanwhile waits for it."""
         if decode_steps < 1:
             raise ValueError(f"decode_steps must be at least 1, got {decode_steps}")
         self.model = model
@@ -73,7 +73,7 @@ class Engine:
         self._closing = False
         self._thread: Optional[threading.Thread] = None
         self._steps = self._step_calls = self._step_tokens = 0
-        self._prefills = self._joined = self._generated = self._prompt_tokens = 0
+        self._prefills = self._joined = self._generated = self._prompt_tokens = self._cached_tokens = 0
         self._last_batch = 0
         self._active_hist: collections.Counter[int] = collections.Counter()
         if start:
@@ -150,7 +150,8 @@ class Engine:
                 num_slots=self.num_slots, steps=self._steps, step_calls=self._step_calls,
                 step_tokens=self._step_tokens,
                 prefills=self._prefills, joined=self._joined, generated_tokens=self._generated,
-                prompt_tokens=self._prompt_tokens, last_step_batch=self._last_batch,
+                prompt_tokens=self._prompt_tokens, cached_tokens=self._cached_tokens,
+                last_step_batch=self._last_batch,
                 active_per_step=dict(self._active_hist))
 
     def close(self, timeout: float = 30.0) -> None:
@@ -290,6 +291,7 @@ class Engine:
         if not join(req.prompt, req.settings, slot):
             return False
         self._count_prefill(req, joined=True)
+        req.cached_tokens = 0  # (a joining prompt is computed in the step: nothing reused)
         req.slot = slot
         self._slots[slot] = req
         return True
@@ -302,14 +304,16 @@ class Engine:
         joinable = getattr(self.model, "joinable", None)
         return joinable is not None and req.settings.max_tokens > 0 and joinable(req.prompt, req.settings)
 
-    def _count_prefill(self, req: EngineRequest, joined: bool = False) -> None:
+    def _count_prefill(self, req: EngineRequest, joined: bool = False, cached: int = 0) -> None:
         with self._cv:
             self._prefills += 1
             self._joined += joined
             self._prompt_tokens += len(req.prompt)
+            self._cached_tokens += cached
 
     def _admit(self, req: EngineRequest, slot: int, prefix: Prefix) -> None:
-        self._count_prefill(req)
+        self._count_prefill(req, cached=prefix.cached)
+        req.cached_tokens = prefix.cached  # told with the request's first output
         if prefix.prompt is not None and self._emit(req, EngineOutput(prefix.prompt, is_prompt=True)):
             self._discard(prefix)
             return
@@ -382,6 +386,8 @@ class Engine:
         if req.cancelled:
             self._release(req)
             return True
+        if req.cached_tokens is not None:  # its first output says how much of its prompt was reused
+            out.cached_tokens, req.cached_tokens = req.cached_tokens, None
         try:
             stop = bool(req.on_output(out))
         except Exception:
@@ -420,7 +426,8 @@ class Engine:
                 req.slot = None
 
 
-def OPTSlots(cfg, params, num_slots: int = 8, max_seq_len: Optional[int] = None):
-    """The slot model over a whole model's params in this process (`runner.load.local_slots`)."""
+def OPTSlots(cfg, params, num_slots: int = 8, max_seq_len: Optional[int] = None, prefix_blocks: int = 0):
+    """The slot model over a whole model's params in this process (`runner.load.local_slots`; `prefix_blocks`:
+    its prefix cache's, none by default)."""
     from opt_serving.runner.load import local_slots
-    return local_slots(cfg, params, num_slots, max_seq_len)
+    return local_slots(cfg, params, num_slots, max_seq_len, prefix_blocks=prefix_blocks)

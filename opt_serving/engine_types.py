@@ -28,7 +28,9 @@ class SlotModel(Protocol):
     def warmup(self) -> None: ...
     def prefill(self, tokens: Sequence[int], settings: SlotSettings) -> Prefix: ...
     # optional: `prefill_batch(prompts, settings) -> list[Prefix]`, several requests at once; `open_prefill`,
-    # `prefill_chunk`, `discard_partial`: a prompt a chunk at a time (admission.py, runner.slots.Slots)
+    # `prefill_chunk`, `discard_partial`: a prompt a chunk at a time (admission.py, runner.slots.Slots);
+    # `prompt_cost(tokens, settings) -> int`, the prompt tokens a prefill would compute now (a prefix cache's
+    # slot model computes only those past its cached prefix; Prefix.cached says how many it reused)
     def insert(self, prefix: Prefix, slot: int) -> None: ...
     def step(self) -> StepResult: ...
     def free(self, slot: int) -> None: ...
@@ -52,6 +54,7 @@ class EngineRequest:
         self.on_output = on_output
         self.slot: Optional[int] = None
         self.generated = 0
+        self.cached_tokens: Optional[int] = None  # prompt tokens its prefill reused, until its first output tells it
         self.cancelled = False
         self.done = False
 
@@ -68,6 +71,7 @@ class EngineStats:
     joined: int               # of those, prompts prefilled inside a decode step (its first token is a step token)
     generated_tokens: int     # all generated tokens, prefill's first tokens included
     prompt_tokens: int
+    cached_tokens: int        # of those, tokens whose KV the prefix cache gave (not computed)
     last_step_batch: int      # active slots in the latest step
     active_per_step: dict[int, int]  # {active slots: number of steps with that many}
 

@@ -38,15 +38,18 @@ def check_model_args(model: Optional[str], path=None, dummy: bool = False, token
 def load_generator(model: Optional[str], path=None, dtype: str = "auto", max_batch_size: int = 16,
                    max_seq_len: Optional[int] = None, max_queue: int = 256, warmup: bool = True,
                    dummy: bool = False, seed: int = 0, tokenizer=None, prefill_chunk: Optional[int] = PREFILL_CHUNK,
-                   prefill_budget: Optional[int] = None, decode_steps: int = DECODE_STEPS, **plan) -> "Generator":
+                   prefill_budget: Optional[int] = None, decode_steps: int = DECODE_STEPS, prefix_caching: bool = True,
+                   **plan) -> "Generator":
     """The named model's weights from `path` (a numpy folder, or its parent holding `<size>-np/`) with the
     tokenizer from the same folder; random weights of the named size from `seed` with `dummy` (no `path`);
     the embedded tiny model with neither. `tokenizer`: a folder to take the
     tokenizer from instead (needed with `dummy` when the vocabulary is larger than the embedded model's).
     `max_batch_size` decode slots; every shape is compiled before it returns when `warmup`. `prefill_chunk`:
     prompts longer than this are prefilled that many tokens an engine iteration, between decode steps (0 or
-    None: whole; engine.Engine), `prefill_budget` tokens of chunks an iteration (default one chunk), `decode_steps`
-    decode steps in one call while nobody waits for a slot (engine.Engine). `plan`: an alpa/
+    None: whole; engine.Engine), `prefill_budget` prompt tokens an iteration (whole prompts and chunks; default
+    admission.PREFILL_BUDGET), `decode_steps`
+    decode steps in one call while nobody waits for a slot (engine.Engine), `prefix_caching`: prompts that start
+    as earlier ones did reuse their KV cache (runner/prefix.py). `plan`: an alpa/
     model's tensor_parallel, pipeline_parallel, device_memory, micro_batches (`load_engine`).
     ValueError (naming the argument) for arguments that do not go together; OSError for missing files."""
     from opt_serving.generator import Generator
@@ -63,25 +66,27 @@ def load_generator(model: Optional[str], path=None, dtype: str = "auto", max_bat
         tok = load_tokenizer(folder if tokenizer is None else tokenizer)
     engine = load_engine(model, folder, dtype=dtype, num_slots=max_batch_size, max_seq_len=max_seq_len,
                          max_queue=max_queue, warmup=warmup, dummy=dummy, seed=seed, prefill_chunk=prefill_chunk,
-                         prefill_budget=prefill_budget, decode_steps=decode_steps, **plan)
+                         prefill_budget=prefill_budget, decode_steps=decode_steps, prefix_caching=prefix_caching,
+                         **plan)
     return Generator(engine, tok, max_seq_len=max_seq_len, model_name=model)
 
 
 def load_engine(model_name: str, path=None, dtype: str = "auto", num_slots: int = 16,
                 max_seq_len: Optional[int] = None, max_queue: int = 256, warmup: bool = True,
                 prefill_chunk: Optional[int] = PREFILL_CHUNK, prefill_budget: Optional[int] = None,
-                decode_steps: int = DECODE_STEPS, **plan) -> "Engine":
+                decode_steps: int = DECODE_STEPS, prefix_caching: bool = True, **plan) -> "Engine":
     """An engine over `runner.load.load_slots(model_name, path, ...)` (every plan: one device, a
     tensor-parallel mesh, pipeline stages on a Ray cluster; `plan` takes dummy, seed, tensor_parallel,
     pipeline_parallel, device_memory, micro_batches), compiled before it returns when `warmup` (the
     chunked prefill's step and `decode_steps` steps in one call too: `prefill_chunk`, `prefill_budget`,
-    `decode_steps`, see engine.Engine). What it compiles is kept
+    `decode_steps`, see engine.Engine; `prefix_caching`, runner/prefix.py). What it compiles is kept
     on disk for the next start (xla_cache)."""
     from opt_serving import xla_cache
     from opt_serving.engine import Engine
     from opt_serving.runner.load import load_slots
     xla_cache.enable()
-    slots = load_slots(model_name, path, dtype=dtype, num_slots=num_slots, max_seq_len=max_seq_len, **plan)
+    slots = load_slots(model_name, path, dtype=dtype, num_slots=num_slots, max_seq_len=max_seq_len,
+                       prefix_caching=prefix_caching, **plan)
     engine = Engine(slots, max_queue=max_queue, start=False, prefill_chunk=prefill_chunk,
                     prefill_budget=prefill_budget, decode_steps=decode_steps)
     try:

@@ -610,8 +610,8 @@ def test_chunked_prefill_gives_the_whole_prefill_tokens(model, hf):
 
 
 def test_running_requests_get_tokens_between_the_chunks_of_a_long_prompt(model, hf):
-    """A request already decoding gets a token between every two chunks of a long prompt's prefill (one
-    chunk an iteration, then a decode step); the long one then joins the running ones."""
+    """A request already decoding gets a token between every two chunks of a long prompt's prefill (a budget
+    of one chunk an iteration, then a decode step); the long one then joins the running ones."""
     events = []
 
     class Log(Collect):
@@ -622,7 +622,7 @@ def test_running_requests_get_tokens_between_the_chunks_of_a_long_prompt(model, 
     real = model.prefill_chunk
     model.prefill_chunk = lambda job: (events.append(("chunk", job.done)), real(job))[1]
     try:
-        e = Engine(model, start=False, prefill_chunk=8)
+        e = Engine(model, start=False, prefill_chunk=8, prefill_budget=8)
         short, long = Log(e), Log(e)
         short.name, long.name = "short", "long"
         short.req = e.submit(PROMPTS[2], SlotSettings(max_tokens=20), short)
@@ -686,6 +686,49 @@ def test_a_budget_of_two_chunks_prefills_two_between_decode_steps(model, hf):
     assert (short.ids, long.ids) == (hf_greedy(hf, PROMPTS[2], 20), hf_greedy(hf, LONG[1], 6))
 
 
+def test_by_default_a_long_prompts_chunks_all_run_before_the_next_decode_step(model, hf):
+    """The default budget (2048 prompt tokens an iteration) takes every chunk of a 22-token prompt in chunks of
+    8 in one iteration; the short prompt beside it joins the decode step after them."""
+    def submit(e, Log):
+        short, long = Log(e, "short"), Log(e, "long")
+        short.prompt, long.prompt = PROMPTS[2], LONG[1]
+        short.req = e.submit(PROMPTS[2], SlotSettings(max_tokens=6), short)
+        long.req = e.submit(LONG[1], SlotSettings(max_tokens=6), long)
+        return [short, long]
+
+    events, (short, long) = _logged_run(model, submit, prefill_chunk=8)
+    assert events[:5] == [("chunk", "long", 0), ("chunk", "long", 8), ("chunk", "long", 16), ("token", "long"),
+                          ("token", "short")]
+    assert (short.ids, long.ids) == (hf_greedy(hf, PROMPTS[2], 6), hf_greedy(hf, LONG[1], 6))
+
+
+def test_the_budget_counts_whole_prompts_too(model):
+    """With a budget of 24 prompt tokens an iteration, of three 12-token prompts prefilled whole (scored: they
+    never join a step) two go in the first iteration's pass and the third after a decode step; by default
+    all three in one."""
+    prompts = [PROMPTS[0] + [9] * 8, PROMPTS[3] + [9], PROMPTS[1][:12]]
+    assert [len(p) for p in prompts] == [12, 12, 12]
+    events = []
+    real = {name: getattr(model, name) for name in ("prefill_batch", "step", "step_many")}  # (prefill: a batch of 1)
+    model.prefill_batch = lambda ts, ss: (events.append(("pass", len(ts))), real["prefill_batch"](ts, ss))[1]
+    model.step = lambda: (events.append(("step",)), real["step"]())[1]
+    model.step_many = lambda n: (events.append(("step",)), real["step_many"](n))[1]
+    try:
+        for budget, want in ((24, [("pass", 2), ("step",), ("pass", 1), ("step",)]), (None, [("pass", 3), ("step",)])):
+            events.clear()
+            e = Engine(model, start=False, prefill_chunk=8, prefill_budget=budget)
+            cols = [Collect(e) for _ in prompts]
+            for p, c in zip(prompts, cols):  # all queued before the engine's first iteration
+                c.req = e.submit(p, SlotSettings(max_tokens=3, prompt_logprobs=True), c)
+            e.start()
+            assert all(c.done.wait(120) for c in cols)
+            e.close()
+            assert events[:len(want)] == want and all(c.finish == "length" for c in cols)
+    finally:
+        for name in real:
+            delattr(model, name)
+
+
 def test_a_short_prompt_behind_two_long_ones_starts_at_once(model, hf):
     """Two long prompts queued before a short one: the short one is prefilled in the first iteration (it
     does not wait behind them), and the long ones get their chunks oldest first."""
@@ -696,7 +739,7 @@ def test_a_short_prompt_behind_two_long_ones_starts_at_once(model, hf):
             c.req = e.submit(prompt, SlotSettings(max_tokens=n), c)
         return logs
 
-    events, (a, b, short) = _logged_run(model, submit, prefill_chunk=8)
+    events, (a, b, short) = _logged_run(model, submit, prefill_chunk=8, prefill_budget=8)
     assert events[:2] == [("chunk", "a", 0), ("token", "short")]  # it joins the first decode step
     chunks = [ev[1:] for ev in events if ev[0] == "chunk"]
     assert chunks == [("a", 0), ("a", 8), ("a", 16), ("b", 0), ("b", 8), ("b", 16), ("b", 24)]  # 17 and 28 tokens
@@ -779,6 +822,36 @@ def test_the_prefill_chunk_option_reaches_the_engine(monkeypatch):
     build_generator(ServeArgs(prefill_chunk="32"))
     assert seen["prefill_chunk"] == 32
     assert Engine(FakeSlots(), start=False, prefill_chunk=8).prefill_chunk is None
+
+
+def test_the_prefix_caching_option_reaches_the_slot_model(monkeypatch):
+    """Prefix caching is on by default (load_engine, `serve`, `batch`, ServeArgs) and `--no-prefix-caching`
+    (prefix_caching=False) turns it off: the slot model then has no prefix cache and its stages no pool."""
+    import argparse
+    from opt_serving import batch, loading
+    from opt_serving.embedded import ensure_embedded_model
+    from opt_serving.cli import build_parser
+    from opt_serving.service.cli import serve_args_from
+    from opt_serving.service.deployment import ServeArgs, build_generator
+    folder = ensure_embedded_model()
+    for kw, on in (({}, True), ({"prefix_caching": False}, False)):
+        e = loading.load_engine("jax/opt-tiny", folder, num_slots=2, max_seq_len=64, warmup=False, **kw)
+        e.close()
+        assert (e.model.prefix is not None, e.model.stages.stages[0].pool is not None) == (on, on)
+    parser = argparse.ArgumentParser()
+    batch.add_arguments(parser)
+    files = ["--input", "in.jsonl", "--output", "out.jsonl"]
+    assert parser.parse_args(files).prefix_caching is True
+    assert parser.parse_args(files + ["--no-prefix-caching"]).prefix_caching is False
+    serve, _ = build_parser("serve")
+    assert serve_args_from(serve.parse_args(["serve"])).prefix_caching is True
+    assert serve_args_from(serve.parse_args(["serve", "--no-prefix-caching"])).prefix_caching is False
+    seen = {}
+    monkeypatch.setattr(loading, "load_generator", lambda *a, **kw: seen.update(kw))
+    build_generator(ServeArgs())
+    assert seen["prefix_caching"] is True
+    build_generator(ServeArgs(prefix_caching="false"))  # a builder argument from `serve run ... prefix_caching=false`
+    assert seen["prefix_caching"] is False
 
 
 def test_prefill_widths_pad_long_prompts_by_at_most_a_quarter():

@@ -1,5 +1,6 @@
 """The continuous-batching engine serves an alpa/ tensor-parallel model: the same tokens as jax/, with
-several decode steps a call (the default) on the sharded params, and structured output's masks.
+several decode steps a call (the default) on the sharded params, structured output's masks, and prefix caching (the
+default).
 
 The engine's jitted steps take the plan's sharded params as they are (GSPMD places the
 KV cache by heads). jax must see several CPU devices before it is imported, so the check runs
@@ -30,7 +31,8 @@ CHILD = textwrap.dedent("""
     stage.decode_steps = lambda *a: (calls.append(a[5]), real(*a))[1]
     tok = load_tokenizer(path)
     gen = Generator(engine, tok, max_seq_len=64, model_name="alpa/opt-tiny")
-    prompts = ["Hello world", "Paris is the capital of", "a", "The quick brown fox jumps"]
+    head = "A tensor-parallel stage keeps its share of the heads of every cached block of a prompt, so that"
+    prompts = ["Hello world", "Paris is the capital of", "a", "The quick brown fox jumps", head + " one", head + " two"]
     served = [c[0].token_ids for c in gen.complete_many(
         prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))]
     # structured output on the sharded params: greedy (the screened head's masks) and sampled
@@ -38,6 +40,8 @@ CHILD = textwrap.dedent("""
     rx = StructuredOutput.of("regex", "[a-z]{2,6}[.]", "guided_regex")
     constrained = [c[0].text for t in (0, 1.0) for c in gen.complete_many(
         prompts, SamplingParams(max_tokens=12, temperature=t, seed=2, structured=rx))]
+    cached = engine.stats().cached_tokens  # the second long prompt reuses the first one's blocks
+    pool_spec = str(stage.pool["k"][0].sharding.spec)
     gen.close()
     ref = get_model("jax/opt-tiny", path)
     offline = []
@@ -46,7 +50,8 @@ CHILD = textwrap.dedent("""
         out = ref.generate(input_ids=ids, max_new_tokens=8, min_new_tokens=8)
         offline.append(np.asarray(out)[0, ids.shape[1]:].tolist())
     print(json.dumps({"served": served, "offline": offline, "cache_spec": cache_spec,
-                      "devices": len(jax.devices()), "calls": calls, "constrained": constrained}))
+                      "devices": len(jax.devices()), "calls": calls, "constrained": constrained,
+                      "cached": cached, "pool_spec": pool_spec}))
 """)
 
 
@@ -64,5 +69,6 @@ def test_engine_serves_a_tensor_parallel_alpa_model(tmp_path):
     assert result["served"] == result["offline"]
     assert result["calls"] and set(result["calls"]) == {4}  # some steps ran four a call
     assert "tp" in result["cache_spec"], result["cache_spec"]   # the cache really is sharded
-    assert len(result["constrained"]) == 8
+    assert len(result["constrained"]) == 12  # six prompts, greedy and sampled
     assert all(re.fullmatch(r"[a-z]{2,6}[.]", t) for t in result["constrained"]), result["constrained"]
+    assert result["cached"] >= 32  # prefix caching (on by default) reused a prompt's blocks on the sharded stage

@@ -31,6 +31,17 @@ def test_engine_stats_become_gauges_counters_and_a_mean_batch():
     assert value(text, "opt_serving_mean_requests_per_decode_step") == 2.5
 
 
+def test_prefix_cache_hits_queries_and_hit_rate():
+    """The engine's prompt tokens and cached ones become vLLM's prefix_cache_queries / prefix_cache_hits
+    counters (in tokens) and their ratio a gauge; no prompt yet: a rate of 0, not a division by zero."""
+    text = render(ServiceMetrics(lambda: {"prompt_tokens": 400, "cached_tokens": 300}))
+    assert value(text, "opt_serving_prefix_cache_queries_total") == 400
+    assert value(text, "opt_serving_prefix_cache_hits_total") == 300
+    assert value(text, "opt_serving_prefix_cache_hit_rate") == 0.75
+    assert value(render(ServiceMetrics(lambda: {"prompt_tokens": 0, "cached_tokens": 0})),
+                 "opt_serving_prefix_cache_hit_rate") == 0
+
+
 def test_dataclass_stats_and_a_requests_per_step_histogram():
     @dataclasses.dataclass
     class Stats:

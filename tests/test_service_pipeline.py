@@ -21,8 +21,11 @@ from opt_serving.generator import SamplingParams
 
 pytestmark = pytest.mark.skipif(os.environ.get("OPT_SERVING_SKIP_RAY") == "1", reason="OPT_SERVING_SKIP_RAY=1")
 
+# the last two share a prefix of several blocks: the pipelined server's stages reuse the first one's (prefix caching
+# is on by default; the reference has it off)
+HEAD = "Every pipeline stage keeps the cached blocks of its own layers, under the same block numbers as the others:"
 PROMPTS = ["Hello world", "Paris is the capital of", "a", "The quick brown fox jumps over",
-           "OPT serving", "Once upon a time", "1 2 3 4", "the end"]
+           "OPT serving", "Once upon a time", "1 2 3 4", "the end", HEAD + " one", HEAD + " two"]
 GREEDY = dict(max_tokens=8, temperature=0.0, ignore_eos=True)
 SAMPLED = dict(max_tokens=8, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True)
 
@@ -35,7 +38,7 @@ def folder():
 
 @pytest.fixture(scope="module")
 def reference(folder):
-    return engine_reference(folder)
+    return engine_reference(folder, prefix_caching=False)
 
 
 def engine_reference(folder, **kw):
@@ -103,7 +106,9 @@ def test_a_small_device_memory_pipelines_the_model_over_both_nodes(cluster, fold
     assert [node for node, _, _ in stages_by_node()] == ["node0", "node1"]
     assert texts(cluster, GREEDY) == reference["greedy"]
     assert texts(cluster, SAMPLED) == reference["sampled"]
-    # eight at once (two micro-batch groups of four slots, in the stages together) = each alone
+    usage = complete(cluster, PROMPTS[-1], **GREEDY).json()["usage"]  # its head was cached by the runs above
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 32, usage
+    # ten at once (two micro-batch groups of four slots, in the stages together) = each alone
     assert texts(cluster, GREEDY, concurrent=True) == reference["greedy"]
     assert texts(cluster, SAMPLED, concurrent=True) == reference["sampled"]
     # structured output: the last stage's actor keeps the matchers of its groups' rows

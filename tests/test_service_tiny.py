@@ -132,3 +132,43 @@ def test_vllm_extensions_change_the_tokens_as_vllm_documents(tiny):
     prompt_ids, new = g.encode("Hello world"), offline.token_ids
     assert len(set(plain.token_ids)) < len(plain.token_ids)  # unpenalised, greedy repeats itself
     assert not set(new) & set(prompt_ids) and len(set(new)) == len(new)  # penalised: nothing seen is chosen again
+
+
+def test_cached_prompt_tokens_in_usage_and_the_hit_rate_in_metrics(tiny):
+    """Prompts that start as an earlier one did (the server's prefix cache is on by default): usage says how many
+    prompt tokens were reused, in a JSON answer and in a stream's usage chunk, the text is what the model gives
+    without the cache, and /metrics counts the hits and their rate."""
+    g, path, url = tiny
+    client = openai.OpenAI(base_url=url + "/v1", api_key="dummy", max_retries=0, timeout=120)
+    head = "Prefix caching keeps the cache of a prompt's blocks for the prompts that begin the same way, so that"
+    prompts = [head + tail for tail in (" one", " two, and then", " three")]
+    ids = [g.encode(p) for p in prompts]
+    assert 40 <= len(ids[0]) and max(map(len, ids)) <= 56, [len(i) for i in ids]  # not a joining prompt, fits 64
+    shared = next(i for i, (a, b) in enumerate(zip(*ids)) if a != b or i + 1 == len(ids[0]))
+    want = [0] + [min(shared, len(i) - 1) // 16 * 16 for i in ids[1:]]
+    assert want[1] >= 32
+    metrics = lambda: httpx.get(url + "/metrics", timeout=30).text  # noqa: E731
+    before = metrics()
+    ask = dict(model="tiny", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    r0, r1 = (client.completions.create(prompt=p, **ask) for p in prompts[:2])
+    chunks = list(client.completions.create(prompt=prompts[2], stream=True, stream_options={"include_usage": True},
+                                            **ask))
+    usage = chunks[-1].usage
+    got = [r0.usage.prompt_tokens_details.cached_tokens, r1.usage.prompt_tokens_details.cached_tokens,
+           usage.prompt_tokens_details.cached_tokens]
+    assert got == want
+    assert (usage.prompt_tokens, r1.usage.prompt_tokens) == (len(ids[2]), len(ids[1]))
+    # a prompt computed after its cached prefix gets the model's own text: offline generate() has no prefix cache
+    from opt_serving.model.wrapper import get_model
+    model = get_model("jax/opt-tiny", path)
+    for i, r in ((1, r1.choices[0].text), (2, "".join(c.choices[0].text for c in chunks if c.choices))):
+        out = model.generate(input_ids=np.asarray([ids[i]], np.int32), max_new_tokens=6, min_new_tokens=6,
+                             do_sample=False)
+        assert r == g.decode(np.asarray(getattr(out, "sequences", out))[0][len(ids[i]):].tolist())
+    after = metrics()
+    hits = metric(after, "opt_serving_prefix_cache_hits_total") - metric(before, "opt_serving_prefix_cache_hits_total")
+    assert hits == sum(want)
+    rate = metric(after, "opt_serving_prefix_cache_hit_rate")
+    assert rate == pytest.approx(metric(after, "opt_serving_prefix_cache_hits_total")
+                                 / metric(after, "opt_serving_prefix_cache_queries_total"))
+    assert 0 < rate < 1

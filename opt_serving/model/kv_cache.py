@@ -15,6 +15,11 @@ batched matrix-vector products over (batch, heads).
 Entries are written at explicit indices: prefill writes 0..S-1 of every row,
 decode writes each row at its own index, and `mask` says which entries a row
 attends to. The engine's slots can therefore hold prompts of different lengths.
+
+The prefix cache's pool (`init_pool`) keeps prompts' KV after their requests end, in blocks of a fixed number
+of entries: {"k", "v": tuple of num_layers arrays [heads, blocks, block_size, head_dim]}. Heads first, as the
+cache's rows are: a batch-1 cache gathered from blocks (`gather_blocks`) is then a reshape of the gathered
+blocks, and a tensor-parallel stage splits the pool by heads as it splits the cache.
 """
 from __future__ import annotations
 
@@ -114,3 +119,38 @@ def reorder(cache: dict, index) -> dict:
     take = lambda a: jnp.take(a, index, axis=0)
     return {"k": tuple(map(take, cache["k"])), "v": tuple(map(take, cache["v"])),
             "mask": take(cache["mask"])}
+
+
+def init_pool(cfg: OPTConfig, blocks: int, block_size: int, dtype=jnp.float32) -> dict:
+    """An empty pool of `blocks` prefix-cache blocks of `block_size` entries (see the module docstring)."""
+    shape = (cfg.num_attention_heads, blocks, block_size, cfg.head_dim)
+    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers))
+    return {"k": zeros(), "v": zeros()}
+
+
+def pool_block_size(pool: dict) -> int:
+    return pool["k"][0].shape[2]
+
+
+def gather_blocks(pool: dict, ids, cached) -> dict:
+    """A batch-1 cache of len(ids) blocks' entries: block j's from pool block ids[j] (int32 [m]); valid are the
+    first `cached` entries (the others hold whatever the blocks held, never attended)."""
+    m, bs = ids.shape[0], pool_block_size(pool)
+
+    def take(p):  # [H, P, bs, D] -> [1, H, m * bs, D]
+        h, _, _, d = p.shape
+        return jnp.take(p, ids, axis=1).reshape(1, h, m * bs, d)
+    mask = (jnp.arange(m * bs) < cached)[None]  # [1, m * bs]
+    return {"k": tuple(map(take, pool["k"])), "v": tuple(map(take, pool["v"])), "mask": mask}
+
+
+def store_blocks(pool: dict, cache: dict, ids) -> dict:
+    """The pool with the batch-1 cache's blocks written: its entries [j * bs, (j + 1) * bs) into pool block
+    ids[j] (int32 [entries // bs]; an id past the pool: not written)."""
+    bs = pool_block_size(pool)
+    m = ids.shape[0]
+
+    def put(p, c):  # c [1, H, n, D]: its first m blocks -> [H, m, bs, D] into p [H, P, bs, D]
+        h, d = c.shape[1], c.shape[3]
+        return p.at[:, ids].set(c[0, :, :m * bs].reshape(h, m, bs, d), mode="drop")
+    return {"k": tuple(map(put, pool["k"], cache["k"])), "v": tuple(map(put, pool["v"], cache["v"]))}

@@ -237,10 +237,17 @@ def _causal_attention(q, k, v, attention_mask):
     return jnp.concatenate(out, axis=2).transpose(0, 2, 1, 3)  # [B, S, H, D]
 
 
+def as_cached(x, dtype):
+    """k or v as a cache of `dtype` gives them back: a prompt's tokens attend to each other's k/v as every later
+    step reads them, so a prompt prefilled whole, in chunks, after a cached prefix or joining a step gets the
+    same numbers (a bfloat16 cache rounds them)."""
+    return x if dtype == x.dtype else from_cache(to_cache(x, dtype), x.dtype)
+
+
 def _prefill_attend(k_cache, v_cache, attention_mask):
     """Causal self-attention over the prompt; writes k/v into entries 0..S-1."""
     def attend(q, k, v):  # each [B, S, H, D]
-        ctx = _causal_attention(q, k, v, attention_mask)
+        ctx = _causal_attention(q, as_cached(k, k_cache.dtype), as_cached(v, v_cache.dtype), attention_mask)
         zero = jnp.int32(0)
         # [B, H, S, D] into the cache's [B, H, max_len, D]
         kc = jax.lax.dynamic_update_slice(k_cache, to_cache(k.transpose(0, 2, 1, 3), k_cache.dtype),
@@ -371,7 +378,7 @@ def _joining_attend(k_cache, v_cache, mask, write_index, read_len, rows, entries
         kc = k_cache.at[at_rows, :, at_entries].set(to_cache(k[0], k_cache.dtype), mode="drop")  # [B + T, H, D]
         vc = v_cache.at[at_rows, :, at_entries].set(to_cache(v[0], v_cache.dtype), mode="drop")
         ctx = backend.decode_attention(q[0, :b], kc, vc, mask, read_len, _decode_reference)  # [B, H, D]
-        qb, kb, vb = q[0, b:], k[0, b:], v[0, b:]  # [T, H, D]
+        qb, kb, vb = q[0, b:], as_cached(k[0, b:], k_cache.dtype), as_cached(v[0, b:], v_cache.dtype)  # [T, H, D]
         probs = _masked_softmax(jnp.einsum("qhd,khd->hqk", qb, kb), allowed[None]).astype(q.dtype)
         ctx_b = jnp.einsum("hqk,khd->qhd", probs, vb)  # [T, H, D]
         return jnp.concatenate([ctx, ctx_b])[None], (kc, vc)

@@ -95,7 +95,8 @@ class StageActor:
     (or from `params`, already cut to the stage), tensor-parallel over the node's tp devices. `quantize`:
     the folder's weights as int8 (params come quantized)."""
 
-    def __init__(self, cfg, spec, folder, params, dtype, tp, rows, groups, max_seq_len, name="", quantize=None):
+    def __init__(self, cfg, spec, folder, params, dtype, tp, rows, groups, max_seq_len, name="", quantize=None,
+                 prefix_blocks=0):
         import jax
 
         from opt_serving import xla_cache
@@ -117,7 +118,7 @@ class StageActor:
         else:
             params = jax.tree_util.tree_map(jax.numpy.asarray, params)
         # each stage chooses its own backend, for where its params lie (StageSlots: layout.runtime_params)
-        self.slots = StageSlots(cfg, params, spec, rows, groups, max_seq_len)
+        self.slots = StageSlots(cfg, params, spec, rows, groups, max_seq_len, prefix_blocks=prefix_blocks)
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -149,6 +150,9 @@ class StageActor:
 
     def insert(self, *args):
         self.slots.insert(*args)
+
+    def store_prefix(self, handle, ids):
+        self.slots.store_prefix(handle, ids)
 
     def drop(self, handle):
         self.slots.drop(handle)
@@ -225,7 +229,7 @@ class RayStages:
 
     def __init__(self, cfg: OPTConfig, plan, folder=None, dtype="float32", seed: int = 0, rows: int = 1,
                  groups: int = 1, max_seq_len: int | None = None, cpus_per_stage: float = 1,
-                 placement_timeout_s: float = 120, quantize: str | None = None):
+                 placement_timeout_s: float = 120, quantize: str | None = None, prefix_blocks: int = 0):
         import ray
         from ray.util import get_current_placement_group
         from ray.util.placement_group import placement_group, remove_placement_group
@@ -270,7 +274,7 @@ class RayStages:
                 name=f"{STAGE_NAME_PREFIX}{tag}-{i}",
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, i)).remote(
                     cfg, spec, None if folder is None else str(folder), part, dtype, plan.tp, rows, groups,
-                    max_seq_len, _describe(i, spec), quantize))
+                    max_seq_len, _describe(i, spec), quantize, prefix_blocks))
         del whole
         # replies nobody waits for (insert, free, drop): their errors surface later. The engine thread and a
         # beam search's thread (generation_model) both call in: the list has a lock
@@ -287,7 +291,7 @@ class RayStages:
 
     def call(self, i: int, method: str, *args):
         ref = getattr(self.actors[i], method).remote(*args)
-        if method in ("insert", "free", "drop", "end_warmup"):
+        if method in ("insert", "free", "drop", "end_warmup", "store_prefix"):
             with self._lock:
                 self._sent.append(ref)
         return ref

@@ -22,6 +22,7 @@ from opt_serving.jax_env import DEFAULT_HEADROOM
 from opt_serving.parallel import cost
 from opt_serving.parallel.cluster import GB, Cluster
 from opt_serving.parallel.slicing import slice_layers  # noqa: F401  (re-exported)
+from opt_serving.runner import prefix
 
 
 class NoFeasiblePlan(ValueError):
@@ -156,7 +157,10 @@ def _stage_memory(cfg: OPTConfig, n: int, first: bool, last: bool, tp: int, batc
                   micro: int, max_seq_len: int, prefill_batch: int, dtype: str,
                   weights: str = "float32") -> tuple[int, int, int]:
     params = cost.stage_param_bytes(cfg, n, first, last, tp, dtype, weights)
-    kv = n * cost.kv_cache_bytes(cfg, batch, max_seq_len, dtype, tp)
+    # the decode slots' cache, and the prefix cache's pool beside it (runner/prefix.py; counted even where it is
+    # turned off)
+    pool = prefix.default_blocks(batch, max_seq_len) * prefix.BLOCK_SIZE
+    kv = n * (cost.kv_cache_bytes(cfg, batch, max_seq_len, dtype, tp) + cost.kv_cache_bytes(cfg, 1, pool, dtype, tp))
     act = max(cost.activation_bytes(cfg, prefill_batch, max_seq_len, dtype, tp),
               cost.activation_bytes(cfg, micro, 1, dtype, tp))
     if last:

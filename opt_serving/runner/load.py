@@ -11,6 +11,7 @@ from typing import Optional
 
 from opt_serving.backend import Backend
 from opt_serving.model import opt
+from opt_serving.runner.prefix import default_blocks
 from opt_serving.runner.slots import LocalStages, Slots
 from opt_serving.runner.stage import StageSlots
 
@@ -18,11 +19,13 @@ from opt_serving.runner.stage import StageSlots
 def load_slots(model_name: str, path=None, dtype: str = "auto", num_slots: int = 16,
                max_seq_len: Optional[int] = None, dummy: bool = False, seed: int = 0,
                tensor_parallel: Optional[int] = None, pipeline_parallel: Optional[int] = None,
-               device_memory=None, micro_batches: Optional[int] = None, quantize: Optional[str] = None) -> Slots:
+               device_memory=None, micro_batches: Optional[int] = None, quantize: Optional[str] = None,
+               prefix_caching: bool = True) -> Slots:
     """Slots over the named model's weights: a numpy folder (or its parent holding `<size>-np/`), or
     random weights of the named size (`dummy`, drawn from `seed`). `micro_batches`: decode slot groups
     of a pipelined plan (default: pp, at most one per slot). `quantize="int8"`: int8 weights (model/quantize.py;
-    an alpa/ plan's are split as its float ones, each pipeline stage quantizing its own).
+    an alpa/ plan's are split as its float ones, each pipeline stage quantizing its own). `prefix_caching`:
+    keep prompts' KV for the prompts that start the same way (runner/prefix.py; every stage keeps its layers').
     """
     from opt_serving.model.loader import check_quantize_dtype, get_model
     dtype = resolve_dtype(dtype, cluster=model_name.startswith("alpa/"))
@@ -38,9 +41,10 @@ def load_slots(model_name: str, path=None, dtype: str = "auto", num_slots: int =
             from opt_serving.parallel.pipeline import RayStages
             groups = micro_batches or plan.pp
             groups = max(g for g in range(1, min(groups, num_slots) + 1) if num_slots % g == 0)
+            blocks = prefix_blocks(cfg, num_slots, max_seq_len, prefix_caching)
             stages = RayStages(cfg, plan, source, dtype=dtype, seed=seed, rows=num_slots // groups,
-                               groups=groups, max_seq_len=max_seq_len, quantize=quantize)
-            return Slots(cfg, stages, num_slots, groups, max_seq_len, plan=plan)
+                               groups=groups, max_seq_len=max_seq_len, quantize=quantize, prefix_blocks=blocks)
+            return Slots(cfg, stages, num_slots, groups, max_seq_len, plan=plan, prefix_blocks=blocks)
         m = backend.tensor_parallel_model(cfg, plan, source, dtype, seed, quantize)
     else:
         if tensor_parallel not in (None, 1) or pipeline_parallel not in (None, 1):
@@ -49,7 +53,14 @@ def load_slots(model_name: str, path=None, dtype: str = "auto", num_slots: int =
             model_name = "jax/" + model_name[len("facebook/"):]
         m = get_model(model_name, path, dtype=dtype, dummy=dummy, seed=seed, quantize=quantize)
     return local_slots(m.config, m.fused_params, num_slots, max_seq_len, plan=getattr(m, "plan", None),
-                       backend=m.backend)
+                       backend=m.backend, prefix_blocks=prefix_blocks(m.config, num_slots, max_seq_len, prefix_caching))
+
+
+def prefix_blocks(cfg, num_slots: int, max_seq_len: Optional[int], on: bool = True) -> int:
+    """The prefix cache's pool blocks for these slots (prefix.default_blocks), or 0 when it is off."""
+    if not on:
+        return 0
+    return default_blocks(num_slots, min(max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings))
 
 
 def resolve_dtype(dtype: str, cluster: bool = False) -> str:
@@ -66,8 +77,9 @@ def resolve_dtype(dtype: str, cluster: bool = False) -> str:
 
 
 def local_slots(cfg, params, num_slots: int = 8, max_seq_len: Optional[int] = None, plan=None,
-                backend: Optional[Backend] = None) -> Slots:
+                backend: Optional[Backend] = None, prefix_blocks: int = 0) -> Slots:
     """Slots over a whole model's params in this process (one device, or a tensor-parallel mesh): in the
-    checkpoint's layout, or with `backend` already in its runtime layout (an OPTModel's fused_params)."""
-    stage = StageSlots(cfg, params, opt.StageSpec.whole(cfg), num_slots, 1, max_seq_len, backend)
-    return Slots(cfg, LocalStages([stage]), num_slots, 1, max_seq_len, plan=plan)
+    checkpoint's layout, or with `backend` already in its runtime layout (an OPTModel's fused_params).
+    `prefix_blocks`: the prefix cache's blocks (0: none)."""
+    stage = StageSlots(cfg, params, opt.StageSpec.whole(cfg), num_slots, 1, max_seq_len, backend, prefix_blocks)
+    return Slots(cfg, LocalStages([stage]), num_slots, 1, max_seq_len, plan=plan, prefix_blocks=prefix_blocks)

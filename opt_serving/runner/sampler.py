@@ -181,7 +181,16 @@ class Sampler:
             state, out = choose(params, h, state, settings, active, want_scores, want_top, allowed)
             return state, settings, active, out
 
+        def chunk_scores(params, h, next_ids):
+            """A chunk's prompt scores, as `first` makes a whole prompt's: h [1, C, D] its final hidden states,
+            next_ids [1, C] the token after each position -> that token's logprob and rank [1, C], the top
+            alternatives (ids, logprobs [1, C, K])."""
+            plp, ptop, ptop_lp = raw_scores(opt.lm_logits(params, h, backend))
+            lp = jnp.take_along_axis(plp, next_ids[..., None], axis=-1)[..., 0]
+            return lp, jnp.sum(plp >= lp[..., None], axis=-1, dtype=jnp.int32), ptop, ptop_lp
+
         self.choose_rows = choose  # traced inside the stage's decode steps taken in one call (StageSlots)
+        self._chunk_scores = jax.jit(chunk_scores)
         self._first = jax.jit(first, static_argnums=(6,))
         self._choose_joining = jax.jit(choose_joining, donate_argnums=(2, 3, 4))
         self._chunked_first = jax.jit(functools.partial(chunked_first, history_len=L, vocab=V))
@@ -202,9 +211,15 @@ class Sampler:
 
     def prefill_chunked(self, params, handle: int, h, at: int, ids, mask, lengths, settings: SlotSettings):
         """`prefill` for the last chunk of a prompt prefilled in chunks: h [1, C, D] its final hidden
-        states, `at` the prompt's last position in it, ids and mask [1, L] the whole prompt."""
+        states, `at` the prompt's last position in it, ids and mask [1, L] the whole prompt -> the first
+        token as `prefill` gives it (`chunk_scores` gives the prompt's scores a chunk at a time)."""
         state, last = self._chunked_first(h, np.int32(at), ids, mask, lengths)
-        return self._first_tokens(params, [handle], state, last, [settings], 1), None
+        return self._first_tokens(params, [handle], state, last, [settings], 1)
+
+    def chunk_scores(self, params, h, next_ids):
+        """The prompt scores of a chunk's positions (h [1, C, D]; next_ids [1, C]: each position's next token)
+        -> logprobs [C], ranks [C], top ids [C, K], top logprobs [C, K], as numpy."""
+        return tuple(np.asarray(a)[0] for a in self._chunk_scores(params, h, next_ids))
 
     def _first_tokens(self, params, handles, state, last, settings: Sequence[SlotSettings], state_rows: int):
         """Choose the first tokens from the prompts' last hidden states and keep each sampling row (and each

@@ -19,8 +19,17 @@ of a decode step. Longer prompts, prompts whose scores are asked for, and those 
 prefilled (`prefill_batch`) and inserted.
 
 Chunked prefill (`open_prefill`, `prefill_chunk`): a long prompt goes through the stages a fixed number of
-tokens at a time (opt._extend) into its own batch-1 cache of its size (cache_bucket), as a whole prefill's, so
-the engine can run decode steps between its chunks; the last chunk chooses the first token.
+tokens at a time (opt._extend) into its own batch-1 cache (job_size), so the engine can run decode steps between
+its chunks; the last chunk, padded only to the next of `chunk_widths`, chooses the first token.
+
+Prefix caching (`prefix_blocks`; runner/prefix.py holds the index): the KV of every prefilled prompt's full
+blocks of 16 tokens is written into each stage's pool (`store_prefix`) and kept after the request ends, until
+least recently used blocks make room for others. A prompt that starts with cached blocks (its longest run of
+them, always leaving its last token to compute) is prefilled as a chunked prompt whose cache starts as those
+blocks' entries (`StageSlots.prefill_chunk` gathers them): only the rest is computed. `prompt_cost` tells the
+scheduler how many tokens that is. Joining prompts (a handful of tokens) neither use nor fill the cache. A
+prompt whose scores are asked (echo with logprobs) reuses only blocks whose scores are kept too, and computes
+from its last cached token on, whose hidden state scores the first token it computes.
 """
 from __future__ import annotations
 
@@ -31,10 +40,16 @@ from typing import Any, Optional, Protocol, Sequence
 import numpy as np
 
 from opt_serving.model import kv_cache
-from opt_serving.runner.stage import cache_bucket, cache_buckets, prefill_bucket, prefill_buckets
+from opt_serving.runner.prefix import BLOCK_SIZE, PrefixCache
+from opt_serving.runner.stage import (cache_bucket, chunk_width, chunk_widths, job_size, job_sizes, prefill_bucket,
+                                      prefill_buckets)
 from opt_serving.runner.types import (JOIN_BLOCKS, JOIN_PROMPT_TOKENS, JOIN_PROMPTS, MAX_TOP_LOGPROBS,
                                       PREFILL_BATCH_TOKENS, JoinBlock, PartialPrefill, Prefix, SlotSettings,
                                       StepResult, TokenInfo)
+
+# the chunk a prompt's part past its cached prefix is computed in where the engine prefills it whole (the
+# engine's own prefill_chunk otherwise)
+HIT_CHUNK = 256
 
 
 class Stages(Protocol):
@@ -73,7 +88,8 @@ class Slots:
     max_top_logprobs = MAX_TOP_LOGPROBS  # alternatives a token can come with
 
     def __init__(self, cfg, stages: Stages, num_slots: int, groups: int = 1, max_seq_len: Optional[int] = None,
-                 plan=None):
+                 plan=None, prefix_blocks: int = 0):
+        """`prefix_blocks`: the blocks of the prefix cache, as the stages' pools were made (0: none)."""
         if num_slots % groups:
             raise ValueError(f"{num_slots} decode slots do not split into {groups} micro-batch groups")
         self.cfg, self.stages, self.plan = cfg, stages, plan
@@ -105,6 +121,8 @@ class Slots:
             min(self.max_seq_len - 1, room),)
         self.join_tokens = self.join_blocks[-1]  # the most prompt tokens a step takes
         self._joins: list[list] = [[] for _ in range(groups)]  # per group: (slot, tokens, settings) for its next step
+        self.prefix = PrefixCache(prefix_blocks) if prefix_blocks else None
+        self.hit_chunk = HIT_CHUNK  # (warmup sets the engine's chunk)
 
     def group_of(self, slot: int) -> tuple[int, int]:
         """(group, row) of a slot: consecutive slots alternate groups."""
@@ -119,23 +137,35 @@ class Slots:
 
     def prefill_batch(self, prompts: Sequence[Sequence[int]], settings: Sequence[SlotSettings]) -> list[Prefix]:
         """`prefill` for several requests: prompts of a short bucket (`batch_rows`) share passes of a fixed
-        number of rows, longer ones go one at a time. Every pass is sent before any is awaited, so a
-        pipeline's stages work on consecutive passes at once."""
+        number of rows, longer ones go one at a time, and a prompt with a cached prefix computes only the rest
+        (in chunks: `open_prefill`). The passes are sent before any is awaited, so a pipeline's stages work
+        on consecutive passes at once; a prompt that reuses another's prefix comes after it."""
         groups: dict[int, list[int]] = collections.defaultdict(list)
-        for i, tokens in enumerate(prompts):
-            groups[prefill_bucket(len(tokens), self.max_seq_len)].append(i)
-        passes = []
-        for bucket, todo in groups.items():
-            rows = self.batch_rows.get(bucket, 1)
-            for at in range(0, len(todo), rows):
-                chunk = todo[at:at + rows]
-                passes.append((chunk, self._send_prefill(bucket, [prompts[i] for i in chunk],
-                                                         [settings[i] for i in chunk])))
         out: list[Optional[Prefix]] = [None] * len(prompts)
-        for chunk, (handles, future) in passes:
-            first, scores = self.stages.get(future)
-            for j, i in enumerate(chunk):
-                out[i] = self._prefix(prompts[i], settings[i], handles[j], first, scores, j)
+        passes = []
+        try:
+            for i, tokens in enumerate(prompts):
+                bucket = prefill_bucket(len(tokens), self.max_seq_len)
+                if bucket in self.batch_rows:
+                    groups[bucket].append(i)
+                elif self._cached_blocks(tokens, settings[i], touch=False):
+                    out[i] = self._run(self.open_prefill(tokens, settings[i], self.hit_chunk))
+                else:
+                    passes.append(([i], self._send_prefill(bucket, [tokens], [settings[i]])))
+            for bucket, todo in groups.items():
+                rows = self.batch_rows[bucket]
+                for at in range(0, len(todo), rows):
+                    chunk = todo[at:at + rows]
+                    passes.append((chunk, self._send_prefill(bucket, [prompts[i] for i in chunk],
+                                                             [settings[i] for i in chunk])))
+            for chunk, (handles, future, _) in passes:
+                first, scores = self.stages.get(future)
+                for j, i in enumerate(chunk):
+                    out[i] = self._prefix(prompts[i], settings[i], handles[j], first, scores, j)
+        except BaseException:  # what the passes would have written never came: their blocks hold nothing
+            if self.prefix is not None:
+                self.prefix.forget([b for _, (_, _, kept) in passes for b in kept])
+            raise
         return out
 
     def _send_prefill(self, bucket: int, prompts, settings):
@@ -153,28 +183,85 @@ class Slots:
         x = ids
         for i in range(self.stages.n):
             x = self.stages.call(i, "prefill", handles, x, ids, mask, lengths, list(settings), state_rows)
-        return handles, x
+        size = cache_bucket(bucket, self.max_seq_len)
+        kept = [b for handle, tokens in zip(handles, prompts) for b in self._keep_prefix(handle, tokens, size)]
+        return handles, x, kept
+
+    # ---- the prefix cache ----
+    def prompt_cost(self, tokens: Sequence[int], settings: SlotSettings) -> int:
+        """The prompt tokens a prefill of it would compute now: those after its cached prefix."""
+        return len(tokens) - self._cached_tokens(len(self._cached_blocks(tokens, settings, touch=False)), settings)
+
+    def _cached_blocks(self, tokens: Sequence[int], settings: SlotSettings, touch: bool = True,
+                       keys: Optional[list] = None) -> list[int]:
+        """The pool blocks of the prompt's cached prefix."""
+        if self.prefix is None or len(tokens) <= BLOCK_SIZE:
+            return []
+        keys = keys if keys is not None else self.prefix.keys(tokens)
+        usable = keys[:(len(tokens) - 1) // BLOCK_SIZE]  # the last token is always computed: it gives the first
+        return self.prefix.match(usable, scored=settings.prompt_logprobs, touch=touch)
+
+    @staticmethod
+    def _cached_tokens(blocks: int, settings: SlotSettings) -> int:
+        """Tokens a prompt reuses from `blocks` cached blocks: with its scores asked, the last of them is
+        computed again (its hidden state scores the next token)."""
+        return max(blocks * BLOCK_SIZE - settings.prompt_logprobs, 0)
+
+    def _keep_prefix(self, handle: int, tokens: Sequence[int], size: int, keys: Optional[list] = None) -> list[int]:
+        """Claim pool blocks for the prompt's full blocks not cached yet and have every stage write them from
+        the request's cache (`size` entries) -> the blocks claimed."""
+        if self.prefix is None or size < BLOCK_SIZE or len(tokens) < BLOCK_SIZE:
+            return []
+        claims = self.prefix.claim(keys if keys is not None else self.prefix.keys(tokens))
+        if claims:
+            ids = np.full(size // BLOCK_SIZE, self.prefix.blocks, np.int32)  # past the pool: not written
+            for j, b in claims:
+                ids[j] = b
+            self._to_all("store_prefix", handle, ids)
+        return [b for _, b in claims]
+
+    def _keep_scores(self, tokens: Sequence[int], scores: tuple) -> None:
+        """Keep a prompt's echo scores (per token: logprob [n], rank [n], top ids and logprobs [n, K]) with its cached
+        blocks that have none."""
+        if self.prefix is None:
+            return
+        keys = self.prefix.keys(tokens)
+        bs = BLOCK_SIZE
+        for j, b in enumerate(self.prefix.match(keys, touch=False)):
+            if self.prefix.scores(b) is None:
+                self.prefix.set_scores(b, tuple(np.array(a[j * bs:(j + 1) * bs]) for a in scores))
 
     # ---- chunked prefill: a long prompt a chunk at a time, between decode steps ----
     def open_prefill(self, tokens: Sequence[int], settings: SlotSettings, chunk: int,
                      size: Optional[int] = None) -> PartialPrefill:
-        """A prompt to prefill `chunk` tokens at a time (`prefill_chunk`) into a cache of its size, as a whole
-        prefill's (`cache_bucket`; `size`: more entries, as warm-up asks); nothing runs yet. `discard_partial`
-        lets it go."""
-        if settings.prompt_logprobs:
-            raise ValueError("prompt scores come from a whole prefill (prefill), not a chunked one")
-        size = size or cache_bucket(len(tokens), self.max_seq_len)
-        return PartialPrefill(list(tokens), settings, chunk, size, next(self._handles))
+        """A prompt to prefill `chunk` tokens at a time (`prefill_chunk`) into a cache of its size (`job_size`;
+        `size`: another, as warm-up asks), from the end of its cached prefix on; nothing runs yet.
+        `discard_partial` lets it go."""
+        keys = self.prefix.keys(tokens) if self.prefix is not None else []
+        blocks = self._cached_blocks(tokens, settings, keys=keys)
+        done = self._cached_tokens(len(blocks), settings)
+        size = size or job_size(len(tokens), self.max_seq_len)
+        return PartialPrefill(list(tokens), settings, min(chunk, self.max_seq_len), size, next(self._handles),
+                              done=done, cached=done, blocks=blocks, keys=keys)
 
     def prefill_chunk(self, job: PartialPrefill) -> Optional[Prefix]:
         """Prefill the prompt's next chunk (through every stage; it has finished when this returns) ->
-        None, or after the last chunk the Prefix `prefill` gives (prompt scores not computed)."""
-        n, start, c = len(job.tokens), job.done, job.chunk
+        None, or after the last chunk the Prefix `prefill` gives."""
+        n, start = len(job.tokens), job.done
+        c = chunk_width(n - start, job.chunk)
         part = job.tokens[start:start + c]
         ids = np.full((1, c), self.cfg.pad_token_id, np.int32)
         ids[0, :len(part)] = part
         mask = (np.arange(c) < len(part)).astype(np.int32)[None]
-        final = None
+        gather = next_ids = final = None
+        if start == job.cached and job.blocks:  # the first chunk: its cache starts as the cached blocks
+            src = np.zeros(job.size // BLOCK_SIZE, np.int32)
+            src[:len(job.blocks)] = job.blocks
+            gather = (src, np.int32(len(job.blocks) * BLOCK_SIZE))
+        if job.settings.prompt_logprobs:  # each position scores the token after it
+            after = job.tokens[start + 1:start + c + 1]
+            next_ids = np.zeros((1, c), np.int32)
+            next_ids[0, :len(after)] = after
         if start + c >= n:  # the last chunk: the whole prompt, for its sampling state
             whole = np.full((1, self.max_seq_len), self.cfg.pad_token_id, np.int32)
             whole[0, :n] = job.tokens
@@ -182,30 +269,65 @@ class Slots:
                      np.array([n], np.int32), job.settings)
         x = ids
         for i in range(self.stages.n):
-            x = self.stages.call(i, "prefill_chunk", job.state, x, start, mask, job.size, final)
-        out = self.stages.get(x)  # waited for: a decode step sent next runs after it anyway
+            x = self.stages.call(i, "prefill_chunk", job.state, x, start, mask, job.size, final, gather, next_ids)
+        first, scores = self.stages.get(x)  # waited for: a decode step sent next runs after it anyway
         job.done = min(start + c, n)
+        if scores is not None:
+            job.scores.append(tuple(a[:len(part)] for a in scores))
         if final is None:
             return None
-        first, scores = out
-        return self._prefix(job.tokens, job.settings, job.state, first, scores, 0)
+        self._keep_prefix(job.state, job.tokens, job.size, job.keys)
+        prompt = None
+        if job.settings.prompt_logprobs:
+            per_token = self._job_scores(job)
+            self._keep_scores(job.tokens, per_token)
+            prompt = _prompt_infos(job.tokens, per_token)
+        tok, lp, top_ids, top_lp = first
+        return Prefix(length=n, first=_first_info(tok, lp, top_ids, top_lp, 0), prompt=prompt, state=job.state,
+                      settings=job.settings, cached=job.cached)
+
+    def _run(self, job: PartialPrefill) -> Prefix:
+        """A job's every chunk -> its Prefix (a job that fails lets its rows go)."""
+        try:
+            while True:
+                prefix = self.prefill_chunk(job)
+                if prefix is not None:
+                    return prefix
+        except BaseException:
+            self.discard_partial(job)
+            raise
+
+    def _job_scores(self, job: PartialPrefill) -> tuple:
+        """A job's prompt's echo scores per token (logprob [n], rank [n], top ids, top logprobs [n, K]): its
+        cached blocks' kept ones, then its chunks' (position i scores token i + 1)."""
+        n, k = len(job.tokens), MAX_TOP_LOGPROBS
+        out = (np.full(n, np.nan, np.float32), np.zeros(n, np.int32), np.full((n, k), -1, np.int32),
+               np.zeros((n, k), np.float32))
+        for j, b in enumerate(job.blocks):
+            at = slice(j * BLOCK_SIZE, (j + 1) * BLOCK_SIZE)
+            for a, kept in zip(out, self.prefix.scores(b)):
+                a[at] = kept
+        computed = [np.concatenate(a) for a in zip(*job.scores)]  # positions cached.., tokens cached + 1..
+        for a, c in zip(out, computed):
+            a[job.cached + 1:] = c[:n - 1 - job.cached]
+        return out
 
     def discard_partial(self, job: PartialPrefill) -> None:
         self._to_all("drop", job.state)
 
-    @staticmethod
-    def _prefix(tokens, s: SlotSettings, handle: int, first, scores, j: int) -> Prefix:
-        tok, lp, top_ids, top_lp = first
-        top = [(int(t), float(v)) for t, v in zip(top_ids[j], top_lp[j]) if t >= 0]
+    def _prefix(self, tokens, s: SlotSettings, handle: int, first, scores, j: int) -> Prefix:
+        """Row j of a whole prefill pass as a Prefix (its echo scores kept with its cached blocks)."""
         prompt = None
         if s.prompt_logprobs:
-            plp, prank, ptop, ptop_lp = scores
-            prompt = [TokenInfo(int(tokens[0]), None)] + [
-                TokenInfo(int(tokens[i + 1]), float(plp[j, i]), list(zip(ptop[j, i].tolist(), ptop_lp[j, i].tolist())),
-                          int(prank[j, i]))
-                for i in range(len(tokens) - 1)]
-        return Prefix(length=len(tokens), first=TokenInfo(int(tok[j]), float(lp[j]), top), prompt=prompt,
-                      state=handle, settings=s)
+            n = len(tokens)
+            plp, prank, ptop, ptop_lp = scores  # position i scores token i + 1
+            per_token = (np.concatenate([[np.nan], plp[j, :n - 1]]).astype(np.float32),
+                         np.concatenate([[0], prank[j, :n - 1]]).astype(np.int32),
+                         np.concatenate([np.full((1, ptop.shape[-1]), -1), ptop[j, :n - 1]]).astype(np.int32),
+                         np.concatenate([np.zeros((1, ptop.shape[-1])), ptop_lp[j, :n - 1]]).astype(np.float32))
+            self._keep_scores(tokens, per_token)
+            prompt = _prompt_infos(tokens, per_token)
+        return Prefix(length=len(tokens), first=_first_info(*first, j), prompt=prompt, state=handle, settings=s)
 
     def _to_all(self, method: str, *args) -> None:
         """The same call to every stage, in stage order (replies not awaited)."""
@@ -357,10 +479,16 @@ class Slots:
         """Compile every prefill bucket, its insert into every cache window that holds it, the decode step
         (and `decode_steps` of them in one call, where `step_many` takes them) and free at every window, and the
         resizes between neighbouring windows (growing only, where steps never shrink the cache); with
-        `prefill_chunk`, a chunk of that many tokens into the cache of every bucket a longer prompt fills, and
-        its first token. Every group's cache has the same shapes: warming group 0 compiles all."""
-        # b - 1 prompt tokens fill prefill bucket b
-        prefixes = [self.prefill([self.cfg.bos_token_id] * (b - 1), SlotSettings()) for b in self.buckets]
+        `prefill_chunk` (and for the part of a prompt after its cached prefix), what chunked prefills run
+        (`_warm_jobs`); with the prefix cache, the writes of every cache size into its pool. Every group's
+        cache has the same shapes: warming group 0 compiles all."""
+        if prefill_chunk:
+            self.hit_chunk = prefill_chunk
+        # b - 1 prompt tokens fill prefill bucket b; each a prefix-cache miss, so its blocks are stored
+        prefixes = [self._warm_prefill(b - 1) for b in self.buckets]
+        stored = [b for b in self.buckets if b > BLOCK_SIZE]
+        if self.prefix is not None and stored:  # the first store again, into the pool as the stores leave it
+            self.discard(self._warm_prefill(stored[0] - 1))
         joiners = range(self.groups, self.num_slots, self.groups)[:JOIN_PROMPTS]  # group 0's rows after slot 0
         # the stages' own windows (from 256 where the attention kernel reads only the written entries): a
         # smaller one would only run its steps again in the stages' smallest
@@ -388,15 +516,46 @@ class Slots:
             self.free(0)
         for prefix in prefixes:
             self.discard(prefix)
-        for b in cache_buckets(self.max_seq_len) if prefill_chunk else ():  # two chunks: a middle and a last
-            if b > prefill_chunk:
-                job = self.open_prefill([self.cfg.bos_token_id] * (prefill_chunk + 1), SlotSettings(),
-                                        prefill_chunk, size=b)
-                while self.prefill_chunk(job) is None:
-                    pass
-                self.discard_partial(job)
+        if prefill_chunk or self.prefix is not None:
+            self._warm_jobs(self.hit_chunk)
+        if self.prefix is not None:
+            self.prefix.clear()  # what warm-up wrote is nobody's prefix
         self._to_all("end_warmup")
         self.stages.get(self.stages.call(0, "ready"))
+
+    def _warm_prefill(self, n: int) -> Prefix:
+        """A prompt of n tokens prefilled whole, as a prefix-cache miss."""
+        if self.prefix is not None:
+            self.prefix.clear()
+        return self.prefill([self.cfg.bos_token_id] * n, SlotSettings())
+
+    def _warm_jobs(self, chunk: int) -> None:
+        """Compile what prompts prefilled in chunks of `chunk` run, and those after a cached prefix: into the
+        cache of every job size, a long prompt's first chunk (a new cache) and its last at every width (the
+        cache the first made), and with the prefix cache what a cached prefix leaves at every width (the cache
+        its blocks were gathered into), the blocks' store and gathering; each width's first token and prompt
+        scores. Each job's tokens are its own (the cache is cleared before it), so only the hits asked for hit."""
+        vocab, fresh = self.cfg.vocab_size, itertools.count(self.cfg.bos_token_id + 1)
+
+        def run(n: int, size: int, head: Sequence[int] = (), scored: bool = False, clear: bool = True) -> None:
+            if clear and self.prefix is not None:
+                self.prefix.clear()
+            tokens = list(head) + [next(fresh) % vocab] * (n - len(head))
+            job = self.open_prefill(tokens, SlotSettings(prompt_logprobs=scored), chunk, size=size)
+            self.discard(self._run(job))
+
+        chunk = min(chunk, self.max_seq_len)
+        widths, sizes = chunk_widths(chunk), job_sizes(self.max_seq_len)
+        for size in sizes:
+            for w in (w for w in widths if w < size):
+                if size > chunk:  # a new cache's chunk, then a last one of w into the cache it made
+                    run(min(chunk + w, size), size)
+                if self.prefix is not None and BLOCK_SIZE + w <= size:  # a cached block, then w to compute
+                    head = [next(fresh) % vocab] * BLOCK_SIZE
+                    run(BLOCK_SIZE, size, head)
+                    run(BLOCK_SIZE + w, size, head, clear=False)
+        for w in widths if self.prefix is not None else ():  # each width's prompt scores (scored hits)
+            run(w, sizes[-1], scored=True)
 
     @property
     def params(self):
@@ -419,3 +578,18 @@ class Slots:
 
     def close(self) -> None:
         self.stages.close()
+
+
+def _first_info(tok, lp, top_ids, top_lp, j: int) -> TokenInfo:
+    """Row j of a prefill's first tokens (tokens, logprobs, top ids and logprobs) as a TokenInfo."""
+    top = [(int(t), float(v)) for t, v in zip(top_ids[j], top_lp[j]) if t >= 0]
+    return TokenInfo(int(tok[j]), float(lp[j]), top)
+
+
+def _prompt_infos(tokens, per_token: tuple) -> list[TokenInfo]:
+    """A prompt's echo scores (per token: logprob [n], rank [n], top ids and logprobs [n, K]) as TokenInfos;
+    the first token has none."""
+    lp, rank, ids, lps = per_token
+    return [TokenInfo(int(tokens[0]), None)] + [
+        TokenInfo(int(tokens[i]), float(lp[i]), list(zip(ids[i].tolist(), lps[i].tolist())), int(rank[i]))
+        for i in range(1, len(tokens))]

@@ -28,6 +28,7 @@ from opt_serving.backend import Backend
 from opt_serving.backend.cpu import heap
 from opt_serving.model import kv_cache, layout, opt
 from opt_serving.model import quantize as quantization
+from opt_serving.runner.prefix import BLOCK_SIZE as PREFIX_BLOCK
 from opt_serving.runner.sampler import Sampler, split_rows
 from opt_serving.runner.types import PREFILL_MIN_BUCKET, JoinBlock, SlotSettings
 
@@ -61,6 +62,29 @@ def cache_buckets(max_seq_len: int) -> list[int]:
     return _buckets(max_seq_len, [3 * 2 ** i for i in range(5, 16)])
 
 
+def job_size(n: int, max_seq_len: int) -> int:
+    """The cache of a prompt prefilled in chunks (or after a cached prefix, opt._extend): powers of two from 32,
+    then max_seq_len. Fewer sizes than `cache_buckets` (each is one more compile of every chunk width), and
+    each is one of them, so its inserts are compiled already."""
+    return kv_cache.bucket_length(n, max_seq_len, 2 * PREFIX_BLOCK)
+
+
+def job_sizes(max_seq_len: int) -> list[int]:
+    return sorted({job_size(min(2 ** i, max_seq_len), max_seq_len) for i in range(17)})
+
+
+def chunk_widths(chunk: int) -> list[int]:
+    """The widths a chunk is computed at: `chunk`, and for a prompt's last chunk (or what a cached prefix leaves
+    of it) the powers of two from 16 below it, so a short remainder is not padded to a whole chunk (a prompt of
+    300 tokens in chunks of 256 computed 512)."""
+    return [w for w in (2 ** i for i in range(4, 16)) if w < chunk] + [chunk]
+
+
+def chunk_width(n: int, chunk: int) -> int:
+    """The width of a chunk that has n tokens left to prefill."""
+    return next(w for w in chunk_widths(chunk) if w >= min(n, chunk))
+
+
 def _buckets(max_seq_len: int, more: list[int]) -> list[int]:
     """Powers of two from 8 and the widths `more` (none below PREFILL_MIN_BUCKET) under max_seq_len, then it."""
     L = max_seq_len
@@ -88,11 +112,12 @@ class StageSlots:
     """One stage's layers over `groups` groups of `rows` decode slots (see the module docstring)."""
 
     def __init__(self, cfg, params, stage: opt.StageSpec, rows: int, groups: int = 1,
-                 max_seq_len: Optional[int] = None, backend: Optional[Backend] = None):
+                 max_seq_len: Optional[int] = None, backend: Optional[Backend] = None, prefix_blocks: int = 0):
         """`params` in the checkpoint's layout, put here in the runtime layout of the backend chosen where
         they lie (layout.runtime_params: on one device q/k/v as one matmul, on a CPU packed; a tensor-parallel
         stage's stay split by heads; int8 ones as model/quantize.py made them); or, with `backend`, already in
-        its runtime layout."""
+        its runtime layout. `prefix_blocks`: the prefix cache's pool blocks (of PREFIX_BLOCK entries) for this
+        stage's layers (0: no prefix cache)."""
         if backend is None:
             backend, params = layout.runtime_params(params, weights=quantization.weights_of(params))
         self.cfg, self.spec, self.params, self.backend = cfg, stage, params, backend
@@ -106,12 +131,16 @@ class StageSlots:
         self._empty_cache = lambda: self._new_cache(rows, self.windows[0])  # smallest window
         self.caches = [self._empty_cache() for _ in range(groups)]
         self.pending: dict[int, dict] = {}  # handle -> a prefilled request's batch-1 cache, until inserted
+        # the prefix cache's blocks (runner/prefix.py: the driver decides which block holds what)
+        self.pool = kv_cache.init_pool(scfg, prefix_blocks, PREFIX_BLOCK, dtype) if prefix_blocks else None
         # the one device of a stage that is not tensor-parallel: arrays a step made are committed to it and fresh
         # zeros are not, and jit compiles each apart
         devices = {d for leaf in jax.tree_util.tree_leaves(params) if hasattr(leaf, "sharding")
                    for d in leaf.sharding.device_set}
         self._device = next(iter(devices)) if len(devices) == 1 else None
         self._on_cpu = bool(devices) and all(d.platform == "cpu" for d in devices)
+        if self.pool is not None and self._device is not None:  # placed as the pools its stores make
+            self.pool = jax.device_put(self.pool, self._device)
         self.sampler = Sampler(cfg, backend, rows, groups, self.max_seq_len) if stage.last else None
 
         def prefill(params, x, mask):
@@ -173,6 +202,8 @@ class StageSlots:
             self._steps = jax.jit(steps, static_argnums=(10,), donate_argnums=(1, 5))
         self._insert_cache = jax.jit(lambda cache, pcache, row: kv_cache._insert(cache, pcache, row),
                                      donate_argnums=(0,))
+        self._gather = jax.jit(kv_cache.gather_blocks)  # one compile per cache size
+        self._store = jax.jit(kv_cache.store_blocks, donate_argnums=(0,))
         self._resize = jax.jit(lambda cache, n: kv_cache._resize(cache, n), static_argnums=(1,))
         self._free = jax.jit(kv_cache.free_slot, donate_argnums=(0,))
 
@@ -188,14 +219,18 @@ class StageSlots:
             return h
         return self.sampler.prefill(self.params, handles, h, ids, mask, lengths, settings, state_rows)
 
-    def prefill_chunk(self, handle: int, x, start: int, mask, size: int, final=None):
+    def prefill_chunk(self, handle: int, x, start: int, mask, size: int, final=None, gather=None, next_ids=None):
         """One chunk of a prompt prefilled in chunks (x: its ids [1, C], or the previous stage's hidden states
         [1, C, D]; mask [1, C] its real tokens) at positions start.., into the request's batch-1 cache of
-        `size` entries (new at start 0), kept under `handle` as `prefill` keeps it. A stage that is not last
-        returns its hidden states; the last returns None, or on the last chunk (`final`: the whole prompt's
-        ids, mask [1, L] and length, its last position in the chunk, its settings) the first token as
-        `prefill` returns it."""
-        if start == 0:
+        `size` entries, kept under `handle` as `prefill` keeps it. The cache is new at start 0, or with
+        `gather` (pool blocks int32 [size // PREFIX_BLOCK], cached entries) made of prefix-cache blocks. A stage
+        that is not last returns its hidden states; the last returns (first, scores): on the last chunk
+        (`final`: the whole prompt's ids, mask [1, L] and length, its last position in the chunk, its
+        settings) the first token as `prefill` returns it, else None; with `next_ids` [1, C] (the token after
+        each position) the chunk's prompt scores (Sampler.chunk_scores), else None."""
+        if gather is not None:
+            cache = self._gather(self.pool, *gather)
+        elif start == 0:
             cache = self._new_cache(1, size)
             if self._device is not None:  # placed as the later chunks' caches are: one compile for both
                 cache = jax.device_put(cache, self._device)
@@ -204,7 +239,13 @@ class StageSlots:
         h, self.pending[handle] = self._chunk(self.params, cache, x, np.int32(start), mask)
         if self.sampler is None:
             return h
-        return None if final is None else self.sampler.prefill_chunked(self.params, handle, h, *final)
+        scores = None if next_ids is None else self.sampler.chunk_scores(self.params, h, next_ids)
+        return (None if final is None else self.sampler.prefill_chunked(self.params, handle, h, *final)), scores
+
+    def store_prefix(self, handle: int, ids) -> None:
+        """A prefilled request's full blocks into the prefix cache's pool: block j of its cache into pool block
+        ids[j] (int32 [entries // PREFIX_BLOCK]; the pool's size for blocks not to keep)."""
+        self.pool = self._store(self.pool, self.pending[handle], ids)
 
     def insert(self, handle: int, group: int, row: int, keep: bool = False) -> None:
         """A prefilled request into a slot (`keep`: its rows stay for another insert, as warm-up does)."""

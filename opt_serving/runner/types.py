@@ -76,6 +76,7 @@ class EngineOutput:
     is_prompt: bool = False
     finish_reason: Optional[str] = None   # "stop" | "length" | "cancelled" | "error"
     error: Optional[BaseException] = None
+    cached_tokens: Optional[int] = None   # on a request's first output: prompt tokens its prefill reused
 
 
 @dataclasses.dataclass
@@ -86,17 +87,23 @@ class Prefix:
     prompt: Optional[list[TokenInfo]]  # prompt scores when settings.prompt_logprobs
     state: Any                       # the slot model's own (the runner: a handle on the stages' rows)
     settings: SlotSettings
+    cached: int = 0                  # prompt tokens whose KV came from the prefix cache, not computed
 
 
 @dataclasses.dataclass
 class PartialPrefill:
-    """A prompt being prefilled a chunk at a time (`Slots.open_prefill`, `Slots.prefill_chunk`)."""
+    """A prompt being prefilled a chunk at a time (`Slots.open_prefill`, `Slots.prefill_chunk`), after the
+    prefix its KV came from the prefix cache for."""
     tokens: list[int]
     settings: SlotSettings
-    chunk: int                       # tokens a chunk (the last is padded to it)
-    size: int                        # entries of the request's cache (its cache_bucket)
+    chunk: int                       # tokens a chunk at most (the last is padded to a smaller width: chunk_widths)
+    size: int                        # entries of the request's cache (job_size)
     state: Any                       # the slot model's own (the runner: a handle on the stages' rows)
-    done: int = 0                    # prompt tokens prefilled so far
+    done: int = 0                    # prompt tokens prefilled so far (the cached ones included)
+    cached: int = 0                  # of those, the first ones, whose KV came from the prefix cache
+    blocks: list = dataclasses.field(default_factory=list)  # the pool blocks they came from
+    keys: list = dataclasses.field(default_factory=list)    # the prompt's full blocks' prefix-cache keys
+    scores: list = dataclasses.field(default_factory=list)  # prompt scores of each chunk so far (when asked)
 
 
 @dataclasses.dataclass

@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 
-from opt_serving.admission import DECODE_STEPS
+from opt_serving.admission import DECODE_STEPS, PREFILL_BUDGET, PREFILL_CHUNK
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,17 +37,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantize", choices=["int8"], default=None,
                    help="int8 weights with a scale per output channel, from any numpy folder (a folder "
                         "converted with --quantize int8 loads a quarter of the bytes)")
-    p.add_argument("--prefill-chunk", type=int, default=256, metavar="N",
-                   help="prompts longer than N tokens are prefilled N at a time, between decode steps, so "
-                        "running streams keep their pace (0: whole prefills)")
+    p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="N",
+                   help=f"prompts with more than N tokens to compute are prefilled N at a time, between decode "
+                        f"steps, so running streams keep their pace (default {PREFILL_CHUNK}; 0: whole prefills)")
     p.add_argument("--prefill-budget", type=int, default=None, metavar="T",
-                   help="prompt tokens prefilled in chunks per engine iteration, across the long prompts "
-                        "waiting, oldest first (default: one chunk); more: shorter waits for a first token "
-                        "under a burst of long prompts, longer pauses of the running streams")
+                   help=f"prompt tokens prefilled per engine iteration, whole prompts and chunks, oldest first "
+                        f"(default {PREFILL_BUDGET}, vLLM's max_num_batched_tokens on CPUs); less: shorter pauses "
+                        "of the running streams, longer waits for a first token under a burst of prompts")
     p.add_argument("--decode-steps", type=int, default=DECODE_STEPS, metavar="K",
                    help="decode steps taken in one call while no waiting request could take a free slot: "
                         "the host's work (dispatch, handing out tokens, streaming) is paid once for K tokens "
                         "of each stream, which arrive together; a newcomer waits at most K steps (1: off)")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="do not keep prompts' KV cache for later prompts that start the same way (on by "
+                        "default: such a prompt prefills only what follows its cached prefix)")
     p.add_argument("--max-batch-size", type=int, default=16, help="decode slots (requests advanced per step)")
     p.add_argument("--max-seq-len", type=int, default=None, help="prompt + generated tokens (default: the model's)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond which the answer is 429")
@@ -179,7 +182,7 @@ def serve_args_from(args: argparse.Namespace):
     return ServeArgs(engine=args.engine, model=args.model, path=path, dummy=args.dummy, seed=args.seed,
                      tokenizer=tokenizer, dtype=args.dtype, quantize=args.quantize, prefill_chunk=args.prefill_chunk,
                      prefill_budget=args.prefill_budget, decode_steps=args.decode_steps,
-                     max_batch_size=args.max_batch_size,
+                     prefix_caching=args.prefix_caching, max_batch_size=args.max_batch_size,
                      max_seq_len=args.max_seq_len, max_queue=args.max_queue, request_timeout=args.request_timeout,
                      api_keys=keys, served_model_name=args.served_model_name,
                      num_replicas=args.num_replicas, num_gpus=args.num_gpus,

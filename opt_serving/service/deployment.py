@@ -36,8 +36,9 @@ class ServeArgs(BaseModel):
     max_seq_len: Optional[int] = None
     max_queue: int = 256
     prefill_chunk: NonNegativeInt = PREFILL_CHUNK  # prompts longer than this: prefilled this many tokens a step (0: whole)
-    prefill_budget: Optional[PositiveInt] = None  # tokens of chunks an iteration (None: one chunk)
+    prefill_budget: Optional[PositiveInt] = None  # prompt tokens an iteration, whole and chunks (None: 2048)
     decode_steps: PositiveInt = DECODE_STEPS  # decode steps in one call while nobody waits for a slot
+    prefix_caching: bool = True          # keep prompts' KV for later prompts that start the same way
     request_timeout: float = 600.0
     api_keys: list[str] | str = []       # a list, or comma separated
     # the names requests may call the model by (vLLM's --served-model-name; a list, or comma separated); the
@@ -100,7 +101,8 @@ def build_generator(args: ServeArgs):
     return load_generator(args.model, args.path, dtype=args.dtype, max_batch_size=args.max_batch_size,
                           max_seq_len=args.max_seq_len, max_queue=args.max_queue, dummy=args.dummy, seed=args.seed,
                           tokenizer=args.tokenizer, quantize=args.quantize, prefill_chunk=args.prefill_chunk,
-                          prefill_budget=args.prefill_budget, decode_steps=args.decode_steps, **args.plan_args())
+                          prefill_budget=args.prefill_budget, decode_steps=args.decode_steps,
+                          prefix_caching=args.prefix_caching, **args.plan_args())
 
 
 def placement(args: ServeArgs) -> dict:

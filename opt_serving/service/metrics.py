@@ -37,7 +37,10 @@ class _EngineCollector:
                                "while nobody waits for a slot)"),
                 "step_tokens": ("decode_step_requests", "requests advanced by decode steps, summed over steps "
                                 "(divide by decode_steps for the mean batch)"),
-                "prefills": ("prefills", "prompts prefilled")}
+                "prefills": ("prefills", "prompts prefilled"),
+                # as vLLM's prefix_cache_queries / prefix_cache_hits: in tokens
+                "prompt_tokens": ("prefix_cache_queries", "prompt tokens prefilled (looked up in the prefix cache)"),
+                "cached_tokens": ("prefix_cache_hits", "prompt tokens whose KV the prefix cache gave")}
 
     def __init__(self, stats_fn: Callable[[], object]):
         self.stats_fn = stats_fn
@@ -57,6 +60,11 @@ class _EngineCollector:
             yield GaugeMetricFamily(f"{PREFIX}_mean_requests_per_decode_step",
                                     "requests advanced together by one decode step, averaged over all steps",
                                     value=float(s.get("step_tokens", 0)) / float(s["steps"]))
+        if "cached_tokens" in s:
+            queried = float(s.get("prompt_tokens") or 0)
+            yield GaugeMetricFamily(f"{PREFIX}_prefix_cache_hit_rate",
+                                    "prompt tokens the prefix cache gave / prompt tokens prefilled, since start",
+                                    value=float(s["cached_tokens"]) / queried if queried else 0.0)
         hist = s.get("active_per_step")  # {active slots: number of steps}, when the engine keeps it
         if hist is not None:
             hist = {int(a): int(c) for a, c in hist.items()}

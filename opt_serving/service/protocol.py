@@ -263,10 +263,15 @@ class CompletionChoice(BaseModel):
     prompt_logprobs: Optional[list[Optional[dict[str, PromptLogprob]]]] = None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
 
 
 def _completion_id() -> str:

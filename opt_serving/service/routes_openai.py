@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, Request
 from opt_serving.service import protocol as P
 from opt_serving.service.deps import AUTH, service
 from opt_serving.service.errors import as_http_errors
-from opt_serving.service.serving import Service, greedy_if_no_top_p, prompt_tokens, ranked
+from opt_serving.service.serving import Service, cached_tokens, greedy_if_no_top_p, prompt_tokens, ranked
 from opt_serving.service.sse import sse_response
 
 router = APIRouter(dependencies=AUTH)
@@ -41,7 +41,7 @@ async def completions(req: P.CompletionRequest, request: Request, svc: Service =
                    for k, c in ranked(outs, best_of, n)]
         return P.CompletionResponse(model=model, choices=choices,
                                     usage=_usage(prompt_tokens(outs, best_of),
-                                                 sum(c.completion_tokens for c in outs)))
+                                                 sum(c.completion_tokens for c in outs), cached_tokens(outs, best_of)))
 
     return await svc.answer(request, jobs, work)
 
@@ -57,8 +57,9 @@ def _sampling(req: P.CompletionRequest, svc: Service) -> dict:
                 **req.extensions())
 
 
-def _usage(prompt: int, completion: int) -> P.Usage:
-    return P.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+def _usage(prompt: int, completion: int, cached: int) -> P.Usage:
+    return P.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                   prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached))
 
 
 async def _chunks(svc: Service, req: P.CompletionRequest, model: str,
@@ -72,18 +73,18 @@ async def _chunks(svc: Service, req: P.CompletionRequest, model: str,
 
     timer = svc.metrics.timer("completions")
     generated = [0] * len(streams)   # running completion_tokens per stream
-    prompt = [0] * len(streams)
+    prompt, cached = [0] * len(streams), [0] * len(streams)
     merged = svc.merged(streams)
     try:
         async for i, d in merged:
             timer.tokens(d.completion_tokens - generated[i], i)
-            generated[i], prompt[i] = d.completion_tokens, d.prompt_tokens
+            generated[i], prompt[i], cached[i] = d.completion_tokens, d.prompt_tokens, d.cached_tokens
             lp = P.Logprobs.of(d) if req.logprobs is not None else None
             yield chunk([P.CompletionChoice(text=d.text, index=i, logprobs=lp, finish_reason=d.finish_reason)])
         p_total = sum(prompt[::req.n or 1])  # the n samples of a prompt share its prompt
         timer.finish(p_total)
         if req.stream_options and req.stream_options.include_usage:
-            yield chunk([], _usage(p_total, sum(generated)))
+            yield chunk([], _usage(p_total, sum(generated), sum(cached[::req.n or 1])))
     finally:
         await merged.aclose()
         for st in streams:

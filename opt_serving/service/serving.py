@@ -152,6 +152,11 @@ def prompt_tokens(outs: list, per_prompt: int = 1) -> int:
     return sum(c.prompt_tokens for c in outs[::per_prompt])
 
 
+def cached_tokens(outs: list, per_prompt: int = 1) -> int:
+    """Usage's cached prompt tokens, counted as its prompt tokens are: each prompt's first candidate's."""
+    return sum(c.cached_tokens for c in outs[::per_prompt])
+
+
 def ranked(outs: list, best_of: int, n: int) -> Iterator[tuple[int, Any]]:
     """(choice index, completion): of each prompt's `best_of` candidates (consecutive in `outs`), the `n`
     with the highest total logprob (OpenAI's ranking), in order."""
