@@ -36,17 +36,13 @@ from opt_serving.parallel.planner import Plan, search
 
 
 def connect_ray(start: bool = True):
-    """Join the running Ray cluster (address="auto"); with none running, start a local one when `start`,
-    else return None."""
+    """Join the Ray cluster of the last `ray start --head` on this machine, or RAY_ADDRESS's, if it answers (a
+    stale address file is skipped, saying so: parallel/ray_address.py); with none, start a local one when
+    `start`, else return None."""
     import ray
-    if not ray.is_initialized():
-        try:
-            ray.init(address="auto", logging_level="ERROR")
-        except ConnectionError:
-            if not start:
-                return None
-            ray.init(include_dashboard=False, logging_level="ERROR")
-    return ray
+    from opt_serving.parallel import ray_address
+    up, _ = ray_address.init(start=start, include_dashboard=False, logging_level="ERROR")
+    return ray if up else None
 
 
 def _memory(device_memory) -> float | None:

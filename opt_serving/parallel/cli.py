@@ -64,9 +64,11 @@ def load_cluster(text: str, calibrate: bool = False, profile: dict | None = None
         from opt_serving.parallel.cluster import calibrate as measure, cluster_from_jax
         cluster = cluster_from_jax()
     elif text == "ray":
-        import ray
+        from opt_serving.parallel import ray_address
         from opt_serving.parallel.cluster import calibrate as measure, cluster_from_ray
-        ray.init(address="auto", logging_level="ERROR")
+        if not ray_address.init(start=False, logging_level="ERROR")[0]:
+            raise ValueError("--cluster ray: no Ray cluster is running on this machine (or at RAY_ADDRESS); "
+                             "start one with `ray start --head`, or give the cluster as text (e.g. 2x8x80GB)")
         cluster = cluster_from_ray()
     else:
         cluster = parse_cluster(text)
@@ -164,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps({"error": str(e)}))
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, ConnectionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:
