@@ -86,3 +86,82 @@ def test_a_node_without_the_weights_names_itself_and_the_path(tmp_path):
     missing = tmp_path / "opt-tiny-np"
     with pytest.raises(FileNotFoundError, match=r"node \S+ .*has no numpy weights folder at .*opt-tiny-np"):
         load_stage_params(missing, CFG, stage_specs(CFG, 2)[1])
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """A float numpy folder of SMALL and the same weights quantized on disk (`convert --quantize int8`)."""
+    import shutil
+    from opt_serving.model import param_tree, quantize
+    from opt_serving.model.weights import params_to_arrays, save_numpy_folder
+    d = tmp_path_factory.mktemp("stage-folders")
+    save_numpy_folder(d / "f32", CFG, params_to_arrays(CFG, param_tree.init_params(CFG, seed=2, std=0.2)))
+    shutil.copytree(d / "f32", d / "q8")
+    for name in quantize.quantized_names(CFG):
+        quantize.quantize_file(d / "q8", name)
+    quantize.write_marker(d / "q8")
+    return d
+
+
+def _leaves(tree) -> dict:
+    import jax
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+@pytest.mark.parametrize("split", [[2, 2], [1, 2, 1]])
+def test_a_stage_loaded_alone_equals_its_slice_of_the_whole_model(folders, split, quantize):
+    """Each stage reads only its tensors, from the folder or drawn from the seed: exactly the whole model's
+    tree cut to the stage (jax/'s loaders for the whole), for float and int8 weights (the int8 head's copy on
+    the last stage only, the embedding on the first)."""
+    from opt_serving.model import param_tree, sources
+    from opt_serving.model import quantize as quantization
+    from opt_serving.model.weights import load_params
+    from opt_serving.parallel.pipeline import load_stage_params, stage_specs
+    if quantize:
+        whole = quantization.load_params(folders / "f32", CFG)
+        random_whole = quantization.quantize_params(param_tree.init_params(CFG, seed=4))
+    else:
+        whole = load_params(folders / "f32", CFG)[1]
+        random_whole = param_tree.init_params(CFG, seed=4)
+    for spec in stage_specs(CFG, len(split), split):
+        for source, want in ((sources.RandomSource(seed=4), random_whole), (folders / "f32", whole)):
+            got = _leaves(load_stage_params(source, CFG, spec, quantize=quantize))
+            expected = _leaves(param_tree.stage_params(want, spec))
+            assert got.keys() == expected.keys()
+            for k in got:
+                np.testing.assert_array_equal(got[k], expected[k], err_msg=f"{spec} {source} {k}")
+        if quantize:  # read as they are from the quantized folder: the float folder's numbers (`got`)
+            from_disk = _leaves(load_stage_params(folders / "q8", CFG, spec, quantize=quantize))
+            assert ("['lm_head']['qkernel']" in from_disk) == spec.last
+            assert ("['embed_tokens']['embedding']" in from_disk) == spec.first
+            assert from_disk.keys() == got.keys()
+            for k, v in from_disk.items():
+                np.testing.assert_array_equal(v, got[k], err_msg=k)
+
+
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_stages_built_a_layer_at_a_time_compute_what_their_whole_trees_do(folders, quantize):
+    """load_stage (the stage actor's loader: the runtime layout built a layer at a time) chained over the
+    stages gives the logits of StageSlots over each stage's checkpoint tree put in that layout at once."""
+    from opt_serving.parallel.pipeline import load_stage, load_stage_params, stage_specs
+    from opt_serving.runner.stage import StageSlots
+    specs = stage_specs(CFG, 2)
+    chains = []
+    for streamed in (True, False):
+        stages = []
+        for spec in specs:
+            if streamed:
+                backend, params = load_stage(folders / "f32", CFG, spec, quantize=quantize)
+                assert backend.greedy_head == (spec.last and not quantize and backend.products)
+                assert ("lm_head" in params) == spec.last  # no packed head on the first stage
+                stages.append(StageSlots(CFG, params, spec, rows=1, backend=backend))
+            else:
+                stages.append(StageSlots(CFG, load_stage_params(folders / "f32", CFG, spec, quantize=quantize),
+                                         spec, rows=1))
+        x = IDS
+        for s in stages:
+            s.seq_open(0, 2, 16)
+            x = s.seq_prefill(0, x, MASK, True)
+        chains.append(np.asarray(x))
+    np.testing.assert_array_equal(chains[0], chains[1])

@@ -3,12 +3,16 @@ the steps run fastest on where the params lie, with the `Backend` that runs it (
 Transforms applied after the model is built; the forward pass gives the same numbers in either layout."""
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+import dataclasses
+from typing import Iterable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from opt_serving.backend import Backend, BackendSettings, devices, for_params
+from opt_serving.backend import Backend, BackendSettings, choose, devices, for_params
+from opt_serving.backend.cpu import heap
 from opt_serving.config import OPTConfig
 from opt_serving.model import opt, param_tree
 
@@ -23,6 +27,34 @@ def runtime_params(params: dict, settings: Optional[BackendSettings] = None,
     fused = fuse_qkv_on_one_device(params)
     backend = for_params(fused, settings, weights)
     return backend, backend.prepare(fused)
+
+
+def runtime_parts(parts: Iterable[dict], where: Iterable, dtype, settings: Optional[BackendSettings] = None,
+                  weights: str = "float32", head: bool = True) -> tuple[Backend, dict]:
+    """runtime_params over params arriving a group at a time (sources.tree_parts: the tensors outside the
+    layers first, then one layer after another): each group is put in the runtime layout as it arrives and its
+    checkpoint-layout arrays are dropped, so the peak is the runtime params plus one group, where building the
+    whole checkpoint tree first held both. The backend is chosen for `where` (the devices the params lie on)
+    and `dtype`, as for_params would choose it for the whole tree. `head`: the params hold the LM head (a
+    pipeline's last stage, or the whole model); a first stage keeps its embedding for the lookup only, with no
+    packed head beside it."""
+    where = list(where)
+    backend = choose(where, dtype, settings, weights)
+    out: dict = {}
+    on_cpu = all(d.platform == "cpu" for d in where)
+    with heap.returning_freed_blocks() if on_cpu else contextlib.nullcontext():
+        for part in parts:
+            embedding = part.get("embed_tokens", {}).get("embedding")
+            if embedding is not None and backend.greedy_head and not (head and np.isfinite(np.asarray(embedding)).all()):
+                backend = dataclasses.replace(backend, greedy_head=False)  # for_params's rule; no head, no screen
+            rest = part if head else {k: v for k, v in part.items() if k != "embed_tokens"}
+            out.update(backend.prepare(fuse_qkv(rest) if len(where) <= 1 else rest))
+            if not head and embedding is not None:
+                out["embed_tokens"] = part["embed_tokens"]
+            del part, rest
+    if backend.greedy_head and not head:
+        backend = dataclasses.replace(backend, greedy_head=False)
+    return backend, out
 
 
 def checkpoint_params(cfg: OPTConfig, backend: Backend, params: dict) -> dict:

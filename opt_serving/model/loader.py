@@ -13,7 +13,7 @@ import numpy as np
 from opt_serving import backend as backend_api
 from opt_serving.config import config_for, get_config, size_from_name
 from opt_serving.errors import require
-from opt_serving.model import param_tree, weights
+from opt_serving.model import param_tree, sources, weights
 from opt_serving.model import quantize as quantization
 
 log = logging.getLogger(__name__)
@@ -83,19 +83,27 @@ def get_model(model_name: str, path: str | Path | None = None, dtype="auto",
         return _get_hf_model(model_name, path, dtype, dummy, seed)
     dtype, fmt = _weights_format(model_dtype(dtype), quantize)
     if dummy:
-        cfg = get_config(model_name)
-        params = param_tree.init_params(cfg, seed, dtype)
-        return _opt_model(cfg, quantization.quantize_params(params) if quantize else params, weights=fmt)
-    if path is None:
-        raise ValueError(f"{model_name}: give path= (the numpy weights folder) or dummy=True")
-    folder = resolve_numpy_folder(path, model_name)
-    cfg = config_for(model_name, folder)
-    if quantize:
-        return _opt_model(cfg, quantization.load_params(folder, cfg, dtype), weights=fmt)
-    if quantization.folder_quantization(folder):
-        raise ValueError(f"{folder} holds int8 weights: load it with quantize='int8' (--quantize int8)")
-    cfg, params = weights.load_params(folder, cfg, dtype, progress=kwargs.get("progress", False))
-    return _opt_model(cfg, params, weights=fmt)
+        cfg, source = get_config(model_name), sources.RandomSource(seed)
+    else:
+        if path is None:
+            raise ValueError(f"{model_name}: give path= (the numpy weights folder) or dummy=True")
+        folder = resolve_numpy_folder(path, model_name)
+        cfg, source = config_for(model_name, folder), sources.FolderSource(folder, quantize)
+    return load_model(cfg, source, dtype, quantize, fmt, progress=kwargs.get("progress", False))
+
+
+def load_model(cfg, source, dtype, quantize: str | None = None, fmt: str = "float32", progress: bool = False):
+    """The one-device model from a source of tensors (model/sources.py), put in its runtime layout a layer at a
+    time as it is read (layout.runtime_parts): the process never holds the checkpoint layout and the runtime
+    one of the whole model at once."""
+    from opt_serving.model import layout
+    parts = sources.tree_parts(source, cfg, dtype=dtype, quantize=quantize)
+    if progress:
+        from tqdm import tqdm
+        parts = tqdm(parts, desc="loading weights", unit="layer", total=cfg.num_hidden_layers + 1)
+    backend, params = layout.runtime_parts(parts, jax.devices()[:1], dtype, weights=fmt)
+    from opt_serving.model.wrapper import OPTModel  # wrapper re-exports get_model: imported late, not in a cycle
+    return OPTModel(cfg, params, backend=backend)
 
 
 def _weights_format(dtype, quantize: str | None) -> tuple[jnp.dtype, str]:
@@ -155,8 +163,3 @@ def _get_hf_model(model_name, path, dtype, dummy, seed):
                          f"unexpected {unexpected[:5]}")
     model.tie_weights()
     return model.to(torch_dtype).eval()
-
-
-def _opt_model(cfg, params, weights: str):
-    from opt_serving.model.wrapper import OPTModel  # wrapper re-exports get_model: imported late, not in a cycle
-    return OPTModel(cfg, params, weights=weights)

@@ -49,8 +49,10 @@ def quantized_names(cfg: OPTConfig) -> list[str]:
 
 
 def quantize_rows(w) -> tuple[np.ndarray, np.ndarray]:
-    """w [out, in] (any float dtype) -> (int8 [out, in], float32 scale [out])."""
-    w = np.asarray(w)
+    """w [out, in] (any float dtype; anything with a shape whose row slices give arrays: a memory-mapped file, a
+    random matrix drawn as it is read) -> (int8 [out, in], float32 scale [out]), a block of rows at a time."""
+    if not hasattr(w, "shape"):
+        w = np.asarray(w)
     q = np.empty(w.shape, np.int8)
     scale = np.empty(w.shape[0], np.float32)
     for r0 in range(0, w.shape[0], _ROWS_PER_CHUNK):

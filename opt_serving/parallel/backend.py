@@ -29,24 +29,20 @@ import numpy as np
 from opt_serving import jax_env, sampling
 from opt_serving.backend import choose
 from opt_serving.config import OPTConfig, config_for, get_config
-from opt_serving.model import beam_search, loader, param_tree, wrapper
+from opt_serving.model import beam_search, loader, wrapper
 from opt_serving.parallel import cluster as clusters
 from opt_serving.parallel.cluster import Cluster, parse_bytes
 from opt_serving.parallel.planner import Plan, search
 
 
 def connect_ray(start: bool = True):
-    """Join the running Ray cluster (address="auto"); with none running, start a local one when `start`,
-    else return None."""
+    """Join the Ray cluster of the last `ray start --head` on this machine, or RAY_ADDRESS's, if it answers (a
+    stale address file is skipped, saying so: parallel/ray_address.py); with none, start a local one when
+    `start`, else return None."""
     import ray
-    if not ray.is_initialized():
-        try:
-            ray.init(address="auto", logging_level="ERROR")
-        except ConnectionError:
-            if not start:
-                return None
-            ray.init(include_dashboard=False, logging_level="ERROR")
-    return ray
+    from opt_serving.parallel import ray_address
+    up, _ = ray_address.init(start=start, include_dashboard=False, logging_level="ERROR")
+    return ray if up else None
 
 
 def cluster_dtype(dtype) -> str:
@@ -116,29 +112,32 @@ def plan_model(model_name: str, path=None, dtype="float32", dummy: bool = False,
 
 def tensor_parallel_model(cfg: OPTConfig, plan: Plan, folder, dtype, seed: int = 0,
                           quantize: str | None = None) -> "TensorParallelOPT":
-    """A pp = 1 plan in this process: params sharded over the first tp devices (`quantize="int8"`: int8
+    """A pp = 1 plan in this process: params sharded over the first tp devices, each device reading its slice
+    of the folder or drawing its slice of the random weights (model/sources.py) (`quantize="int8"`: int8
     weights, model/quantize.py's, split as the float ones are)."""
-    from opt_serving.model.quantize import quantize_params
-    from opt_serving.parallel.sharding import load_sharded_params, make_mesh, shard_params
+    from opt_serving.model import sources
+    from opt_serving.model import layout
+    from opt_serving.parallel.sharding import make_mesh, sharded_parts
     if len(jax.devices()) < plan.tp:
         raise ValueError(f"the plan {plan.name} needs {plan.tp} devices in this process, it sees "
                          f"{len(jax.devices())} (on a CPU: XLA_FLAGS=--xla_force_host_platform_device_count)")
     mesh = make_mesh(jax.devices()[:plan.tp], plan.tp)
     dtype = loader.model_dtype(dtype)
-    if folder is None:
-        params = param_tree.init_params(cfg, seed, dtype)
-        params = shard_params(quantize_params(params) if quantize else params, cfg, mesh)
-    else:
-        params = load_sharded_params(folder, cfg, mesh, dtype=dtype, quantize=quantize)
-    return TensorParallelOPT(cfg, params, mesh, plan, weights=quantize or "float32")
+    source = sources.RandomSource(seed) if folder is None else sources.FolderSource(folder, quantize)
+    # tp = 1: the one device's runtime layout built a layer at a time (a mesh keeps the checkpoint's)
+    backend, params = layout.runtime_parts(sharded_parts(source, cfg, mesh, dtype=dtype, quantize=quantize),
+                                           mesh.devices.flat, dtype, weights=quantize or "float32")
+    return TensorParallelOPT(cfg, params, mesh, plan, backend=backend)
 
 
 class TensorParallelOPT(wrapper.OPTModel):
     """jax/'s model over params sharded on a tp mesh; engine steps keep the cache sharded."""
 
-    def __init__(self, cfg: OPTConfig, params, mesh, plan: Plan | None = None, weights: str = "float32"):
+    def __init__(self, cfg: OPTConfig, params, mesh, plan: Plan | None = None, weights: str = "float32",
+                 backend=None):
+        """`params` in the checkpoint's layout, or with `backend` in its runtime layout (see OPTModel)."""
         from opt_serving.parallel.sharding import ShardedOPT
-        super().__init__(cfg, params, weights=weights)
+        super().__init__(cfg, params, backend=backend, weights=weights)
         self.plan, self.mesh = plan, mesh
         self._sharded = ShardedOPT(cfg, self.fused_params, mesh, backend=self.backend)
 

@@ -65,9 +65,11 @@ def load_cluster(text: str, calibrate: bool = False, profile: dict | None = None
         from opt_serving.parallel.cluster import calibrate as measure, cluster_from_jax
         cluster = cluster_from_jax()
     elif text == "ray":
-        import ray
+        from opt_serving.parallel import ray_address
         from opt_serving.parallel.cluster import calibrate as measure, cluster_from_ray
-        ray.init(address="auto", logging_level="ERROR")
+        if not ray_address.init(start=False, logging_level="ERROR")[0]:
+            raise ValueError("--cluster ray: no Ray cluster is running on this machine (or at RAY_ADDRESS); "
+                             "start one with `ray start --head`, or give the cluster as text (e.g. 2x8x80GB)")
         cluster = cluster_from_ray()
     else:
         cluster = parse_cluster(text)
@@ -99,18 +101,19 @@ def format_plan(result: SearchResult, cluster: Cluster, runners_up: int = 5) -> 
         + (f", {best.micro_batches} micro-batches of {best.micro_batch_size} in flight"
            if best.micro_batches > 1 else ""),
         "",
-        f"{'stage':>5}  {'layers':>12}  {'devices':>7}  {'node':>4}  {'weights':>8}  {'KV':>6}  "
-        f"{'activ.':>6}  {'memory':>7}  {'headroom':>8}  {'ms/step':>7}",
+        f"{'stage':>5}  {'layers':>12}  {'devices':>7}  {'node':>4}  {'weights':>8}  {'runtime':>7}  {'KV':>6}  "
+        f"{'activ.':>6}  {'loading':>7}  {'memory':>7}  {'headroom':>8}  {'ms/step':>7}",
     ]
     for s in best.stages:
         extra = "+embed" if s.has_embed else ""
         extra += "+head" if s.has_head else ""
         lines.append(
             f"{s.index:>5}  {f'{s.layers[0]}-{s.layers[1] - 1} ({s.num_layers})':>12}  "
-            f"{_devices(s.devices):>7}  {s.node:>4}  {_gb(s.param_bytes):>8}  {_gb(s.kv_bytes):>6}  "
-            f"{_gb(s.act_bytes):>6}  {_gb(s.memory_bytes):>7}  "
+            f"{_devices(s.devices):>7}  {s.node:>4}  {_gb(s.param_bytes):>8}  {_gb(s.runtime_bytes):>7}  "
+            f"{_gb(s.kv_bytes):>6}  {_gb(s.act_bytes):>6}  {_gb(s.load_bytes):>7}  {_gb(s.memory_bytes):>7}  "
             f"{_gb(best.device_memory - s.memory_bytes):>8}  {s.busy_s * 1e3:>7.2f}  {extra}")
     lines += [
+        "(memory: weights + runtime layout + the larger of KV + activations and the loading overhead)",
         f"(GB per device of {_gb(best.device_memory)} GB; usable {_gb(best.memory_limit)} GB "
         f"after headroom; replicas 1..{best.dp - 1} repeat this layout on the next devices)"
         if best.dp > 1 else
@@ -164,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps({"error": str(e)}))
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, ConnectionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:

@@ -391,3 +391,14 @@ def calibrate(devices=None, base: DeviceSpec | None = None, size: int = 1024,
                 best = max(one.layer_s / max(t.layer_s, 1e-12) for _, t in prof.by_tp)
                 changes["pool"] = float(min(len(devices), max(changes.get("pool", 1.0), best)))
     return dataclasses.replace(base, **changes)
+
+
+# A CPU stage process's own resident memory beside its params, cache and activations: the interpreter, JAX and
+# XLA, Ray's worker, the compiled steps of a warmed-up engine and the heap they keep (backend/cpu/heap.py); 0.70 and
+# 0.90 GB in the two stages of OPT-1.3b served at pp = 2 (benchmark/benchmark_pipeline_memory.py; benchmark/README.md).
+# Reported beside the planner's per-device estimate, not charged to the device's memory: on GPUs it is host memory.
+CPU_PROCESS_BYTES = 0.8e9
+
+
+def default_process_bytes() -> float:
+    return CPU_PROCESS_BYTES

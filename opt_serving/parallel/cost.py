@@ -152,6 +152,38 @@ def weight_bytes(cfg: OPTConfig, dtype: str = "float16", weights: str = "float32
     return stage_param_bytes(cfg, cfg.num_hidden_layers, True, True, 1, dtype, weights)
 
 
+def runtime_extra_bytes(cfg: OPTConfig, last: bool, tp: int = 1, dtype: str = "float32", weights: str = "float32",
+                        cpu: bool = False) -> int:
+    """Bytes a stage's runtime layout holds beyond its checkpoint params: on one CPU device with float32
+    weights, the last stage's packed LM head (a float32 copy of the tied embedding in oneDNN's layout, beside
+    the embedding kept for the exact rescoring) and the greedy screen's int8 copy with its per-token scales and
+    norms (backend/cpu/head.py). Nothing elsewhere: GPUs and tensor-parallel meshes run plain XLA on the
+    params as they are, and int8's head copy is packed in place of its qkernel."""
+    if not (cpu and last and tp == 1 and dtype == "float32" and weights == "float32"):
+        return 0
+    v, d = cfg.vocab_size, cfg.word_embed_proj_dim
+    return v * d * 4 + v * d + 3 * 4 * v
+
+
+def load_bytes(cfg: OPTConfig, n_layers: int, first: bool, last: bool, tp: int = 1, dtype: str = "float32",
+               weights: str = "float32") -> int:
+    """Transient bytes while a stage loads, beyond its params: a stage builds its runtime layout a layer at a
+    time (model/layout.py: runtime_parts), so at most one group of tensors is in transit: a layer in its
+    checkpoint layout on the device, beside a host copy of its largest tensor (a transposed view made
+    contiguous) and that tensor's memory-mapped file pages, and on one device its q/k/v concatenated; on the first
+    and last stage, the embedding's file pages (or its float32 draw) before it is in place. (OPT-1.3b, pp = 2,
+    float32 folder: 0.23 and 0.31 GB measured above the loaded stages, against 0.41 GB here; benchmark/README.md.)"""
+    b = dtype_bytes(dtype)
+    h, f = cfg.hidden_size, cfg.ffn_dim
+    largest = math.ceil(f / tp) * h * 4  # fc1 / fc2, a float32 file and its host copy
+    layer = layer_bytes(cfg, tp, dtype, weights) + 2 * largest
+    if tp == 1:
+        layer += 3 * h * h * (1 if weights == "int8" else b)  # the fused q/k/v
+    if n_layers == 0 or not (first or last):
+        return layer
+    return max(layer, math.ceil(cfg.vocab_size / tp) * cfg.word_embed_proj_dim * 4)
+
+
 def matmul_params(cfg: OPTConfig) -> int:
     """Weights of one layer that take part in matrix products (2 FLOPs each per token)."""
     h, f = cfg.hidden_size, cfg.ffn_dim

@@ -13,14 +13,16 @@ node). Under Ray Serve the replica's own placement group holds them (bundle i is
 in bundle 0 with stage 0; `stage_bundles`), so Serve starting, stopping or restarting a replica does the
 same to its stages; elsewhere
 the pipeline makes its own group and removes it on `close()` (or when the object owning it is
-collected). Each stage reads only its slice of the numpy folder, from its own node's disk.
+collected). Each stage reads only its slice of the numpy folder, from its own node's disk, a layer at a
+time (or, for random weights, draws only its slice from the seed: model/sources.py), and puts each layer in
+its runtime layout before reading the next: a stage process holds its share once, and nothing the size of
+the model passes through the driver or the object store.
 """
 from __future__ import annotations
 
 import os
 import threading
 import weakref
-from pathlib import Path
 
 import numpy as np
 
@@ -47,27 +49,49 @@ def stage_specs(cfg: OPTConfig, pp: int, layer_split: list[int] | None = None):
     return [StageSpec(r.start, r.stop, i == 0, i == pp - 1) for i, r in enumerate(ranges)]
 
 
-def load_stage_params(folder, cfg: OPTConfig, spec, dtype="float32", mesh=None, quantize=None) -> dict:
-    """One stage's tensors from a numpy folder, memory-mapped, into its Flax tree (layers numbered from
-    0), over `mesh` (default: this process's first device); each device reads only its own slice of each
-    file (`quantize="int8"`: int8 weights, quantized as they are read or read from a quantized folder). A node
-    without the files gets an error naming the node and the path."""
+def load_stage_params(source, cfg: OPTConfig, spec, dtype="float32", mesh=None, quantize=None) -> dict:
+    """One stage's tensors in the checkpoint layout, its Flax tree (layers numbered from 0), over `mesh`
+    (default: this process's first device): from a numpy folder, memory-mapped, each device reading only its
+    own slice of each file, or drawn from a seed (model/sources.py's RandomSource: the whole model's numbers,
+    each device drawing its slice). `quantize="int8"`: int8 weights, quantized as they are read or read from a
+    quantized folder. A node without the files gets an error naming the node and the path."""
+    from opt_serving.model import sources
+    return sources.merged(_stage_parts(source, cfg, spec, dtype, mesh, quantize))
+
+
+def load_stage(source, cfg: OPTConfig, spec, dtype="float32", mesh=None, quantize=None):
+    """load_stage_params in the runtime layout of the backend chosen for where the stage lies ->
+    (backend, params): each group (the tensors outside the layers, then each layer) is put in that layout as it
+    is read and its host and checkpoint-layout copies dropped, so the stage never holds its share twice."""
+    import jax
+    from opt_serving.model import layout
+    where = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
+    return layout.runtime_parts(_stage_parts(source, cfg, spec, dtype, mesh, quantize), where,
+                                jax.numpy.dtype(dtype), weights=quantize or "float32", head=spec.last)
+
+
+def _stage_parts(source, cfg, spec, dtype, mesh, quantize):
     import jax
     from opt_serving.model import param_tree
-    from opt_serving.parallel.sharding import load_sharded_params, make_mesh
-    if not (Path(folder) / "decoder.embed_tokens.weight").exists() and not (Path(folder) / "config.json").exists():
-        raise FileNotFoundError(f"node {_node_name()} has no numpy weights folder at {folder}: every node that "
-                                "runs a pipeline stage reads its layers from the same path (copy the folder "
-                                "there, or use a shared file system)")
+    from opt_serving.model import sources
+    from opt_serving.parallel.sharding import make_mesh, sharded_parts
+    if not hasattr(source, "place"):
+        source = sources.FolderSource(source, quantize)
+    if isinstance(source, sources.FolderSource):
+        folder = source.folder
+        if not (folder / "decoder.embed_tokens.weight").exists() and not (folder / "config.json").exists():
+            raise FileNotFoundError(f"node {_node_name()} has no numpy weights folder at {folder}: every node "
+                                    "that runs a pipeline stage reads its layers from the same path (copy the "
+                                    "folder there, or use a shared file system)")
     mesh = mesh if mesh is not None else make_mesh(jax.devices()[:1], 1)
+    # int8: the first and last stages read the embedding (the lookup's table, the head's int8 copy); each
+    # keeps only its own part of the two (param_tree.stage_part)
+    parts = sharded_parts(source, cfg, mesh, dtype=dtype, names=stage_param_names(cfg, spec), quantize=quantize)
     try:
-        # int8: the first and last stages read the embedding (the lookup's table, the head's int8 copy); each
-        # keeps only its own part of the two (stage_params)
-        tree = load_sharded_params(folder, cfg, mesh, dtype=dtype, names=stage_param_names(cfg, spec),
-                                   quantize=quantize)
+        for part in parts:
+            yield param_tree.stage_part(part, spec)
     except FileNotFoundError as e:
         raise FileNotFoundError(f"node {_node_name()}: {e}") from None
-    return param_tree.stage_params(tree, spec)
 
 
 def stage_param_names(cfg: OPTConfig, spec) -> set[str]:
@@ -91,12 +115,15 @@ def _node_name() -> str:
 
 
 class StageActor:
-    """Runs inside a Ray worker: a `StageSlots` over this stage's layers, from the folder on this node
-    (or from `params`, already cut to the stage), tensor-parallel over the node's tp devices. `quantize`:
-    the folder's weights as int8 (params come quantized)."""
+    """Runs inside a Ray worker: a `StageSlots` over this stage's layers, tensor-parallel over the node's tp
+    devices, from `source` (model/sources.py): the numpy folder on this node, read a layer at a time, or
+    random weights drawn here from the seed (the whole model's numbers for these layers). `quantize`: int8
+    weights."""
 
-    def __init__(self, cfg, spec, folder, params, dtype, tp, rows, groups, max_seq_len, name="", quantize=None,
+    def __init__(self, cfg, spec, source, dtype, tp, rows, groups, max_seq_len, name="", quantize=None,
                  prefix_blocks=0):
+        import time
+
         import jax
 
         from opt_serving import xla_cache
@@ -111,15 +138,20 @@ class StageActor:
                                  f"{len(jax.devices())}")
             _check_divisible(cfg, tp)
             mesh = make_mesh(jax.devices()[:tp], tp)
-        if params is None:
-            params = load_stage_params(folder, cfg, spec, dtype, mesh, quantize)
-        elif mesh is not None:
-            params = _shard_stage(params, cfg, spec, mesh)
-        else:
-            params = jax.tree_util.tree_map(jax.numpy.asarray, params)
-        # each stage chooses its own backend, for where its params lie (StageSlots: layout.runtime_params)
-        self.slots = StageSlots(cfg, params, spec, rows, groups, max_seq_len, prefix_blocks=prefix_blocks)
+        before, t0 = process_memory(), time.perf_counter()
+        # each stage chooses its own backend, for where its params lie, and builds its runtime layout a layer
+        # at a time (load_stage)
+        backend, params = load_stage(source, cfg, spec, dtype, mesh, quantize)
+        self._loaded = {"load_s": time.perf_counter() - t0, "before": before, **process_memory()}
+        self.slots = StageSlots(cfg, params, spec, rows, groups, max_seq_len, backend=backend,
+                                prefix_blocks=prefix_blocks)
         self.reset_stats()
+
+    def memory(self) -> dict:
+        """This stage process's memory (process_memory), and the same right after its weights were loaded
+        (`loaded`: before the steps were compiled; its `before`: when the load began, the libraries
+        imported)."""
+        return {"stage": self.name, "pid": os.getpid(), **process_memory(), "loaded": self._loaded}
 
     def reset_stats(self) -> None:
         import time
@@ -190,6 +222,26 @@ class StageActor:
         return x
 
 
+def process_memory() -> dict:
+    """This process's resident memory in bytes: now (`rss`, split into anonymous memory and file pages
+    mapped in, `rss_anon`, `rss_file`) and its peak since it started (`peak_rss`, the kernel's high-water
+    mark, which counts memory-mapped weight pages while they are mapped)."""
+    fields = {"VmHWM": "peak_rss", "VmRSS": "rss", "RssAnon": "rss_anon", "RssFile": "rss_file"}
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in fields:
+                    out[fields[key]] = int(value.split()[0]) * 1024
+    except OSError:  # not Linux: the peak from getrusage (kilobytes on Linux, bytes on macOS)
+        import resource
+        import sys
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        out["peak_rss"] = peak if sys.platform == "darwin" else peak * 1024
+    return out
+
+
 def _describe(i: int, spec) -> str:
     return f"stage {i} (layers {spec.start}-{spec.stop - 1})"
 
@@ -198,17 +250,6 @@ def _host(out):
     """Device arrays (a tp stage's sharded hidden states among them) as numpy, for the object store."""
     import jax
     return jax.tree_util.tree_map(lambda a: np.asarray(a) if isinstance(a, jax.Array) else a, out)
-
-
-def _shard_stage(params: dict, cfg: OPTConfig, spec, mesh) -> dict:
-    """A stage's param tree (numbered from 0) on its tp mesh: the whole model's Megatron shardings
-    (sharding.py) cut to the stage the way its params were."""
-    import jax
-    from opt_serving.model import param_tree
-    from opt_serving.model.quantize import weights_of
-    from opt_serving.parallel.sharding import param_shardings
-    return jax.device_put(params, param_tree.stage_params(param_shardings(cfg, mesh, weights=weights_of(params)),
-                                                          spec))
 
 
 def stage_bundles(plan, gpus: bool, cpus_per_stage: float = 1, extra_cpus: float = 0) -> tuple[list[dict], str]:
@@ -257,25 +298,21 @@ class RayStages:
             "XLA_FLAGS": f"--xla_force_host_platform_device_count={plan.tp}", "JAX_PLATFORMS": "cpu",
             "OPT_SERVING_CPU_THREADS": str(max(1, int(cpus_per_stage)))}}
         import jax
-        from opt_serving.model import param_tree
+        from opt_serving.model import sources
         dtype = jax.numpy.dtype(dtype).name
-        # random weights: drawn once here, as jax/ draws them (and quantizes them), then cut per stage
-        whole = param_tree.init_params(cfg, seed, dtype) if folder is None else None
-        if whole is not None and quantize:
-            from opt_serving.model.quantize import quantize_params
-            whole = quantize_params(whole)
+        # each stage reads its layers from the folder on its node, or draws them there from the seed: nothing
+        # of the model's size passes through this process or the object store
+        source = sources.RandomSource(seed) if folder is None else sources.FolderSource(folder, quantize)
         actor = ray.remote(StageActor)
         self.actors = []
         tag = os.urandom(4).hex()  # named (ray.util.list_named_actors finds them), owned by this process
         for i, spec in enumerate(self.specs):
-            part = None if whole is None else jax.device_get(param_tree.stage_params(whole, spec))
             self.actors.append(actor.options(
                 num_cpus=cpus_per_stage, num_gpus=plan.tp if gpus else 0, runtime_env=env, max_restarts=0,
                 name=f"{STAGE_NAME_PREFIX}{tag}-{i}",
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, i)).remote(
-                    cfg, spec, None if folder is None else str(folder), part, dtype, plan.tp, rows, groups,
-                    max_seq_len, _describe(i, spec), quantize, prefix_blocks))
-        del whole
+                    cfg, spec, source, dtype, plan.tp, rows, groups, max_seq_len, _describe(i, spec), quantize,
+                    prefix_blocks))
         # replies nobody waits for (insert, free, drop): their errors surface later. The engine thread and a
         # beam search's thread (generation_model) both call in: the list has a lock
         self._sent: list = []

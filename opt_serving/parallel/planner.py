@@ -47,6 +47,8 @@ class Stage:
     time: cost.StageTime             # one decode step of one micro-batch
     handoff_s: float                 # sending hidden states to the next stage (0 for the last)
     inter_node_handoff: bool
+    runtime_bytes: int = 0           # per device, the runtime layout beyond the params (cost.runtime_extra_bytes)
+    load_bytes: int = 0              # per device, transient while the stage loads (cost.load_bytes)
 
     @property
     def num_layers(self) -> int:
@@ -54,7 +56,9 @@ class Stage:
 
     @property
     def memory_bytes(self) -> int:
-        return self.param_bytes + self.kv_bytes + self.act_bytes
+        """The stage's peak on one device: its params in their runtime layout, then the larger of what
+        loading them passes through (before any cache exists) and its KV cache with the activations."""
+        return _peak(self.param_bytes, self.kv_bytes, self.act_bytes, self.runtime_bytes, self.load_bytes)
 
     @property
     def busy_s(self) -> float:
@@ -153,9 +157,14 @@ def _stage_kinds(pp: int) -> list[tuple[bool, bool]]:
     return [(s == 0, s == pp - 1) for s in range(pp)]
 
 
+def _peak(params: int, kv: int, act: int, runtime: int = 0, load: int = 0) -> int:
+    return params + runtime + max(load, kv + act)
+
+
 def _stage_memory(cfg: OPTConfig, n: int, first: bool, last: bool, tp: int, batch: int,
                   micro: int, max_seq_len: int, prefill_batch: int, dtype: str,
-                  weights: str = "float32") -> tuple[int, int, int]:
+                  weights: str = "float32", cpu: bool = False) -> tuple[int, int, int, int, int]:
+    """(params, KV cache, activations, runtime layout beyond the params, loading overhead) bytes per device."""
     params = cost.stage_param_bytes(cfg, n, first, last, tp, dtype, weights)
     # the decode slots' cache, and the prefix cache's pool beside it (runner/prefix.py; counted even where it is
     # turned off)
@@ -165,7 +174,8 @@ def _stage_memory(cfg: OPTConfig, n: int, first: bool, last: bool, tp: int, batc
               cost.activation_bytes(cfg, micro, 1, dtype, tp))
     if last:
         act += cost.logits_bytes(cfg, max(micro, prefill_batch), tp)
-    return params, kv, act
+    runtime = cost.runtime_extra_bytes(cfg, last, tp, dtype, weights, cpu)
+    return params, kv, act, runtime, cost.load_bytes(cfg, n, first, last, tp, dtype, weights)
 
 
 def _degree_problem(cfg: OPTConfig, dp: int, pp: int, tp: int) -> Rejected | None:
@@ -184,7 +194,7 @@ class _Tables:
     cost_of: np.ndarray              # [pp, L + 1] seconds, hand-off included
     mem_of: np.ndarray               # [pp, L + 1] bytes per device
     times: dict                      # (first, last, n) -> cost.StageTime
-    mems: dict                       # (first, last, n) -> (params, kv, act) bytes
+    mems: dict                       # (first, last, n) -> _stage_memory's bytes
     handoffs: list[tuple[float, bool]]   # per stage: (seconds, crosses nodes)
 
 
@@ -205,20 +215,21 @@ def _stage_tables(cfg: OPTConfig, cluster: Cluster, pp: int, tp: int, batch: int
                 t.times[key] = cost.stage_time(cfg, cluster.spec, n, first, last, tp, mb, 1,
                                                max_seq_len, dtype, pipelined=pp > 1, weights=weights)
                 t.mems[key] = _stage_memory(cfg, n, first, last, tp, batch, mb, max_seq_len,
-                                            prefill_batch, dtype, weights)
+                                            prefill_batch, dtype, weights, cpu=cluster.spec.kind == "cpu")
             t.cost_of[s, n] = t.times[key].total_s + h
-            t.mem_of[s, n] = sum(t.mems[key])
+            t.mem_of[s, n] = _peak(*t.mems[key])
     return t
 
 
 def _memory_rejection(t: _Tables, dp: int, pp: int, tp: int, limit: float) -> Rejected:
     need, split = slice_layers(t.mem_of, t.mem_of, np.inf)   # the least memory any split needs
     worst = int(np.argmax([t.mem_of[s, n] for s, n in enumerate(split)]))
-    p, k, a = t.mems[(*_stage_kinds(pp)[worst], split[worst])]
+    p, k, a, r, ld = t.mems[(*_stage_kinds(pp)[worst], split[worst])]
+    runtime = f" + runtime layout {r / GB:.1f}" if r else ""
     return Rejected(dp, pp, tp,
                     f"needs {need / GB:.1f} GB per device (stage {worst}: {split[worst]} layers, "
-                    f"weights {p / GB:.1f} + KV cache {k / GB:.1f} + activations {a / GB:.1f} GB), "
-                    f"usable {limit / GB:.1f} GB", need_bytes=need)
+                    f"weights {p / GB:.1f}{runtime} + the larger of KV cache {k / GB:.1f} + activations "
+                    f"{a / GB:.1f} and loading {ld / GB:.1f} GB), usable {limit / GB:.1f} GB", need_bytes=need)
 
 
 def _step_time(cluster: Cluster, stages: list[Stage], pp: int, tp: int, micro: int,
@@ -265,9 +276,9 @@ def _evaluate(cfg: OPTConfig, cluster: Cluster, model: str, dp: int, pp: int, tp
     stages, start = [], 0
     for s, n in enumerate(split):
         first, last = _stage_kinds(pp)[s]
-        p, k, a = t.mems[first, last, n]
+        p, k, a, r, ld = t.mems[first, last, n]
         stages.append(Stage(s, (start, start + n), tuple(range(s * tp, (s + 1) * tp)), t.nodes[s],
-                            first, last, p, k, a, t.times[first, last, n], *t.handoffs[s]))
+                            first, last, p, k, a, t.times[first, last, n], *t.handoffs[s], r, ld))
         start += n
     step = _step_time(cluster, stages, pp, tp, micro, active)
     throughput = active * batch / step

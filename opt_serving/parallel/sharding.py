@@ -13,9 +13,6 @@ layers' scales whole), the tied head's int8 copy by vocabulary.
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,8 +23,9 @@ from opt_serving.backend.tree import at as tree_at
 from opt_serving.config import OPTConfig
 from opt_serving.model import opt
 from opt_serving.model import quantize as quantization
+from opt_serving.model import sources
 from opt_serving.model.kv_cache import init_cache
-from opt_serving.model.weights import flax_path, load_checked, param_shapes
+from opt_serving.model.weights import flax_path, param_shapes
 
 # Logical axes of each parameter in torch's [out, in] layout (the numpy folder's).
 LAYER_AXES: dict[str, tuple[str | None, ...]] = {
@@ -125,43 +123,29 @@ def cache_shardings(cfg: OPTConfig, mesh: Mesh, rules: Rules = TP_RULES) -> dict
     return {"k": layers, "v": layers, "mask": NamedSharding(mesh, spec_for(CACHE_MASK_AXES, rules))}
 
 
-def load_sharded_params(folder: str | os.PathLike, cfg: OPTConfig, mesh: Mesh,
-                        rules: Rules = TP_RULES, dtype=jnp.float32, names=None, quantize: str | None = None) -> dict:
-    """The numpy folder -> Flax param tree sharded over `mesh`; each device reads its slice only.
-    `names`: only these checkpoint tensors (a pipeline stage's). `quantize="int8"`: model/quantize.py's tree,
-    each weight quantized as it is read (one at a time), or read as it is from a quantized folder."""
-    folder = Path(folder)
+def load_sharded_params(source, cfg: OPTConfig, mesh: Mesh, rules: Rules = TP_RULES, dtype=jnp.float32,
+                        names=None, quantize: str | None = None) -> dict:
+    """A numpy folder (or a model/sources.py source: random weights drawn where they live) -> the Flax param
+    tree sharded over `mesh`; each device reads (or draws) its slice only. `names`: only these checkpoint
+    tensors (a pipeline stage's). `quantize="int8"`: model/quantize.py's tree, each weight quantized as it is
+    read (one at a time), or read as it is from a quantized folder."""
+    return sources.merged(sharded_parts(source, cfg, mesh, rules, dtype, names, quantize))
+
+
+def sharded_parts(source, cfg: OPTConfig, mesh: Mesh, rules: Rules = TP_RULES, dtype=jnp.float32, names=None,
+                  quantize: str | None = None):
+    """load_sharded_params a group at a time (sources.tree_parts: the tensors outside the layers, then each
+    layer), for a caller that puts each group in its runtime layout before the next is read."""
+    if not hasattr(source, "place"):
+        source = sources.FolderSource(source, quantize)
     _check_divisible(cfg, mesh.devices.size)
-    np_dtype = np.dtype(jnp.dtype(dtype))
     quantize = quantization.check_choice(quantize)
-    on_disk = quantization.folder_quantization(folder)
-    if on_disk and not quantize:
-        raise ValueError(f"{folder} holds int8 weights: load it with quantize='int8' (--quantize int8)")
-    quantized = set(quantization.quantized_names(cfg)) if quantize else set()
     shardings = param_shardings(cfg, mesh, rules, weights=quantize or "float32")
-
-    def place(path, host, cast):
-        sharding = tree_at(shardings, path)
-        _tree_set(tree, path, jax.make_array_from_callback(
-            host.shape, sharding, lambda idx: np.ascontiguousarray(host[idx], dtype=cast or host.dtype)))
-
-    tree: dict = {}
-    for name, shape in param_shapes(cfg).items():
-        if names is not None and name not in names:
-            continue
-        if name in quantized:
-            q, scale = quantization.load_weight(folder, name, shape, bool(on_disk))
-            for path, host in quantization.tree_entries(name, q, scale, np_dtype):
-                place(path, host, None)
-            continue
-        path, transpose = flax_path(name)
-        src = load_checked(folder, name, shape)          # memory-mapped
-        place(path, src.T if transpose else src, np_dtype)  # a view: each device reads its slice
-    return tree
+    return sources.tree_parts(source, cfg, names, lambda path: tree_at(shardings, path), dtype, quantize)
 
 
 def shard_params(params: dict, cfg: OPTConfig, mesh: Mesh, rules: Rules = TP_RULES) -> dict:
-    """An in-memory param tree (e.g. dummy weights, float or int8) -> sharded over `mesh`."""
+    """An in-memory param tree (float or int8) -> sharded over `mesh`."""
     _check_divisible(cfg, mesh.devices.size)
     return jax.device_put(params, param_shardings(cfg, mesh, rules, quantization.weights_of(params)))
 

@@ -103,22 +103,45 @@ def _plan_and_ray_arguments(p: argparse.ArgumentParser) -> None:
                         "replicas. auto (default): direct for one replica on a Ray started here, else proxy")
 
 
-def _start_ray(address: str | None, num_cpus: int | None, local_env: dict | None = None) -> bool:
-    """Connect to a Ray cluster, or start a local one with `local_env` set for its processes.
-    Returns True when we started it."""
+def _start_ray(found, num_cpus: int | None, local_env: dict | None = None) -> bool:
+    """Join `found` (ray_address.find_cluster's pick: a cluster that answers), or with none start a local Ray
+    with `local_env` set for its processes. Returns True when we started it."""
     import ray
     if ray.is_initialized():
         return False
-    if address != "local":
-        try:
-            ray.init(address=address or "auto", log_to_driver=False)
-            return False
-        except ConnectionError:
-            if address:
-                raise
+    if found.note:
+        print(f"opt-serving serve: {found.note}; "
+              + (f"joining the Ray cluster at {found.address}" if found.address else "starting a Ray of its own"),
+              file=sys.stderr, flush=True)
+    if found.address is not None:
+        ray.init(address=found.address, log_to_driver=False)
+        return False
     os.environ.update(local_env or {})  # Ray's processes (controller, replicas) inherit it from here
     ray.init(address="local", include_dashboard=False, num_cpus=num_cpus, log_to_driver=False)
     return True
+
+
+def port_holder(host: str, port: int) -> str | None:
+    """None when `port` can be bound on `host`; else what holds it: the listening process (pid and command
+    line) where it can be found, or a plain description."""
+    import socket
+    bind_host = "" if host in ("0.0.0.0", "::") else host
+    with socket.socket(socket.AF_INET6 if ":" in bind_host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed connection's TIME_WAIT is no holder
+        try:
+            s.bind((bind_host, port))
+            return None
+        except OSError as e:
+            reason = e.strerror or str(e)
+    try:
+        import psutil
+        for c in psutil.net_connections("tcp"):
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid:
+                cmd = " ".join(psutil.Process(c.pid).cmdline())
+                return f"process {c.pid} ({cmd[:160]})"
+    except (psutil.Error, OSError):
+        pass
+    return f"another process ({reason})"
 
 
 def direct_ingress_env(port: int, drain_s: float) -> dict:
@@ -235,15 +258,44 @@ def _banner(args: argparse.Namespace, serve_args, direct: bool) -> str:
             "Ctrl-C to stop")
 
 
-def _stop_serving(started_ray: bool) -> None:
+def _stop_serving(started_ray: bool, deployed: str | None, timeout_s: float) -> bool:
+    """Stop what this command started: with a Ray it started, Serve and that Ray; on someone else's cluster
+    only the application it deployed (`deployed`, its name), then disconnect. Bounded by `timeout_s`, and
+    with a cluster that has gone (its GCS does not answer) the Serve calls, which would retry for a minute,
+    are skipped. Returns False when it did not finish in time."""
     import ray
-    if ray.is_initialized():
-        from ray import serve
-        if started_ray:
-            serve.shutdown()
-        else:  # someone else's cluster: remove only our application
-            serve.delete("opt")
+
+    from opt_serving.parallel import ray_address
+    if not ray.is_initialized():
+        return True
+    try:
+        alive = ray_address.answers(ray.get_runtime_context().gcs_address, timeout_s=1.0)
+    except Exception:
+        alive = False
+
+    def stop() -> None:
+        if alive:
+            from ray import serve
+            if started_ray:
+                serve.shutdown()
+            elif deployed is not None:  # someone else's cluster: remove only our application
+                serve.delete(deployed)
         ray.shutdown()  # stops the processes we started; merely disconnects otherwise
+
+    done = threading.Event()
+
+    def guarded() -> None:
+        try:
+            stop()
+        except Exception as e:  # a cluster going away under us: nothing more to stop there
+            print(f"opt-serving: while stopping: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        finally:
+            done.set()
+
+    threading.Thread(target=guarded, daemon=True, name="opt-serving-stop").start()
+    if not alive:
+        print("opt-serving: the Ray cluster has gone; nothing left to stop there", file=sys.stderr, flush=True)
+    return done.wait(timeout_s if alive else min(timeout_s, 5.0))
 
 
 def _local_ray_env(args: argparse.Namespace, direct: bool) -> dict:
@@ -254,9 +306,14 @@ def _local_ray_env(args: argparse.Namespace, direct: bool) -> dict:
     return local_env
 
 
-def _deploy(args: argparse.Namespace, serve_args, direct: bool) -> bool:
-    """Start Serve on the Ray just joined and run the application on it. False (after saying why on
-    stderr) when the planner finds no plan that fits an alpa/ model on the cluster."""
+APP_NAME = "opt"
+
+
+def _deploy(args: argparse.Namespace, serve_args, direct: bool, started_ray: bool) -> tuple[str | None, str | None]:
+    """Start Serve on the Ray just joined and run the application on it -> (the name of the application
+    deployed, None) or (None, why not): the planner finds no plan that fits an alpa/ model on the cluster, or
+    a cluster this command did not start already runs Serve elsewhere than --port or an application of our
+    name (never replaced), or Serve refuses the application."""
     from ray import serve  # after Ray started: Serve reads its settings when imported
 
     from opt_serving.parallel.planner import NoFeasiblePlan
@@ -264,13 +321,61 @@ def _deploy(args: argparse.Namespace, serve_args, direct: bool) -> bool:
     # with direct ingress Serve still starts its proxy: it gets a spare port, the replica owns --port
     from opt_serving.service.ports import free_port
     serve.start(http_options={"host": args.host, "port": free_port() if direct else args.port})
+    if not started_ray:
+        problem = _foreign_serve_problem(args)
+        if problem:
+            return None, problem
     try:
         app = build_app(serve_args)  # plans alpa/ models for the cluster just joined
     except NoFeasiblePlan as e:
-        print(f"opt-serving serve: {e}", file=sys.stderr)
-        return False
-    serve.run(app, name="opt", route_prefix="/", blocking=False)
-    return True
+        return None, str(e)
+    try:
+        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+    except Exception as e:  # e.g. another application holds the route prefix "/"
+        return None, f"Ray Serve on the cluster at {_cluster_address()} refused the application: {e}"
+    return APP_NAME, None
+
+
+def _cluster_address() -> str:
+    import ray
+    return ray.get_runtime_context().gcs_address
+
+
+def _foreign_serve_problem(args: argparse.Namespace) -> str | None:
+    """On a cluster this command did not start: why it cannot serve there (None: it can). Serve keeps the HTTP
+    settings it first started with, so a Serve already running on another port would leave --port
+    unanswered; an application of our name there is someone else's."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+    where, http = _cluster_address(), _get_global_client().http_config
+    if http.port != args.port or http.host != args.host:
+        return (f"Ray Serve already runs on the Ray cluster at {where}, its HTTP proxy on {http.host}:{http.port}, "
+                f"and keeps that: this command cannot serve on {args.host}:{args.port} there. Use --host "
+                f"{http.host} --port {http.port} to serve beside its applications, or --ray-address local for a "
+                "Ray of this command's own")
+    if APP_NAME in serve.status().applications:
+        return (f"the Ray cluster at {where} already runs a Serve application named '{APP_NAME}' that this "
+                "command did not deploy: it is left as it is. Stop it there (`serve shutdown`, or the program "
+                "that deployed it), or use --ray-address local for a Ray of this command's own")
+    return None
+
+
+def _answers(url: str, timeout_s: float) -> bool:
+    """Whether an HTTP server answers at `url` (any status) within `timeout_s`."""
+    import time
+    import urllib.error
+    import urllib.request
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=5).close()
+            return True
+        except urllib.error.HTTPError:  # an answer, if not a 200 (a health check failing, an API key)
+            return True
+        except (urllib.error.URLError, OSError):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.5)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -279,6 +384,18 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"opt-serving serve: {problem}", file=sys.stderr)
         return 2
+    from opt_serving.parallel import ray_address
+    try:
+        found = ray_address.find_cluster(args.ray_address)
+    except ConnectionError as e:
+        print(f"opt-serving serve: {e}", file=sys.stderr)
+        return 2
+    if found.address is None:  # a Ray of our own will serve on --port: it must be free
+        holder = port_holder(args.host, args.port)
+        if holder:
+            print(f"opt-serving serve: --port {args.port} on {args.host} is taken by {holder}; stop that, or "
+                  "choose another --port", file=sys.stderr)
+            return 2
     direct = wants_direct_ingress(args.ingress, args.num_replicas)
     stop = threading.Event()
     signals = (signal.SIGINT, signal.SIGTERM)
@@ -291,33 +408,50 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(s, lambda *_: stop.set())
 
     take_signals()
-    started_ray = False
+    started_ray, deployed, code = False, None, 1
     try:
-        started_ray = _start_ray(args.ray_address, args.num_cpus, _local_ray_env(args, direct))
+        started_ray = _start_ray(found, args.num_cpus, _local_ray_env(args, direct))
         take_signals()
         if stop.is_set():
-            return 130
+            code = 130
+            return code
         if direct and not started_ray:  # a cluster started elsewhere keeps its own Serve settings
             if args.ingress == "direct":
                 print("opt-serving serve: --ingress direct needs a Ray started by this command "
                       "(--ray-address local)", file=sys.stderr)
-                return 2
+                code = 2
+                return code
             direct = False
-        if not _deploy(args, serve_args, direct):
-            return 2
+        deployed, problem = _deploy(args, serve_args, direct, started_ray)
+        if problem:
+            print(f"opt-serving serve: {problem}", file=sys.stderr)
+            code = 2
+            return code
         take_signals()
+        host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+        if not _answers(f"http://{host}:{args.port}/health", timeout_s=60):
+            print(f"opt-serving serve: the application is running but nothing answers at http://{host}:"
+                  f"{args.port}/ ({'its replica' if direct else 'Serve proxy'} did not bind it); stopping",
+                  file=sys.stderr)
+            code = 1
+            return code
         if started_ray:  # the replicas are up: every other process Ray started is running by now
             lower_ray_priority(args.ray_nice, include_proxy=direct)
         print(_banner(args, serve_args, direct), flush=True)
         stop.wait()
         print("opt-serving: shutting down (draining in-flight requests)", file=sys.stderr, flush=True)
-        return 0
+        code = 0
+        return code
     finally:
         # second Ctrl-C while draining should not leave a half-stopped cluster: ignore it
         for s in previous:
             signal.signal(s, signal.SIG_IGN)
         try:
-            _stop_serving(started_ray)
+            finished = _stop_serving(started_ray, deployed, timeout_s=args.drain_timeout + 30)
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
+        if not finished:  # Ray's own exit handlers would wait on the same gone cluster
+            print("opt-serving: stopping did not finish in time; exiting", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(code)

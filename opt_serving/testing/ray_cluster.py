@@ -73,3 +73,53 @@ def stage_actors() -> list[dict]:
             except Exception:  # just died: not live
                 pass
     return out
+
+
+@contextlib.contextmanager
+def foreign_head(tmp, num_cpus: int = 2) -> Iterator[tuple[str, dict]]:
+    """Another program's Ray cluster on this machine, as a user starts one: `ray start --head --port=<free>`,
+    with Ray's temp folder (and so its address file) in `tmp` (RAY_TMPDIR) and a token of its own. Yields (its
+    GCS address, the environment a process joining it uses). On exit, exactly the processes it started are
+    killed (their command lines name `tmp`; `ray stop` would stop every Ray on the machine)."""
+    import os
+    import secrets
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from opt_serving.service.ports import free_port
+    tmp = Path(tmp)
+    env = {**os.environ, "RAY_TMPDIR": str(tmp), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
+           "RAY_USAGE_STATS_ENABLED": "0"}
+    env.pop("RAY_ADDRESS", None)
+    ray_cli = str(Path(sys.executable).parent / "ray")
+    try:
+        subprocess.run([ray_cli, "start", "--head", f"--port={free_port()}", f"--num-cpus={num_cpus}",
+                        "--include-dashboard=false", "--disable-usage-stats"],
+                       env=env, check=True, timeout=180, capture_output=True)
+        address = (tmp / "ray" / "ray_current_cluster").read_text().strip()
+        yield address, env
+    finally:
+        kill_processes_naming(str(tmp))
+
+
+def kill_processes_naming(text: str) -> int:
+    """SIGKILL every process whose command line contains `text` (a cluster's own temp folder) and their
+    descendants (Ray's workers retitle themselves `ray::...`), and wait for them; returns how many there were."""
+    import psutil
+    procs = {}
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if text in " ".join(p.info["cmdline"] or []):
+                for q in [p, *p.children(recursive=True)]:
+                    procs[q.pid] = q
+        except psutil.Error:
+            pass
+    procs = list(procs.values())
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=30)
+    return len(procs)

@@ -1,0 +1,98 @@
+"""Random weights drawn where they live (model/sources.py): a subset of the model, a pipeline stage's layers
+or a tensor-parallel device's slice, holds exactly the numbers of the one-device model with the same seed;
+and a model built a layer at a time in its runtime layout computes what the whole checkpoint tree does.
+The tensor-parallel cases run in a child process that sees 8 host devices."""
+import numpy as np
+import pytest
+
+from opt_serving.testing.multidevice import IN_CHILD as MULTI, rerun_with_8_devices
+
+from conftest import SMALL, TINY_POST_LN
+
+needs8 = pytest.mark.skipif(not MULTI, reason="runs in the 8-device child process")
+CFG = SMALL
+IDS = np.array([[1, 1, 5, 9, 17, 3], [4, 8, 15, 16, 23, 42]], np.int32)
+MASK = np.array([[0, 0, 1, 1, 1, 1], [1] * 6], np.int32)
+
+
+def _leaves(tree) -> dict:
+    import jax
+    return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _same(a, b):
+    a, b = _leaves(a), _leaves(b)
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_in_8_device_subprocess():
+    if MULTI:
+        pytest.skip("already the child")
+    out = rerun_with_8_devices(__file__)
+    assert "6 passed, 1 skipped" in out, out[-2000:]
+
+
+def test_each_tensor_has_its_own_numbers_from_the_seed():
+    """Tensors of one shape differ from each other and between seeds; the seed gives them back exactly; biases
+    are zero and norms one."""
+    from opt_serving.model import param_tree
+    a, again, other = (param_tree.init_params(CFG, s) for s in (3, 3, 4))
+    _same(a, again)
+    q, k = (np.asarray(a["layers_0"]["self_attn"][n]["kernel"]) for n in ("q_proj", "k_proj"))
+    assert not np.array_equal(q, k)
+    assert not np.array_equal(q, np.asarray(a["layers_1"]["self_attn"]["q_proj"]["kernel"]))
+    assert not np.array_equal(q, np.asarray(other["layers_0"]["self_attn"]["q_proj"]["kernel"]))
+    assert 0.015 < q.std() < 0.025  # normal(0, 0.02)
+    assert not np.asarray(a["layers_0"]["fc1"]["bias"]).any()
+    np.testing.assert_array_equal(np.asarray(a["layers_0"]["final_layer_norm"]["ln"]["scale"]), 1)
+
+
+@pytest.mark.parametrize("cfg", [CFG, TINY_POST_LN], ids=["pre-ln", "post-ln projected"])
+def test_any_subset_draws_the_whole_models_numbers(cfg):
+    """A pipeline stage's names alone, in any order of stages, give the whole model's tensors for them."""
+    from opt_serving.model import param_tree
+    from opt_serving.parallel.pipeline import stage_param_names, stage_specs
+    whole = param_tree.init_params(cfg, seed=9, dtype="bfloat16")
+    for spec in reversed(stage_specs(cfg, 2)):
+        alone = param_tree.init_params(cfg, seed=9, dtype="bfloat16", names=stage_param_names(cfg, spec))
+        _same(param_tree.stage_params(alone, spec), param_tree.stage_params(whole, spec))
+
+
+def test_the_runtime_layout_built_a_layer_at_a_time_computes_what_the_whole_tree_does(tmp_path):
+    """jax/ builds its packed runtime params from the folder a layer at a time (layout.runtime_parts): the same
+    logits as the checkpoint tree put in that layout at once, and the same checkpoint params back."""
+    from opt_serving.model import layout, param_tree
+    from opt_serving.model.loader import get_model
+    from opt_serving.model.weights import params_to_arrays, save_numpy_folder
+    from opt_serving.model.wrapper import OPTModel
+    params = param_tree.init_params(CFG, seed=5, std=0.2)
+    save_numpy_folder(tmp_path, CFG, params_to_arrays(CFG, params))
+    streamed = get_model("jax/opt-tiny", tmp_path)
+    at_once = OPTModel(CFG, params)
+    assert streamed.backend == at_once.backend
+    np.testing.assert_array_equal(np.asarray(streamed(IDS, MASK)), np.asarray(at_once(IDS, MASK)))
+    _same(streamed.params, params)
+    dummy = get_model("jax/opt-tiny", dummy=True, seed=5)
+    _same(layout.checkpoint_params(dummy.config, dummy.backend, dummy.fused_params),
+          param_tree.init_params(dummy.config, seed=5))
+
+
+@needs8
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_devices_draw_their_slices_of_the_one_device_draw(tp):
+    """Each device of a tp mesh draws only its slice (its shard has the slice's shape), and together they hold
+    the one-device model's numbers; the mesh path of alpa/ gives the one-device dummy model's logits."""
+    import jax
+    from opt_serving.model import param_tree, sources
+    from opt_serving.model.wrapper import get_model
+    from opt_serving.parallel.sharding import load_sharded_params, make_mesh
+    mesh = make_mesh(jax.devices()[:tp], tp)
+    sharded = load_sharded_params(sources.RandomSource(seed=11), CFG, mesh)
+    fc1 = sharded["layers_1"]["fc1"]["kernel"]  # [in, out], out split
+    assert {s.data.shape for s in fc1.addressable_shards} == {(CFG.hidden_size, CFG.ffn_dim // tp)}
+    _same(sharded, param_tree.init_params(CFG, seed=11))
+    model = get_model("alpa/opt-tiny", dummy=True, seed=11, tensor_parallel=tp, pipeline_parallel=1)
+    one = get_model("jax/opt-tiny", dummy=True, seed=11)
+    np.testing.assert_allclose(np.asarray(model(IDS, MASK)), np.asarray(one(IDS, MASK)), atol=1e-5, rtol=1e-5)
