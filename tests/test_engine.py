@@ -731,7 +731,8 @@ def test_the_budget_counts_whole_prompts_too(model):
 
 def test_a_short_prompt_behind_two_long_ones_starts_at_once(model, hf):
     """Two long prompts queued before a short one: the short one is prefilled in the first iteration (it
-    does not wait behind them), and the long ones get their chunks oldest first."""
+    does not wait behind them), and the long ones get their chunks oldest first, within a budget of 8 prompt
+    tokens an iteration."""
     def submit(e, Log):
         logs = [Log(e, n) for n in ("a", "b", "short")]
         for c, prompt, n in zip(logs, (LONG[0], LONG[2], PROMPTS[0]), (4, 4, 12)):
@@ -743,7 +744,10 @@ def test_a_short_prompt_behind_two_long_ones_starts_at_once(model, hf):
     assert events[:2] == [("chunk", "a", 0), ("token", "short")]  # it joins the first decode step
     chunks = [ev[1:] for ev in events if ev[0] == "chunk"]
     assert chunks == [("a", 0), ("a", 8), ("a", 16), ("b", 0), ("b", 8), ("b", 16), ("b", 24)]  # 17 and 28 tokens
-    assert events.index(("token", "a")) < events.index(("chunk", "b", 0))
+    # a's last chunk (1 token) leaves most of the iteration's budget to b's first chunk; a's first token is out
+    # before b's next chunk
+    assert events.index(("chunk", "a", 16)) + 1 == events.index(("chunk", "b", 0))
+    assert events.index(("token", "a")) < events.index(("chunk", "b", 8))
     for c, prompt, n in ((a, LONG[0], 4), (b, LONG[2], 4), (short, PROMPTS[0], 12)):
         assert c.ids == hf_greedy(hf, prompt, n)
 
