@@ -693,6 +693,51 @@ def prefill_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def read_bandwidth_gbs(threads: int, gib: float = 1.0, reps: int = 5) -> float:
+    """This machine's memory read bandwidth (GB/s): `threads` threads each summing its part of a `gib` GiB array
+    (numpy releases the GIL), the best of `reps` passes; what a decode step at batch 1 is bound by."""
+    import threading
+
+    import numpy as np
+    a = np.ones(int(gib * 2**30) // 8, np.int64)
+    parts = np.array_split(a, threads)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        ts = [threading.Thread(target=np.sum, args=(part,)) for part in parts]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        best = min(best, time.perf_counter() - t0)
+    return a.nbytes / best / 1e9
+
+
+def weight_bytes_per_token(cfg: dict, dtype: str) -> float:
+    """Bytes of weights a batch-1 decode step must read once: every layer's four matrices and the output head
+    (the tied embedding) at `dtype`'s width (int8: one byte, its per-channel scales left out)."""
+    d, f, n = cfg["hidden_size"], cfg["ffn_dim"], cfg["num_hidden_layers"]
+    width = {"int8": 1, "bfloat16": 2, "float16": 2}.get(dtype, 4)
+    return (n * (4 * d * d + 2 * d * f) + cfg["vocab_size"] * cfg.get("word_embed_proj_dim", d)) * width
+
+
+def bandwidth_lines(rows: list[dict], cfg: dict, threads: int) -> list[str]:
+    """The batch-1 rows against the limit set by reading the weights once per token at the measured bandwidth."""
+    ones = [r for r in rows if r.get("batch") == 1]
+    if not ones:
+        return []
+    bw = read_bandwidth_gbs(threads)
+    out = [f"Batch 1 against reading the weights once a token at this machine's read bandwidth ({bw:.1f} GB/s, "
+           f"{threads} threads, measured now):"]
+    for r in ones:
+        limit = bw * 1e9 / weight_bytes_per_token(cfg, r["dtype"])
+        sides = ", ".join(f"{SIDES[k]} {r[k]['median']:.1f} ({r[k]['median'] / limit:.0%})"
+                          for k in SIDES if r.get(k) and r[k]["median"])
+        out.append(f"  {r['dtype']}: {weight_bytes_per_token(cfg, r['dtype']) / 1e9:.2f} GB a token -> at most "
+                   f"{limit:.1f} tokens/s; {sides}")
+    return out
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.worker == "build":
@@ -762,6 +807,8 @@ def main(argv=None) -> dict:
               f"{args.gen_len} / latency; ms/token = latency / {args.gen_len} steps.")
         print()
         print(generation_table(rows))
+        for line in bandwidth_lines(rows, cfg, args.threads):
+            print(line)
     others = [x for r in rows for k in SIDES if r.get(k) for x in r[k]["others_cores"] if x is not None]
     if others:
         starred = sum(x > args.disturbed for x in others)

@@ -67,7 +67,8 @@ class ChunkedPrefill:
         prefilled whole)."""
         if self.chunk is None or len(req.prompt) <= self.chunk or req.settings.prompt_logprobs:
             return False
-        return self.cost(req) > self.chunk
+        cost = getattr(self.model, "prompt_cost", None)
+        return cost is None or cost(req.prompt, req.settings) > self.chunk
 
     def cost(self, req) -> int:
         """The prompt tokens the request's prefill computes: past its cached prefix (`prompt_cost`), none for

@@ -55,7 +55,8 @@ def test_greedy_completion_text_usage_and_finish(client):
     assert body["object"] == "text_completion" and body["model"] == "opt-fake"
     assert body["choices"] == [{"text": "bcdef", "index": 0, "logprobs": None, "finish_reason": "length",
                                 "prompt_logprobs": None}]
-    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
+    assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7,
+                             "prompt_tokens_details": {"cached_tokens": 0}}  # the fake engine caches nothing
 
 
 def test_logprobs_tokens_offsets_and_top_alternatives(client):
@@ -108,7 +109,7 @@ def test_streaming_usage_chunk_when_asked(client):
     chunks = sse_chunks(r.text)
     assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == "bcde"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {
-        "prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
+        "prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6, "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_streaming_several_prompts_keeps_choices_apart(client):
