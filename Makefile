@@ -6,6 +6,9 @@ STAMP := $(VENV)/.installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
+# the suite's files run in two processes (pytest-xdist; a file's tests stay together, with their module
+# fixtures): most tests wait on servers, Ray and child processes, and one process kept one core busy
+TEST_WORKERS ?= 2
 # GPU=cuda12 / GPU=cuda13: also install JAX's CUDA 12 / CUDA 13 plugin (requirements-gpu*.txt) for NVIDIA GPUs
 GPU ?=
 
@@ -57,7 +60,7 @@ serve: build
 	$(PY) -m opt_serving serve --host $(HOST) --port $(PORT)
 
 test: build $(VENV)/.chromium
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 clean:
 	rm -rf build *.egg-info opt_serving/_speedups*.so opt_serving/_cpu_kernels.so opt_serving/_speedups.c opt_serving/*.stamp

@@ -37,7 +37,7 @@ setup(
     # needs none of it. cuda12 / cuda13: JAX's NVIDIA GPU plugin and its CUDA libraries
     extras_require={"torch": ["torch>=2.4"],
                     "cuda12": ["jax[cuda12]>=0.10,<0.13"], "cuda13": ["jax[cuda13]>=0.10,<0.13"],
-                    "test": ["pytest>=8", "requests>=2.31", "httpx>=0.27", "openai>=1.40",
+                    "test": ["pytest>=8", "pytest-xdist>=3.5", "requests>=2.31", "httpx>=0.27", "openai>=1.40",
                              "schemathesis>=4.0,<5", "selenium>=4.20,<5", "jsonschema>=4.20,<5"],
                     "bench": ["aiohttp>=3.9", "httpx>=0.27", "py-spy>=0.3.14"]},
     ext_modules=ext_modules,

@@ -1,7 +1,9 @@
 """Fixtures and model configs shared by several test files (`from conftest import TINY`:
 pytest puts tests/ on sys.path)."""
+import atexit
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,14 @@ def _no_foreign_ray_clusters():
     no_foreign_clusters()
     yield
 
+
+# Ray's temp folder of this test process's own (short: Ray's socket paths must be), for every Ray the tests
+# start and the servers, workers and children those start: the address file a simulated cluster writes there
+# (ray.cluster_utils.Cluster, `ray start`) is never found by another program or another xdist worker, nor
+# theirs here (connect_ray joins the cluster such a file names when its head answers).
+_RAY_TMP = tempfile.mkdtemp(prefix="rt", dir="/tmp")
+os.environ["RAY_TMPDIR"] = _RAY_TMP
+atexit.register(shutil.rmtree, _RAY_TMP, ignore_errors=True)
 
 # Tests compile afresh and write nothing under the user's home (test_xla_cache.py turns the cache on in
 # processes of its own); the servers and Ray workers tests start inherit this.
