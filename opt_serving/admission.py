@@ -67,8 +67,7 @@ class ChunkedPrefill:
         prefilled whole)."""
         if self.chunk is None or len(req.prompt) <= self.chunk or req.settings.prompt_logprobs:
             return False
-        cost = getattr(self.model, "prompt_cost", None)
-        return cost is None or cost(req.prompt, req.settings) > self.chunk
+        return self._to_compute(req) > self.chunk
 
     def cost(self, req) -> int:
         """The prompt tokens the request's prefill computes: past its cached prefix (`prompt_cost`), none for
@@ -76,6 +75,10 @@ class ChunkedPrefill:
         joinable = getattr(self.model, "joinable", None)
         if joinable is not None and req.settings.max_tokens > 0 and joinable(req.prompt, req.settings):
             return 0
+        return self._to_compute(req)
+
+    def _to_compute(self, req) -> int:
+        """The prompt's tokens past what the slot model has cached of it (`prompt_cost`)."""
         cost = getattr(self.model, "prompt_cost", None)
         return len(req.prompt) if cost is None else cost(req.prompt, req.settings)
 

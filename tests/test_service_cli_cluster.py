@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from opt_serving.service.ports import free_port
+from opt_serving.testing.cli_server import wait_for_line
 
 pytest.importorskip("ray.serve")
 pytestmark = [pytest.mark.slow,
@@ -42,19 +43,6 @@ def _get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=30) as r:
         return r.read().decode()
 
-
-def _wait_for_line(proc, text: str, timeout: float) -> str:
-    seen, deadline = [], time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            if proc.poll() is not None:
-                break
-            continue
-        seen.append(line)
-        if text in line:
-            return "".join(seen)
-    raise AssertionError(f"did not print {text!r}; output:\n{''.join(seen)}")
 
 
 def _stop(proc) -> None:
@@ -107,7 +95,8 @@ def test_ctrl_c_exits_within_10_s_when_the_joined_cluster_has_gone():
     with foreign_head(tmp) as (address, env):
         proc = _serve(env, "--port", str(port))
         try:
-            out = _wait_for_line(proc, f"opt-serving: serving the fake engine at http://127.0.0.1:{port}/", timeout=400)
+            out = "".join(wait_for_line(proc, f"opt-serving: serving the fake engine at http://127.0.0.1:{port}/",
+                                          timeout=400))
             assert "Serve proxy" in out, out  # a cluster it did not start: Serve's proxy on --port
             assert "ok" in _get(f"http://127.0.0.1:{port}/health")
             assert kill_processes_naming(str(tmp)) > 0  # the cluster goes away under it
@@ -142,7 +131,8 @@ def test_a_stale_address_file_serves_on_a_ray_of_its_own_saying_so():
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = _serve({**env, "RAY_TMPDIR": str(tmp)}, "--port", str(port), "--num-cpus", "2")
     try:
-        out = _wait_for_line(proc, f"opt-serving: serving the fake engine at http://127.0.0.1:{port}/", timeout=400)
+        out = "".join(wait_for_line(proc, f"opt-serving: serving the fake engine at http://127.0.0.1:{port}/",
+                                          timeout=400))
         assert f"names a head at {dead} that does not answer" in out and "starting a Ray of its own" in out, out
         assert "ok" in _get(f"http://127.0.0.1:{port}/health")
         proc.send_signal(signal.SIGINT)

@@ -29,9 +29,9 @@ import psutil
 import pytest
 
 from opt_serving.service.testserver import free_port
+from opt_serving.testing.cli_server import wait_for_line
 
 pytest.importorskip("ray.serve")
-from test_service_signals import _wait_for_line  # noqa: E402  (tests/ is on sys.path under pytest)
 
 REPO = Path(__file__).resolve().parents[1]
 IN_FLIGHT, END_BOUND_S, RECOVER_LIMIT_S = 64, 60.0, 600.0
@@ -108,7 +108,7 @@ def test_killed_replica_fails_in_flight_requests_and_serves_again_on_the_same_po
          "--ray-address", "local", "--drain-timeout", "2"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        _wait_for_line(proc, f"http://127.0.0.1:{port}/", timeout=240)
+        wait_for_line(proc, f"http://127.0.0.1:{port}/", timeout=240)
         start_s = time.monotonic() - t0
         url = f"http://127.0.0.1:{port}"
         m = asyncio.run(_kill_under_load(proc, url))

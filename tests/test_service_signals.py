@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -17,23 +16,11 @@ import psutil
 import pytest
 
 from opt_serving.service.testserver import free_port
+from opt_serving.testing.cli_server import wait_for_line
 
 pytest.importorskip("ray.serve")
 REPO = Path(__file__).resolve().parents[1]
 
-
-def _wait_for_line(proc, text: str, timeout: float) -> list[str]:
-    seen, deadline = [], time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            if proc.poll() is not None:
-                break
-            continue
-        seen.append(line)
-        if text in line:
-            return seen
-    raise AssertionError(f"server did not print {text!r}; output:\n{''.join(seen)}")
 
 
 def _urllib_status(url: str, payload: dict) -> int:
@@ -59,7 +46,7 @@ def test_serve_answers_through_ray_and_a_signal_leaves_no_processes(sig, ingress
          "--num-cpus", "2", "--ray-address", "local", "--drain-timeout", "2", "--ingress", ingress],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        _wait_for_line(proc, f"http://127.0.0.1:{port}/", timeout=240)
+        wait_for_line(proc, f"http://127.0.0.1:{port}/", timeout=240)
         base = f"http://127.0.0.1:{port}"
         assert httpx.get(base + "/health", timeout=30).json()["status"] == "ok"
         r = httpx.post(base + "/v1/completions", timeout=60,
