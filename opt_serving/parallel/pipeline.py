@@ -198,6 +198,9 @@ class StageActor:
     def use_tokenizer(self, tokenizer_json, eos):
         self.slots.use_tokenizer(tokenizer_json, eos)
 
+    def begin_warmup(self):
+        self.slots.begin_warmup()
+
     def end_warmup(self):
         self.slots.end_warmup()
 
@@ -328,7 +331,7 @@ class RayStages:
 
     def call(self, i: int, method: str, *args):
         ref = getattr(self.actors[i], method).remote(*args)
-        if method in ("insert", "free", "drop", "end_warmup", "store_prefix"):
+        if method in ("insert", "free", "drop", "begin_warmup", "end_warmup", "store_prefix"):
             with self._lock:
                 self._sent.append(ref)
         return ref
