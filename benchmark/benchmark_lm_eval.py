@@ -179,7 +179,8 @@ def main() -> None:
     med = harness.medians(runs, "prefix_caching", ("requests_s", "wall_s"))
     harness.print_comparison([("time in requests s", med[True]["requests_s"], med[False]["requests_s"]),
                               ("lm_eval wall time s", med[True]["wall_s"], med[False]["wall_s"])],
-                             ours="prefix cache", peer="no prefix cache", title="medians", digits=2)
+                             ours="prefix cache", peer="no prefix cache",
+                             title=f"medians over {args.rounds} rounds", digits=2)
     if args.json:
         write_json(args.json, {"time": now(), "machine": machine_description(), "model": args.model,
                                "limit": args.limit, "runs": runs, "speedup_requests": speed[0],

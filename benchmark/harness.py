@@ -203,11 +203,12 @@ def print_comparison(rows: Sequence[tuple[str, float, float]], ours: str = "ours
     """A table (what, ours, the peer, ours / peer), then the same rows as JSON lines; returns the rows."""
     out = [{"comparison": title, "what": what, ours: a, peer: b, "ratio": ratio(a, b)} for what, a, b in rows]
     width = max([len(r["what"]) for r in out] + [4])
+    a, b, c = max(12, len(ours)), max(12, len(peer)), max(12, len(ours) + len(peer) + 3)
     if title:
         print(title)
-    print(f"  {'':<{width}} {ours:>12} {peer:>12} {ours + ' / ' + peer:>16}")
+    print(f"  {'':<{width}} {ours:>{a}} {peer:>{b}} {ours + ' / ' + peer:>{c}}")
     for r in out:
-        print(f"  {r['what']:<{width}} {r[ours]:>12.{digits}f} {r[peer]:>12.{digits}f} {r['ratio']:>15.2f}x")
+        print(f"  {r['what']:<{width}} {r[ours]:>{a}.{digits}f} {r[peer]:>{b}.{digits}f} {r['ratio']:>{c - 1}.2f}x")
     for r in out:
         print(json.dumps(r))
     return out
