@@ -57,9 +57,10 @@ def make_settings(batch: int, *, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
     `bad_words_ids` is one list of token sequences for every row, or a list per row. `logit_bias`: one
     {token id: bias} mapping (or (id, bias) pairs) per row, or None; `bias_width`: the entries a row can hold
     (at least the most any row has), so that settings of any requests have one shape."""
+    # device_put, not jnp.asarray: this JAX compiles a program for every shape jnp.asarray copies from numpy
+    # (hundreds over an engine's warm-up, each held for good)
     def arr(x, dtype):
-        a = np.broadcast_to(np.asarray(x, dtype), (batch,))
-        return jnp.asarray(a)
+        return jax.device_put(np.ascontiguousarray(np.broadcast_to(np.asarray(x, dtype), (batch,))))
     ngram = np.asarray(no_repeat_ngram_size)
     if ngram.max(initial=0) > MAX_NGRAM:
         raise ValueError(f"no_repeat_ngram_size above {MAX_NGRAM} is not supported")
@@ -72,8 +73,8 @@ def make_settings(batch: int, *, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
         no_repeat_ngram_size=arr(ngram, np.int32), min_length=arr(min_length, np.int32),
         min_new_tokens=arr(min_new_tokens, np.int32), eos_token_id=arr(eos_token_id, np.int32),
         seed=arr(np.asarray(seed, np.int64) % (1 << 32), np.uint32),
-        bad_words=jnp.asarray(pack_bad_words(bad_words_ids, batch)),
-        **{k: jnp.asarray(v) for k, v in zip(("bias_ids", "bias_values"),
+        bad_words=jax.device_put(pack_bad_words(bad_words_ids, batch)),
+        **{k: jax.device_put(v) for k, v in zip(("bias_ids", "bias_values"),
                                               pack_logit_bias(logit_bias, batch, bias_width))})
 
 

@@ -9,7 +9,7 @@ from opt_serving.cli import main
 from opt_serving.config import OPT_CONFIGS
 from opt_serving.parallel import cost
 from opt_serving.parallel.cluster import GB, parse_cluster
-from opt_serving.parallel.planner import NoFeasiblePlan, search, slice_layers
+from opt_serving.parallel.planner import NoFeasiblePlan, _peak, _stage_memory, search, slice_layers
 
 
 def _check_plan(plan, cfg, cluster):
@@ -223,3 +223,19 @@ def test_a_cpu_stage_counts_its_packed_head_and_its_loading():
     gpu = search(cfg, parse_cluster("2x1x4.5GB:a100"), model="opt-1.3b", batch_size=8, max_seq_len=256,
                  dtype="float32", pipeline_parallel=2).best
     assert [st.runtime_bytes for st in gpu.stages] == [0, 0]
+
+
+def test_a_plan_without_room_for_the_prefix_pool_serves_without_it():
+    """OPT-175B on Alpa's 4 x 8 x 16 GB at 8 slots of 2048 tokens: the slots' cache fits beside the weights, the
+    prefix cache's pool as well does not; the plan found is the one without it (prefix_pool False), where with
+    room (1 slot) the pool is counted. No room even without it: NoFeasiblePlan as before."""
+    cfg, cluster = OPT_CONFIGS["175b"], parse_cluster("4x8x16GB")
+    roomy = search(cfg, cluster, model="opt-175b", batch_size=1, max_seq_len=2048).best
+    assert roomy.prefix_pool
+    tight = search(cfg, cluster, model="opt-175b", batch_size=8, max_seq_len=2048).best
+    assert not tight.prefix_pool and tight.max_memory_bytes <= tight.memory_limit
+    with_pool = _stage_memory(cfg, tight.stages[0].num_layers, True, False, tight.tp, 8, tight.micro_batch_size,
+                              2048, 1, "float16")
+    assert _peak(*with_pool) > tight.memory_limit  # the pool would not have fitted this plan's first stage
+    with pytest.raises(NoFeasiblePlan):
+        search(cfg, cluster, model="opt-175b", batch_size=64, max_seq_len=2048)

@@ -23,6 +23,8 @@ blocks, and a tensor-parallel stage splits the pool by heads as it splits the ca
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -34,9 +36,15 @@ MIN_BUCKET = 16
 
 def init_cache(cfg: OPTConfig, batch: int, max_len: int, dtype=jnp.float32) -> dict:
     """An empty cache of `max_len` entries per row (nothing valid yet)."""
-    shape = (batch, cfg.num_attention_heads, max_len, cfg.head_dim)
-    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_hidden_layers))
-    return {"k": zeros(), "v": zeros(), "mask": jnp.zeros((batch, max_len), jnp.bool_)}
+    return _empty((batch, cfg.num_attention_heads, max_len, cfg.head_dim), cfg.num_hidden_layers, jnp.dtype(dtype))
+
+
+# one program a cache size, where jnp.zeros run eagerly compiled two for each array shape (its broadcast and its
+# dtype's conversion), and a compiled program is held for good
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _empty(shape: tuple, layers: int, dtype) -> dict:  # shape: [batch, heads, max_len, head_dim]
+    zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(layers))
+    return {"k": zeros(), "v": zeros(), "mask": jnp.zeros(shape[:1] + shape[2:3], jnp.bool_)}
 
 
 def cache_max_len(cache: dict) -> int:

@@ -85,6 +85,7 @@ class Plan:
     prefill_s: float                 # one prompt of max_seq_len/2 tokens, first token
     idle_devices: int
     weights: str = "float32"         # "int8": int8 weights, activations and KV cache in `dtype`
+    prefix_pool: bool = True         # room for the prefix cache's pool (runner/prefix.py) beside the slots' cache
 
     @property
     def name(self) -> str:
@@ -163,12 +164,12 @@ def _peak(params: int, kv: int, act: int, runtime: int = 0, load: int = 0) -> in
 
 def _stage_memory(cfg: OPTConfig, n: int, first: bool, last: bool, tp: int, batch: int,
                   micro: int, max_seq_len: int, prefill_batch: int, dtype: str,
-                  weights: str = "float32", cpu: bool = False) -> tuple[int, int, int, int, int]:
+                  weights: str = "float32", cpu: bool = False, pool: bool = True) -> tuple[int, int, int, int, int]:
     """(params, KV cache, activations, runtime layout beyond the params, loading overhead) bytes per device."""
     params = cost.stage_param_bytes(cfg, n, first, last, tp, dtype, weights)
     # the decode slots' cache, and the prefix cache's pool beside it (runner/prefix.py; counted even where it is
-    # turned off)
-    pool = prefix.default_blocks(batch, max_seq_len) * prefix.BLOCK_SIZE
+    # turned off, unless no plan has room for it: search)
+    pool = prefix.default_blocks(batch, max_seq_len) * prefix.BLOCK_SIZE if pool else 0
     kv = n * (cost.kv_cache_bytes(cfg, batch, max_seq_len, dtype, tp) + cost.kv_cache_bytes(cfg, 1, pool, dtype, tp))
     act = max(cost.activation_bytes(cfg, prefill_batch, max_seq_len, dtype, tp),
               cost.activation_bytes(cfg, micro, 1, dtype, tp))
@@ -199,7 +200,8 @@ class _Tables:
 
 
 def _stage_tables(cfg: OPTConfig, cluster: Cluster, pp: int, tp: int, batch: int, mb: int,
-                  max_seq_len: int, prefill_batch: int, dtype: str, weights: str = "float32") -> _Tables:
+                  max_seq_len: int, prefill_batch: int, dtype: str, weights: str = "float32",
+                  pool: bool = True) -> _Tables:
     L = cfg.num_hidden_layers
     # stage s sits on devices [s*tp, (s+1)*tp) of replica 0; tp divides a node, so no straddling
     nodes = [cluster.node_of(s * tp) for s in range(pp)]
@@ -215,7 +217,8 @@ def _stage_tables(cfg: OPTConfig, cluster: Cluster, pp: int, tp: int, batch: int
                 t.times[key] = cost.stage_time(cfg, cluster.spec, n, first, last, tp, mb, 1,
                                                max_seq_len, dtype, pipelined=pp > 1, weights=weights)
                 t.mems[key] = _stage_memory(cfg, n, first, last, tp, batch, mb, max_seq_len,
-                                            prefill_batch, dtype, weights, cpu=cluster.spec.kind == "cpu")
+                                            prefill_batch, dtype, weights, cpu=cluster.spec.kind == "cpu",
+                                            pool=pool)
             t.cost_of[s, n] = t.times[key].total_s + h
             t.mem_of[s, n] = _peak(*t.mems[key])
     return t
@@ -260,7 +263,7 @@ def _prefill_time(cfg: OPTConfig, cluster: Cluster, stages: list[Stage], tp: int
 
 def _evaluate(cfg: OPTConfig, cluster: Cluster, model: str, dp: int, pp: int, tp: int, *,
               batch_size: int, max_seq_len: int, dtype: str, limit: float, objective: str,
-              prefill_batch: int, weights: str = "float32") -> Plan | Rejected:
+              prefill_batch: int, weights: str = "float32", pool: bool = True) -> Plan | Rejected:
     problem = _degree_problem(cfg, dp, pp, tp)
     if problem is not None:
         return problem
@@ -268,7 +271,7 @@ def _evaluate(cfg: OPTConfig, cluster: Cluster, model: str, dp: int, pp: int, tp
     batch = math.ceil(batch_size / active)       # per replica
     micro = min(pp, batch) if objective == "throughput" else 1
     mb = math.ceil(batch / micro)
-    t = _stage_tables(cfg, cluster, pp, tp, batch, mb, max_seq_len, prefill_batch, dtype, weights)
+    t = _stage_tables(cfg, cluster, pp, tp, batch, mb, max_seq_len, prefill_batch, dtype, weights, pool)
     found = slice_layers(t.cost_of, t.mem_of, limit)
     if found is None:
         return _memory_rejection(t, dp, pp, tp, limit)
@@ -285,7 +288,7 @@ def _evaluate(cfg: OPTConfig, cluster: Cluster, model: str, dp: int, pp: int, tp
     prefill = _prefill_time(cfg, cluster, stages, tp, max_seq_len, dtype)
     return Plan(model, dp, pp, tp, tuple(stages), objective, batch_size, micro, mb, max_seq_len,
                 dtype, limit, cluster.device_memory, step, throughput, prefill,
-                cluster.num_devices - dp * pp * tp, weights)
+                cluster.num_devices - dp * pp * tp, weights, pool)
 
 
 def _divisors(n: int) -> list[int]:
@@ -338,8 +341,11 @@ def search(cfg: OPTConfig, cluster: Cluster, *, model: str = "", batch_size: int
            max_seq_len: int | None = None, dtype: str = "float16", headroom: float = DEFAULT_HEADROOM,
            tensor_parallel: int | None = None, pipeline_parallel: int | None = None,
            data_parallel: int | None = None, objective: str | None = None,
-           prefill_batch: int = 1, weights: str = "float32") -> SearchResult:
+           prefill_batch: int = 1, weights: str = "float32", prefix_pool: bool = True) -> SearchResult:
     """Every candidate plan, feasible ones best first. Raises NoFeasiblePlan when none fits.
+
+    Each plan has room for the prefix cache's pool beside the slots' cache; where no plan has, the plans without
+    it (Plan.prefix_pool False: the runner serves without prefix caching) rather than none.
 
     Degrees given explicitly are kept; the others are searched. `headroom` is the fraction
     of each device's memory left free for the runtime and fragmentation. `prefill_batch`:
@@ -368,8 +374,16 @@ def search(cfg: OPTConfig, cluster: Cluster, *, model: str = "", batch_size: int
                 continue
             r = _evaluate(cfg, cluster, model, dp, pp, tp, batch_size=batch_size,
                           max_seq_len=max_seq_len, dtype=dtype, limit=limit,
-                          objective=objective, prefill_batch=prefill_batch, weights=weights)
+                          objective=objective, prefill_batch=prefill_batch, weights=weights, pool=prefix_pool)
             (plans if isinstance(r, Plan) else rejected).append(r)
+    if not plans and prefix_pool:
+        try:
+            return search(cfg, cluster, model=model, batch_size=batch_size, max_seq_len=max_seq_len, dtype=dtype,
+                          headroom=headroom, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
+                          data_parallel=data_parallel, objective=objective, prefill_batch=prefill_batch,
+                          weights=weights, prefix_pool=False)
+        except NoFeasiblePlan:
+            pass  # the reasons given with the pool counted
     if not plans:
         raise _no_plan(model, cluster, rejected)
     plans.sort(key=lambda p: p.score)

@@ -7,6 +7,7 @@ one Ray actor per stage (`parallel/pipeline.py`), each holding its layers and th
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 from opt_serving.backend import Backend
@@ -14,6 +15,8 @@ from opt_serving.model import opt
 from opt_serving.runner.prefix import default_blocks
 from opt_serving.runner.slots import LocalStages, Slots
 from opt_serving.runner.stage import StageSlots
+
+log = logging.getLogger(__name__)
 
 
 def load_slots(model_name: str, path=None, dtype: str = "auto", num_slots: int = 16,
@@ -37,6 +40,10 @@ def load_slots(model_name: str, path=None, dtype: str = "auto", num_slots: int =
                                                pipeline_parallel=pipeline_parallel,
                                                device_memory=device_memory, batch_size=num_slots,
                                                max_seq_len=max_seq_len, quantize=quantize)
+        if prefix_caching and not getattr(plan, "prefix_pool", True):
+            log.warning("prefix caching is off: the plan %s has no room for its pool beside %d slots of %s tokens",
+                        plan.name, num_slots, max_seq_len or cfg.max_position_embeddings)
+            prefix_caching = False
         if plan.pp > 1:
             from opt_serving.parallel.pipeline import RayStages
             groups = micro_batches or plan.pp
