@@ -1,7 +1,7 @@
 """Continuous batching over a fixed number of decode slots (JetStream's shape).
 
   * a slot model (`runner.slots.Slots` for every plan: one device, a tensor-parallel mesh or pipeline stages;
-    `FakeSlots` in `testing/fake_engine.py`) owns the KV cache and the jitted steps: `prefill(tokens,
+    `FakeSlots` in `fake_engine.py`) owns the KV cache and the jitted steps: `prefill(tokens,
     settings) -> Prefix`, `insert(prefix, slot)`, `step() -> StepResult` (one decode over every slot, or, for a
     pipeline, over one micro-batch group of them: `StepResult.rows`), `free(slot)`. Sampling settings are
     per-slot arrays, so requests with different settings share a step.

@@ -492,7 +492,7 @@ def test_a_burst_of_requests_is_prefilled_together_and_matches_hf(model8, hf, mo
 
 def test_a_failed_batched_prefill_is_retried_one_by_one():
     """Only the request that breaks prefill fails; the others it was batched with are served."""
-    from opt_serving.testing.fake_engine import FakeSlots
+    from opt_serving.fake_engine import FakeSlots
 
     class Fussy(FakeSlots):
         batches = []
@@ -515,7 +515,7 @@ def test_a_failed_batched_prefill_is_retried_one_by_one():
 
 def test_a_finished_request_has_left_its_slot_when_its_last_token_arrives():
     """A client that scrapes /metrics (or the stats) on its final token sees the slot free, not still running."""
-    from opt_serving.testing.fake_engine import FakeSlots
+    from opt_serving.fake_engine import FakeSlots
     seen = []
 
     class Watch(Collect):
@@ -809,7 +809,7 @@ def test_the_prefill_chunk_option_reaches_the_engine(monkeypatch):
     from opt_serving import batch, loading
     from opt_serving.embedded import ensure_embedded_model
     from opt_serving.service.deployment import ServeArgs, build_generator
-    from opt_serving.testing.fake_engine import FakeSlots
+    from opt_serving.fake_engine import FakeSlots
     folder = ensure_embedded_model()
     for chunk, want in ((None, 256), (0, None), (64, 64)):
         kw = {} if chunk is None else {"prefill_chunk": chunk}

@@ -23,7 +23,7 @@ class ServeArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # model: the named model's weights (below). fake: the hand-checkable fake engine
-    # (opt_serving/testing/fake_engine.py), for tests and demos of the HTTP side; it takes no model arguments
+    # (opt_serving/fake_engine.py), for tests and demos of the HTTP side; it takes no model arguments
     engine: Literal["model", "fake"] = "model"
     model: Optional[str] = None          # None: the embedded tiny model
     path: Optional[str] = None
@@ -94,7 +94,7 @@ def build_generator(args: ServeArgs):
     `dummy`), the embedded tiny one (neither), or the fake engine."""
     check_model_args(args)
     if args.engine == "fake":
-        from opt_serving.testing.fake_engine import fake_generator
+        from opt_serving.fake_engine import fake_generator
         return fake_generator(num_slots=args.max_batch_size, max_seq_len=args.max_seq_len or 256,
                               max_queue=args.max_queue)
     from opt_serving.loading import load_generator

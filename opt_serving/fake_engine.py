@@ -1,4 +1,5 @@
-"""A fake slot model whose every output can be worked out by hand, and a byte-level tokenizer for it.
+"""`opt-serving serve --engine fake`: a fake slot model whose every output can be worked out by hand, and a
+byte-level tokenizer for it (the HTTP side served without weights, for demos, clients' tests and load tests).
 
 Same interface as `engine.OPTSlots`, driven by the real `engine.Engine` scheduler, so the service and the
 generator can be tested fast and exactly. The "model" after token `t` ranks `t+1, t+2, ..., t+5` (mod vocab)
