@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from opt_serving.backend import BackendSettings
+from opt_serving.settings import Settings
 from opt_serving.backend.cpu import _lib, head
 from opt_serving.model import layout, opt, quantize, weights
 from opt_serving.model.wrapper import OPTModel, get_model
@@ -57,7 +57,7 @@ def test_int8_logits_within_their_measured_bound(cfg, kernels):
     p32 = peaked_params(cfg)
     seq = np.random.RandomState(3).randint(3, cfg.vocab_size, (8, 32)).astype(np.int32)
     ref = np.asarray(OPTModel(cfg, p32)(seq))
-    backend, params = layout.runtime_params(quantize.quantize_params(p32), BackendSettings(kernels=kernels),
+    backend, params = layout.runtime_params(quantize.quantize_params(p32), Settings(kernels=kernels),
                                             weights="int8")
     assert backend.weights == "int8" and backend.products == kernels
     err, agree = compare(ref, np.asarray(OPTModel(cfg, params, backend=backend)(seq)))
@@ -90,7 +90,7 @@ def test_decode_steps_read_a_bfloat16_cache_within_the_formats_bound(fmt):
     seq = np.random.RandomState(4).randint(3, cfg.vocab_size, (4, 24)).astype(np.int32)
     ref = np.asarray(OPTModel(cfg, p32)(seq))  # [B, S, V]
     if fmt == "int8":
-        backend, params = layout.runtime_params(quantize.quantize_params(p32), BackendSettings(), weights="int8")
+        backend, params = layout.runtime_params(quantize.quantize_params(p32), Settings(), weights="int8")
         m = OPTModel(cfg, params, backend=backend)
     else:
         m = OPTModel(cfg, p32, weights="bfloat16")

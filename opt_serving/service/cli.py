@@ -13,6 +13,7 @@ import sys
 import threading
 
 from opt_serving.admission import DECODE_STEPS, PREFILL_BUDGET, PREFILL_CHUNK
+from opt_serving.settings import Settings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -199,7 +200,7 @@ def wants_direct_ingress(ingress: str, num_replicas: int | None) -> bool:
 def serve_args_from(args: argparse.Namespace):
     """The command line -> the application builder's `ServeArgs`."""
     from opt_serving.service.deployment import ServeArgs
-    keys = list(args.api_key) + [k for k in os.environ.get("OPT_SERVING_API_KEYS", "").split(",") if k]
+    keys = list(args.api_key) + list(Settings.from_env().api_keys)
     # absolute paths: the replica that reads them is another process, maybe in another folder
     path, tokenizer = (None if a is None else os.path.abspath(a) for a in (args.path, args.tokenizer))
     return ServeArgs(engine=args.engine, model=args.model, path=path, dummy=args.dummy, seed=args.seed,
