@@ -44,6 +44,7 @@ from opt_serving.batch_io import (Output, Request, RequestError, error_record, p
 from opt_serving.admission import PREFILL_CHUNK
 from opt_serving.errors import InvalidRequest
 from opt_serving.loading import load_generator
+from opt_serving.spec import is_parallel
 
 # what the CLI, tests and benchmarks reach through this module
 __all__ = ["Request", "RequestError", "Summary", "add_arguments", "load_generator", "parse_request", "read_done",
@@ -284,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
     # SIGTERM ends like Ctrl-C: every finished line is already flushed, requests in flight are redone
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        plan = {} if not (args.model or "").startswith("alpa/") else dict(
+        plan = {} if not is_parallel(args.model) else dict(
             tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel,
             device_memory=args.device_memory)
         gen = load_generator(args.model, args.path, args.dtype, args.max_batch_size, args.max_seq_len,

@@ -302,9 +302,9 @@ def test_a_killed_run_resumes_with_every_request_exactly_once(tmp_path, fake, si
 @pytest.fixture(scope="module")
 def tiny():
     from opt_serving.embedded import ensure_embedded_model
-    from opt_serving.generator import Generator
+    from opt_serving.loading import load_generator
     path = ensure_embedded_model()
-    gen = Generator.from_pretrained("jax/opt-tiny", path, max_batch_size=4, max_seq_len=64, warmup=False)
+    gen = load_generator("jax/opt-tiny", path, max_batch_size=4, max_seq_len=64, warmup=False)
     yield path, gen
     gen.close()
 

@@ -171,13 +171,14 @@ def test_quantize_choices_are_checked():
 def test_int8_greedy_tokens_agree_across_generate_the_engine_and_the_openai_route():
     openai = pytest.importorskip("openai")
     from opt_serving.embedded import ensure_embedded_model
-    from opt_serving.generator import Generator, SamplingParams
+    from opt_serving.generator import SamplingParams
+    from opt_serving.loading import load_generator
     from opt_serving.service.app import create_app
     from opt_serving.service.testserver import serve_in_thread
     path = ensure_embedded_model()
     model = get_model("jax/opt-tiny", path, quantize="int8")
     assert model.backend.weights == "int8"
-    g = Generator.from_pretrained("jax/opt-tiny", str(path), max_batch_size=4, max_seq_len=64, quantize="int8")
+    g = load_generator("jax/opt-tiny", str(path), max_batch_size=4, max_seq_len=64, quantize="int8")
     try:
         with serve_in_thread(create_app(g)) as url:
             client = openai.OpenAI(base_url=url + "/v1", api_key="dummy", max_retries=0, timeout=120)
