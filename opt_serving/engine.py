@@ -26,8 +26,8 @@ import time
 from typing import Optional, Sequence
 
 from opt_serving import admission
-from opt_serving.engine_types import Callback, EngineClosed, EngineRequest, EngineStats, QueueFull, SlotModel
-from opt_serving.request import check_bad_words, check_prompt
+from opt_serving.engine_types import (Callback, EngineClosed, EngineRequest, EngineStats, QueueFull, SlotModel,
+                                      check_bad_words, check_prompt)
 from opt_serving.runner.types import MAX_TOP_LOGPROBS, EngineOutput, Prefix, SlotSettings, StepResult, TokenInfo
 
 # the engine's vocabulary (engine_types.py, runner/types.py), re-exported for the generator and the service
