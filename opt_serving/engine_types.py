@@ -1,5 +1,6 @@
 """The engine's own vocabulary (engine.py re-exports it): its errors, the slot model it drives, a submitted
-request's handle and the engine's counters."""
+request's handle and the engine's counters, and the slot model's invariants a request must meet (check_prompt,
+check_bad_words: the engine checks them on every submit; request.py, the text level's checks, re-exports them)."""
 from __future__ import annotations
 
 import dataclasses
@@ -30,9 +31,13 @@ def check_bad_words(words: Any) -> None:
     """bad_words_ids fit the slot model's fixed-shape arrays."""
     if not (isinstance(words, (list, tuple)) and len(words) <= MAX_BAD_WORDS
             and all(isinstance(w, (list, tuple)) and 0 < len(w) <= MAX_BAD_WORD_LEN
-                    and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in w) for w in words)):
+                    and all(_token_id(t) for t in w) for w in words)):
         raise InvalidRequest(f"bad_words_ids takes at most {MAX_BAD_WORDS} words of 1 to {MAX_BAD_WORD_LEN} "
                              f"token ids each, got {words!r:.80}", param="bad_words_ids")
+
+
+def _token_id(t: Any) -> bool:
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0
 
 
 class QueueFull(Overloaded):
