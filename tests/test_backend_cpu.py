@@ -17,6 +17,7 @@ from opt_serving import sampling
 from opt_serving.backend import Backend, for_params
 from opt_serving.backend.cpu import _lib, attention, head, products
 from opt_serving.model import layout, opt, param_tree
+from opt_serving.settings import Settings
 
 from conftest import TINY
 

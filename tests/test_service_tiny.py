@@ -11,7 +11,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from opt_serving.generator import Generator, SamplingParams  # noqa: E402
+from opt_serving.generator import SamplingParams  # noqa: E402
 from opt_serving.loading import load_generator  # noqa: E402
 from opt_serving.service.app import create_app  # noqa: E402
 from opt_serving.service.testserver import serve_in_thread  # noqa: E402

@@ -56,7 +56,7 @@ class DeviceSpec:
     remote_call_s: float = 0.0
     # measured decode-step times of one model's stages at each tp (profile.py); when it
     # matches the stage being costed, cost.stage_time uses it instead of the roofline
-    profile: "DecodeProfile | None" = None
+    profile: DecodeProfile | None = None
 
     @property
     def flops_achieved(self) -> float:
