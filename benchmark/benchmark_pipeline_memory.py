@@ -112,10 +112,11 @@ def replica_pids() -> list[int]:
 def plan_for(args, cluster_plan=True):
     from opt_serving.parallel import backend
     from opt_serving.runner.load import resolve_dtype
+    from opt_serving.spec import ModelSpec
     dtype = resolve_dtype(args.dtype, cluster=True)
-    plan, cfg, _ = backend.plan_model(args.model, args.folder, dtype, dummy=args.dummy,
-                                      device_memory=args.device_memory, batch_size=args.max_batch_size,
-                                      max_seq_len=args.max_seq_len, quantize=args.quantize)
+    spec = ModelSpec.parse(args.model, args.folder, dummy=args.dummy, quantize=args.quantize)
+    plan, cfg, _ = backend.plan_model(spec, dtype, device_memory=args.device_memory, batch_size=args.max_batch_size,
+                                      max_seq_len=args.max_seq_len)
     return plan, cfg
 
 

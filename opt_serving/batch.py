@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import collections
 import dataclasses
+import gc
 import os
 import signal
 import sys
@@ -42,8 +43,10 @@ from pathlib import Path
 from opt_serving.batch_io import (Output, Request, RequestError, error_record, parse_request, read_done,
                                   read_pending, request_key, to_choices)
 from opt_serving.admission import PREFILL_CHUNK
+from opt_serving.engine import QueueFull
 from opt_serving.errors import InvalidRequest
 from opt_serving.loading import load_generator
+from opt_serving.spec import is_parallel
 
 # what the CLI, tests and benchmarks reach through this module
 __all__ = ["Request", "RequestError", "Summary", "add_arguments", "load_generator", "parse_request", "read_done",
@@ -189,7 +192,6 @@ class _Run:
         return True
 
     async def one(self, r: Request, in_flight: int) -> None:
-        from opt_serving.engine import QueueFull
         start = time.perf_counter()
         try:
             while True:
@@ -284,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
     # SIGTERM ends like Ctrl-C: every finished line is already flushed, requests in flight are redone
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        plan = {} if not (args.model or "").startswith("alpa/") else dict(
+        plan = {} if not is_parallel(args.model) else dict(
             tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel,
             device_memory=args.device_memory)
         gen = load_generator(args.model, args.path, args.dtype, args.max_batch_size, args.max_seq_len,
@@ -295,7 +297,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     # what is loaded (model, compiled steps, libraries) lives as long as the job: frozen, Python's full
     # collections stop walking it between steps (as the Serve replica does; benchmark/README.md)
-    import gc
     gc.collect()
     gc.freeze()
     try:

@@ -22,6 +22,7 @@ import numpy as np
 
 from opt_serving.config import OPT_CONFIGS, TINY_VOCAB_SIZE
 from opt_serving.model.weights import param_shapes, save_numpy_folder
+from opt_serving.settings import Settings
 
 FOLDER_NAME = "opt-tiny-np"
 MARKER = "opt_serving_embedded.json"
@@ -48,7 +49,7 @@ BIAS_STD = 0.05
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("OPT_SERVING_CACHE") or Path.home() / ".cache" / "opt_serving")
+    return Settings.from_env().cache_dir or Path.home() / ".cache" / "opt_serving"
 
 
 def _recipe() -> dict:

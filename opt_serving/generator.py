@@ -78,16 +78,6 @@ class Generator:
         self._grammar_lock = threading.Lock()
         self._ll_tokenizer = None  # structured output's view of the tokenizer, made at the first such request
 
-    @classmethod
-    def from_pretrained(cls, model_name: str, path=None, dtype: str = "auto", max_batch_size: Optional[int] = None,
-                        max_seq_len: Optional[int] = None, max_queue: int = 256, warmup: bool = True,
-                        dummy: bool = False, seed: int = 0, tokenizer=None, **plan) -> "Generator":
-        """`loading.load_generator`, which serve and batch use too (it documents the arguments)."""
-        from opt_serving.loading import load_generator
-        return load_generator(model_name, path, dtype=dtype, max_batch_size=max_batch_size or 16,
-                              max_seq_len=max_seq_len, max_queue=max_queue, warmup=warmup, dummy=dummy, seed=seed,
-                              tokenizer=tokenizer, **plan)
-
     @property
     def vocab_size(self) -> int:
         return self.engine.vocab_size

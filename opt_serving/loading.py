@@ -1,15 +1,19 @@
 """One loader: a model name and weights (or random weights, or the embedded tiny model) -> a `Generator`.
-`opt-serving serve` (one per replica), `opt-serving batch` and `Generator.from_pretrained` all load through
-`load_generator`, so a name, a folder or a flag means the same thing to each."""
+`opt-serving serve` (one per replica) and `opt-serving batch` load through `load_generator`, which parses the
+model's name and options once into a `ModelSpec` (spec.py), so a name, a folder or a flag means the same thing to
+each."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, Union
 
+from opt_serving import xla_cache
 from opt_serving.admission import DECODE_STEPS, PREFILL_CHUNK
-
-if TYPE_CHECKING:
-    from opt_serving.engine import Engine
-    from opt_serving.generator import Generator
+from opt_serving.embedded import ensure_embedded_model
+from opt_serving.engine import Engine
+from opt_serving.generator import Generator
+from opt_serving.model.weights import resolve_numpy_folder
+from opt_serving.spec import EMBEDDED, EMBEDDED_NAMES, ModelSpec
+from opt_serving.tokenizer import load_tokenizer, tokenizer_for_dummy
 
 
 def check_model_args(model: Optional[str], path=None, dummy: bool = False, tokenizer=None) -> None:
@@ -22,10 +26,8 @@ def check_model_args(model: Optional[str], path=None, dummy: bool = False, token
         if path is not None:
             raise ValueError("give either path (--path, a weights folder) or dummy (--dummy, random weights), "
                              "not both")
-        from opt_serving.tokenizer import tokenizer_for_dummy
         tokenizer_for_dummy(model, tokenizer)  # a large vocabulary needs a tokenizer folder
     elif path is None:
-        from opt_serving.tokenizer import EMBEDDED_NAMES
         if model is not None and model not in EMBEDDED_NAMES:
             raise ValueError(f"{model}: give path (--path, the numpy weights folder) or dummy (--dummy, "
                              "random weights)")
@@ -39,7 +41,8 @@ def load_generator(model: Optional[str], path=None, dtype: str = "auto", max_bat
                    max_seq_len: Optional[int] = None, max_queue: int = 256, warmup: bool = True,
                    dummy: bool = False, seed: int = 0, tokenizer=None, prefill_chunk: Optional[int] = PREFILL_CHUNK,
                    prefill_budget: Optional[int] = None, decode_steps: int = DECODE_STEPS, prefix_caching: bool = True,
-                   **plan) -> "Generator":
+                   tensor_parallel: Optional[int] = None, pipeline_parallel: Optional[int] = None,
+                   quantize: Optional[str] = None, **plan) -> Generator:
     """The named model's weights from `path` (a numpy folder, or its parent holding `<size>-np/`) with the
     tokenizer from the same folder; random weights of the named size from `seed` with `dummy` (no `path`);
     the embedded tiny model with neither. `tokenizer`: a folder to take the
@@ -49,44 +52,48 @@ def load_generator(model: Optional[str], path=None, dtype: str = "auto", max_bat
     None: whole; engine.Engine), `prefill_budget` prompt tokens an iteration (whole prompts and chunks; default
     admission.PREFILL_BUDGET), `decode_steps`
     decode steps in one call while nobody waits for a slot (engine.Engine), `prefix_caching`: prompts that start
-    as earlier ones did reuse their KV cache (runner/prefix.py). `plan`: an alpa/
-    model's tensor_parallel, pipeline_parallel, device_memory, micro_batches (`load_engine`).
+    as earlier ones did reuse their KV cache (runner/prefix.py). `tensor_parallel`, `pipeline_parallel` and
+    `plan` (device_memory, micro_batches): an alpa/ model's plan (`load_engine`); `quantize="int8"`: int8 weights.
     ValueError (naming the argument) for arguments that do not go together; OSError for missing files."""
-    from opt_serving.generator import Generator
-    from opt_serving.tokenizer import load_tokenizer, tokenizer_for_dummy
     check_model_args(model, path, dummy, tokenizer)
     if dummy:
         folder, tok = None, load_tokenizer(tokenizer_for_dummy(model, tokenizer))
     else:
-        from opt_serving.model.loader import resolve_numpy_folder
         if path is None:
-            from opt_serving.embedded import ensure_embedded_model
-            path, model = ensure_embedded_model(), "jax/opt-tiny"
+            path, model = ensure_embedded_model(), EMBEDDED
         folder = resolve_numpy_folder(path, model)
         tok = load_tokenizer(folder if tokenizer is None else tokenizer)
-    engine = load_engine(model, folder, dtype=dtype, num_slots=max_batch_size, max_seq_len=max_seq_len,
-                         max_queue=max_queue, warmup=warmup, dummy=dummy, seed=seed, prefill_chunk=prefill_chunk,
+    spec = ModelSpec.parse(model, folder, dummy=dummy, seed=seed, tensor_parallel=tensor_parallel,
+                           pipeline_parallel=pipeline_parallel, quantize=quantize)
+    engine = load_engine(spec, dtype=dtype, num_slots=max_batch_size, max_seq_len=max_seq_len,
+                         max_queue=max_queue, warmup=warmup, prefill_chunk=prefill_chunk,
                          prefill_budget=prefill_budget, decode_steps=decode_steps, prefix_caching=prefix_caching,
                          **plan)
     return Generator(engine, tok, max_seq_len=max_seq_len, model_name=model)
 
 
-def load_engine(model_name: str, path=None, dtype: str = "auto", num_slots: int = 16,
+def load_engine(model: Union[str, ModelSpec], path=None, dtype: str = "auto", num_slots: int = 16,
                 max_seq_len: Optional[int] = None, max_queue: int = 256, warmup: bool = True,
                 prefill_chunk: Optional[int] = PREFILL_CHUNK, prefill_budget: Optional[int] = None,
-                decode_steps: int = DECODE_STEPS, prefix_caching: bool = True, **plan) -> "Engine":
-    """An engine over `runner.load.load_slots(model_name, path, ...)` (every plan: one device, a
-    tensor-parallel mesh, pipeline stages on a Ray cluster; `plan` takes dummy, seed, tensor_parallel,
-    pipeline_parallel, device_memory, micro_batches), compiled before it returns when `warmup` (the
+                decode_steps: int = DECODE_STEPS, prefix_caching: bool = True, dummy: bool = False, seed: int = 0,
+                tensor_parallel: Optional[int] = None, pipeline_parallel: Optional[int] = None,
+                quantize: Optional[str] = None, device_memory=None, micro_batches: Optional[int] = None) -> Engine:
+    """An engine over `runner.load.load_slots` of a model spec, or of a name with its weights (`path`, or
+    `dummy` random ones from `seed`) and plan (`tensor_parallel`, `pipeline_parallel`, `quantize`) parsed into
+    one here: every plan (one device, a tensor-parallel mesh, pipeline stages on a Ray cluster;
+    `device_memory`, `micro_batches`), compiled before it returns when `warmup` (the
     chunked prefill's step and `decode_steps` steps in one call too: `prefill_chunk`, `prefill_budget`,
     `decode_steps`, see engine.Engine; `prefix_caching`, runner/prefix.py). What it compiles is kept
     on disk for the next start (xla_cache)."""
-    from opt_serving import xla_cache
-    from opt_serving.engine import Engine
+    # JAX is imported where a model is loaded, not with this module: the fake engine's server and a process that
+    # only checks arguments or routes requests never import it
     from opt_serving.runner.load import load_slots
+    spec = model if isinstance(model, ModelSpec) else ModelSpec.parse(
+        model, path, dummy=dummy, seed=seed, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
+        quantize=quantize)
     xla_cache.enable()
-    slots = load_slots(model_name, path, dtype=dtype, num_slots=num_slots, max_seq_len=max_seq_len,
-                       prefix_caching=prefix_caching, **plan)
+    slots = load_slots(spec, dtype=dtype, num_slots=num_slots, max_seq_len=max_seq_len,
+                       device_memory=device_memory, micro_batches=micro_batches, prefix_caching=prefix_caching)
     engine = Engine(slots, max_queue=max_queue, start=False, prefill_chunk=prefill_chunk,
                     prefill_budget=prefill_budget, decode_steps=decode_steps)
     try:

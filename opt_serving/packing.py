@@ -3,7 +3,7 @@
 It runs in Python for every streamed token, so it has a Cython twin in
 `_speedups.pyx` with exactly the same results. The compiled one is used when it
 is built (`./build.sh` or `pip install -e .`) unless OPT_SERVING_NO_CEXT=1
-(BackendSettings.cext); `HAVE_CEXT` says which is live, `PY` always holds the
+(Settings.cext); `HAVE_CEXT` says which is live, `PY` always holds the
 pure-Python version (the tests compare the two).
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import operator
 from types import SimpleNamespace
 from typing import Sequence
 
-from opt_serving.backend.settings import BackendSettings
+from opt_serving.settings import Settings
 
 
 def _check_stops(stops) -> None:
@@ -58,7 +58,7 @@ def find_stop(text: str, stops: Sequence[str], start: int = 0) -> tuple[int, int
 PY = SimpleNamespace(find_stop=find_stop)
 
 HAVE_CEXT = False
-if BackendSettings.from_env().cext:
+if Settings.from_env().cext:
     try:
         from opt_serving import _speedups
     except ImportError:  # not built: the Python version above stays in place

@@ -10,7 +10,8 @@ lines, library callers) and every check below raises `errors.InvalidRequest` nam
   * `prompt_form(prompt)`: a non-empty text or list of token ids; `refuse_surely_too_long(...)`: a text
     too long to fit however it tokenises, refused without tokenising it;
   * `check_prompt(ids, max_tokens, vocab_size, max_seq_len)`: the tokenised prompt fits the vocabulary and the
-    context (the engine calls it too: these are the slot model's invariants);
+    context (the engine calls it too: these are the slot model's invariants, so it and `check_bad_words` are
+    defined with the engine's types, engine_types.py, and re-exported here);
   * `check_n(n, best_of)`: how many samples a prompt asks for.
 `Generator.prepare` (and `prepare_many`, the batch runner's) runs them in that order.
 """
@@ -20,6 +21,7 @@ import dataclasses
 import numbers
 from typing import Any, Optional, Sequence, Union
 
+from opt_serving.engine_types import check_bad_words, check_prompt
 from opt_serving.errors import ContextLengthExceeded, InvalidRequest
 from opt_serving.runner.types import MAX_BAD_WORD_LEN, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 from opt_serving.structured import StructuredOutput
@@ -192,21 +194,6 @@ def prompt_form(prompt: Any) -> Union[str, list[int]]:
                          f"got {prompt!r:.60}", param="prompt")
 
 
-def check_prompt(ids: Sequence[int], max_tokens: int, vocab_size: int, max_seq_len: int) -> None:
-    """A tokenised prompt fits the vocabulary and, with max_tokens, the context. Cheap (len, min, max):
-    the engine runs it on every request, as the slot model's invariants."""
-    if len(ids) == 0:
-        raise InvalidRequest("prompt is empty", param="prompt")
-    if min(ids) < 0 or max(ids) >= vocab_size:
-        bad = next(t for t in ids if not 0 <= t < vocab_size)
-        raise InvalidRequest(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})", param="prompt")
-    total = len(ids) + max(max_tokens, 0)
-    if total > max_seq_len:
-        raise ContextLengthExceeded(f"this model's maximum context length is {max_seq_len} tokens, but the "
-                                    f"prompt has {len(ids)} tokens and max_tokens is {max_tokens} "
-                                    f"({total} in total)")
-
-
 def refuse_surely_too_long(text: str, max_tokens: int, max_seq_len: int, max_token_chars: Optional[int]) -> None:
     """A text that cannot fit whatever it tokenises to is refused before tokenising (which would take
     seconds for megabytes): each token covers at most `max_token_chars` characters (None: no bound known)."""
@@ -215,15 +202,6 @@ def refuse_surely_too_long(text: str, max_tokens: int, max_seq_len: int, max_tok
         raise ContextLengthExceeded(f"this model's maximum context length is {max_seq_len} tokens, but the "
                                     f"prompt has {len(text)} characters, more than {room} tokens (with "
                                     f"max_tokens {max_tokens}) can hold; it was not tokenised")
-
-
-def check_bad_words(words: Any) -> None:
-    """bad_words_ids fit the slot model's fixed-shape arrays."""
-    if not (isinstance(words, (list, tuple)) and len(words) <= MAX_BAD_WORDS
-            and all(isinstance(w, (list, tuple)) and 0 < len(w) <= MAX_BAD_WORD_LEN
-                    and all(_is_int(t) and t >= 0 for t in w) for w in words)):
-        raise InvalidRequest(f"bad_words_ids takes at most {MAX_BAD_WORDS} words of 1 to {MAX_BAD_WORD_LEN} "
-                             f"token ids each, got {words!r:.80}", param="bad_words_ids")
 
 
 def check_logit_bias(bias: Any) -> None:

@@ -16,12 +16,15 @@ import shutil
 from pathlib import Path
 from typing import Callable, Sequence
 
+from opt_serving.config import TINY_VOCAB_SIZE, get_config
+from opt_serving.embedded import ensure_embedded_model
+from opt_serving.spec import EMBEDDED_NAMES
+
 # the real OPT convention (../shared/opt-assets/README.md); the embedded model writes the same
 OPT_TOKENIZER_CONFIG = {"tokenizer_class": "GPT2Tokenizer", "bos_token": "</s>",
                         "eos_token": "</s>", "unk_token": "</s>", "pad_token": "<pad>",
                         "add_bos_token": True}
 
-EMBEDDED_NAMES = ("opt-tiny", "tiny", "jax/opt-tiny")
 METASEQ_FILES = ("gpt2-vocab.json", "gpt2-merges.txt")  # metaseq's projects/OPT/assets names
 
 
@@ -52,7 +55,6 @@ def install_tokenizer(folder: str | os.PathLike, vocab_json: str | os.PathLike,
 def load_tokenizer(path: str | os.PathLike | None = None):
     """A transformers tokenizer for a model folder; None or "opt-tiny" means the embedded model."""
     if path is None or str(path) in EMBEDDED_NAMES:
-        from opt_serving.embedded import ensure_embedded_model
         path = ensure_embedded_model()
     folder = Path(path)
     if not folder.is_dir():
@@ -76,7 +78,6 @@ def tokenizer_for_dummy(model_name: str, tokenizer: str | os.PathLike | None = N
     """What `load_tokenizer` should read for random weights of `model_name` (no weights folder to take it
     from): `tokenizer` if given, else the embedded one (None) when the model's vocabulary is no larger than
     its; otherwise ValueError, since generated ids past the embedded vocabulary would decode to nothing."""
-    from opt_serving.config import TINY_VOCAB_SIZE, get_config
     if tokenizer is not None:
         return tokenizer
     vocab = get_config(model_name).vocab_size

@@ -16,9 +16,10 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from opt_serving.settings import Settings
+
 log = logging.getLogger(__name__)
 
-ENV = "OPT_SERVING_COMPILE_CACHE"
 MAX_BYTES = 2 << 30  # least recently used entries go past this (and with a size, JAX locks the folder's writes)
 
 
@@ -37,10 +38,10 @@ def enable() -> Optional[Path]:
     current = jax.config.jax_compilation_cache_dir
     if current:  # the user's (or an earlier call's): kept
         return Path(current)
-    value = os.environ.get(ENV, "")
-    if value.strip().lower() in ("0", "off", "false", "none"):
+    value = Settings.from_env().compile_cache
+    if value is None:
         return None
-    folder = Path(value).expanduser() if value.strip() else default_dir()
+    folder = Path(value).expanduser() if value else default_dir()
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a read-only home: serve anyway, compiling as before

@@ -7,9 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from opt_serving.backend import Backend, BackendSettings, choose, for_params
+from opt_serving.backend import Backend, choose, for_params
 from opt_serving.backend.cpu import _lib, head
 from opt_serving.model import layout, opt, param_tree
+from opt_serving.settings import Settings
 
 from conftest import TINY
 
@@ -18,19 +19,6 @@ pytestmark = pytest.mark.cpu_kernels  # on the CPU device wherever JAX runs (con
 CFG = TINY
 needs_kernels = pytest.mark.skipif(_lib.load() is None, reason="opt_serving/_cpu_kernels.so not built")
 CPU, GPU = types.SimpleNamespace(platform="cpu"), types.SimpleNamespace(platform="gpu")
-
-
-def test_settings_come_from_the_environment(monkeypatch):
-    assert BackendSettings.from_env({}) == BackendSettings()
-    env = {"OPT_SERVING_ONEDNN": "0", "OPT_SERVING_BF16_SCREEN": "0", "OPT_SERVING_CPU_THREADS": "3",
-           "OPT_SERVING_NO_CEXT": "1", "OPT_SERVING_BF16_FMA_ROWS": "16"}
-    assert BackendSettings.from_env(env) == BackendSettings(kernels=False, bf16_screen=False, cpu_threads=3,
-                                                            cext=False, bf16_fma_rows=16)
-    assert BackendSettings.from_env({"OPT_SERVING_BF16_FMA_ROWS": "0"}).bf16_fma_rows == 0  # never
-    assert BackendSettings.from_env({"OPT_SERVING_S8_VNNI_ROWS": "0"}).s8_vnni_rows == 0  # oneDNN's kernel always
-    assert BackendSettings.from_env({"OPT_SERVING_S8_VNNI_ROWS": "4"}).s8_vnni_rows == 4
-    monkeypatch.setenv("OPT_SERVING_BF16_SCREEN", "0")
-    assert not BackendSettings.from_env().bf16_screen
 
 
 def test_a_backend_is_a_static_value():
@@ -52,9 +40,9 @@ def test_the_kernels_run_on_one_cpu_device_in_float32():
     # a CPU mesh or another dtype: only the argmax kernel; other platforms: plain XLA
     assert choose([CPU, CPU], jnp.float32) == choose([CPU], jnp.float16) == Backend(cpu_argmax=True)
     assert choose([GPU], jnp.float32) == choose([CPU, GPU], jnp.float32) == Backend.xla()
-    assert choose([CPU], jnp.float32, BackendSettings(bf16_screen=False)) == \
+    assert choose([CPU], jnp.float32, Settings(bf16_screen=False)) == \
         Backend(products=True, attention=True, cpu_argmax=True)
-    assert choose([CPU], jnp.float32, BackendSettings(kernels=False)) == Backend.xla()
+    assert choose([CPU], jnp.float32, Settings(kernels=False)) == Backend.xla()
     # bfloat16 products keep a float32 LM head: greedy steps take the screened head as float32's do
     if head.supported():
         assert choose([CPU], jnp.float32, weights="bfloat16") == Backend(
@@ -68,7 +56,7 @@ def test_the_backend_follows_the_params():
     half = jax.tree_util.tree_map(lambda a: a.astype(jnp.float16), params)
     backend, same = layout.runtime_params(half)
     assert backend == Backend(cpu_argmax=True) and "kernel" in same["layers_0"]["fc1"]
-    off = BackendSettings(kernels=False)
+    off = Settings(kernels=False)
     backend, plain = layout.runtime_params(params, off)
     assert backend == Backend.xla() and "kernel" in plain["layers_0"]["fc1"] and "lm_head" not in plain
     # the same numbers through either backend (argmax: the kernel's and XLA's pick the first maximum)
@@ -78,7 +66,7 @@ def test_the_backend_follows_the_params():
 
 @needs_kernels
 def test_the_screen_is_left_out_where_the_settings_say():
-    backend, packed = layout.runtime_params(param_tree.init_params(CFG, seed=1), BackendSettings(bf16_screen=False))
+    backend, packed = layout.runtime_params(param_tree.init_params(CFG, seed=1), Settings(bf16_screen=False))
     assert backend.products and not backend.greedy_head and sorted(packed["lm_head"]) == ["packed"]
 
 

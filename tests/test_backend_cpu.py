@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 from opt_serving import sampling
-from opt_serving.backend import Backend, BackendSettings, for_params
+from opt_serving.backend import Backend, for_params
 from opt_serving.backend.cpu import _lib, attention, head, products
 from opt_serving.model import layout, opt, param_tree
+from opt_serving.settings import Settings
 
 from conftest import TINY
 
@@ -426,8 +427,8 @@ def run_child(probe: str, drop: tuple = (), **env) -> str:
 def test_kernels_use_every_cpu_whatever_omp_num_threads_says():
     # a Ray worker (a Serve replica) gets OMP_NUM_THREADS=1 from Ray; the kernels must still use every CPU,
     # as XLA's own pool does, unless OPT_SERVING_CPU_THREADS says otherwise
-    probe = ("import jax; from opt_serving.backend import BackendSettings, choose; "
-             "from opt_serving.backend.cpu import _lib; s = BackendSettings.from_env(); "
+    probe = ("import jax; from opt_serving.backend import choose; from opt_serving.settings import Settings; "
+             "from opt_serving.backend.cpu import _lib; s = Settings.from_env(); "
              "choose(jax.devices('cpu')[:1], 'float32', s); "
              "print(_lib.load().opt_cpu_kernels_team_size(), s.threads())")
 
@@ -437,7 +438,7 @@ def test_kernels_use_every_cpu_whatever_omp_num_threads_says():
     cpus = len(os.sched_getaffinity(0))
     assert team(OMP_NUM_THREADS="1") == (cpus, cpus)
     assert team(OMP_NUM_THREADS="1", OPT_SERVING_CPU_THREADS="1") == (1, 1)
-    assert BackendSettings(cpu_threads=3).threads() == 3
+    assert Settings(cpu_threads=3).threads() == 3
 
 
 @needs_kernels
@@ -448,9 +449,10 @@ def test_the_kernel_team_holds_a_cpu_each_and_nothing_else_is_pinned():
     # other threads are not, and OPT_SERVING_PIN_THREADS=0 pins nothing
     probe = """
 import json, os, jax
-from opt_serving.backend import BackendSettings, choose
+from opt_serving.backend import choose
+from opt_serving.settings import Settings
 from opt_serving.backend.cpu import _lib
-choose(jax.devices('cpu')[:1], 'float32', BackendSettings.from_env())
+choose(jax.devices('cpu')[:1], 'float32', Settings.from_env())
 team = _lib.load().opt_cpu_kernels_team_size()
 sets = [sorted(os.sched_getaffinity(int(t))) for t in os.listdir('/proc/self/task')]
 print(json.dumps([team, sorted(os.sched_getaffinity(0)), sorted(s[0] for s in sets if len(s) == 1)]))
@@ -492,7 +494,7 @@ hold.set()
 """
     out = run_child(probe).split()
     added, smallest, largest = map(int, out)
-    team = BackendSettings.from_env().threads()
+    team = Settings.from_env().threads()
     assert smallest == largest == team
     assert added == team  # the kernel thread and its team's team - 1 workers
 

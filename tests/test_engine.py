@@ -492,7 +492,7 @@ def test_a_burst_of_requests_is_prefilled_together_and_matches_hf(model8, hf, mo
 
 def test_a_failed_batched_prefill_is_retried_one_by_one():
     """Only the request that breaks prefill fails; the others it was batched with are served."""
-    from opt_serving.testing.fake_engine import FakeSlots
+    from opt_serving.fake_engine import FakeSlots
 
     class Fussy(FakeSlots):
         batches = []
@@ -515,7 +515,7 @@ def test_a_failed_batched_prefill_is_retried_one_by_one():
 
 def test_a_finished_request_has_left_its_slot_when_its_last_token_arrives():
     """A client that scrapes /metrics (or the stats) on its final token sees the slot free, not still running."""
-    from opt_serving.testing.fake_engine import FakeSlots
+    from opt_serving.fake_engine import FakeSlots
     seen = []
 
     class Watch(Collect):
@@ -557,13 +557,14 @@ def test_queue_full_too_long_and_close(model):
         e.submit([2, 5], SlotSettings(max_tokens=2), Collect())
 
 
-def test_generator_from_pretrained_matches_hf_greedy():
+def test_load_generator_matches_hf_greedy():
     # the whole path the service and the batch tool take: folder -> tokenizer + engine -> text
     from opt_serving.embedded import ensure_embedded_model
-    from opt_serving.generator import Generator, SamplingParams
+    from opt_serving.generator import SamplingParams
+    from opt_serving.loading import load_generator
     from opt_serving.model.wrapper import get_model
     folder = ensure_embedded_model()
-    gen = Generator.from_pretrained("jax/opt-tiny", folder, max_batch_size=2, max_seq_len=16)  # one bucket
+    gen = load_generator("jax/opt-tiny", folder, max_batch_size=2, max_seq_len=16)  # one bucket
     try:
         prompts = ["Hello world", "The quick brown fox", "a"]
         out = gen.complete_many(prompts, SamplingParams(max_tokens=8, temperature=0.0))
@@ -808,8 +809,9 @@ def test_the_prefill_chunk_option_reaches_the_engine(monkeypatch):
     import argparse
     from opt_serving import batch, loading
     from opt_serving.embedded import ensure_embedded_model
+    from opt_serving.service import deployment
     from opt_serving.service.deployment import ServeArgs, build_generator
-    from opt_serving.testing.fake_engine import FakeSlots
+    from opt_serving.fake_engine import FakeSlots
     folder = ensure_embedded_model()
     for chunk, want in ((None, 256), (0, None), (64, 64)):
         kw = {} if chunk is None else {"prefill_chunk": chunk}
@@ -822,7 +824,7 @@ def test_the_prefill_chunk_option_reaches_the_engine(monkeypatch):
     assert parser.parse_args(files).prefill_chunk == 256
     assert parser.parse_args(files + ["--prefill-chunk", "0"]).prefill_chunk == 0
     seen = {}
-    monkeypatch.setattr(loading, "load_generator", lambda *a, **kw: seen.update(kw))
+    monkeypatch.setattr(deployment, "load_generator", lambda *a, **kw: seen.update(kw))
     build_generator(ServeArgs(prefill_chunk="32"))
     assert seen["prefill_chunk"] == 32
     assert Engine(FakeSlots(), start=False, prefill_chunk=8).prefill_chunk is None
@@ -836,6 +838,7 @@ def test_the_prefix_caching_option_reaches_the_slot_model(monkeypatch):
     from opt_serving.embedded import ensure_embedded_model
     from opt_serving.cli import build_parser
     from opt_serving.service.cli import serve_args_from
+    from opt_serving.service import deployment
     from opt_serving.service.deployment import ServeArgs, build_generator
     folder = ensure_embedded_model()
     for kw, on in (({}, True), ({"prefix_caching": False}, False)):
@@ -851,7 +854,7 @@ def test_the_prefix_caching_option_reaches_the_slot_model(monkeypatch):
     assert serve_args_from(serve.parse_args(["serve"])).prefix_caching is True
     assert serve_args_from(serve.parse_args(["serve", "--no-prefix-caching"])).prefix_caching is False
     seen = {}
-    monkeypatch.setattr(loading, "load_generator", lambda *a, **kw: seen.update(kw))
+    monkeypatch.setattr(deployment, "load_generator", lambda *a, **kw: seen.update(kw))
     build_generator(ServeArgs())
     assert seen["prefix_caching"] is True
     build_generator(ServeArgs(prefix_caching="false"))  # a builder argument from `serve run ... prefix_caching=false`

@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 from opt_serving.engine import Engine, EngineClosed, SlotSettings
 from opt_serving.generator import Generator
 from opt_serving.service.app import create_app
-from opt_serving.testing.fake_engine import FakeBeamModel, FakeSlots, GatedSlots, byte_tokenizer
+from opt_serving.fake_engine import FakeBeamModel, FakeSlots, GatedSlots, byte_tokenizer
 
 
 class Clock:

@@ -120,11 +120,12 @@ def test_planning_a_deployment_starts_no_jax_in_the_planning_process(placements)
 STAGES = """
     import json, os, ray
     from opt_serving.parallel.backend import plan_model
+    from opt_serving.spec import ModelSpec
     from opt_serving.parallel.pipeline import RayStages
     ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False, logging_level="ERROR")
     try:
-        plan, cfg, _ = plan_model("alpa/opt-tiny", dummy=True, dtype="float32", pipeline_parallel=2,
-                                  tensor_parallel=1, device_memory="1GB")
+        spec = ModelSpec.parse("alpa/opt-tiny", dummy=True, pipeline_parallel=2, tensor_parallel=1)
+        plan, cfg, _ = plan_model(spec, dtype="float32", device_memory="1GB")
         stages = RayStages(cfg, plan, None, dtype="float32", rows=1, max_seq_len=64)
         look = lambda actor, keys: {k: os.environ.get(k) for k in keys}
         keys = ("XLA_PYTHON_CLIENT_MEM_FRACTION", "JAX_PLATFORMS")

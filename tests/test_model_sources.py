@@ -64,7 +64,7 @@ def test_the_runtime_layout_built_a_layer_at_a_time_computes_what_the_whole_tree
     """jax/ builds its packed runtime params from the folder a layer at a time (layout.runtime_parts): the same
     logits as the checkpoint tree put in that layout at once, and the same checkpoint params back."""
     from opt_serving.model import layout, param_tree
-    from opt_serving.model.loader import get_model
+    from opt_serving.models import get_model
     from opt_serving.model.weights import params_to_arrays, save_numpy_folder
     from opt_serving.model.wrapper import OPTModel
     params = param_tree.init_params(CFG, seed=5, std=0.2)

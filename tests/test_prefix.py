@@ -239,8 +239,10 @@ def test_every_weight_format_keeps_its_cache_dtype_in_the_pool(fmt):
     from opt_serving.embedded import ensure_embedded_model
     from opt_serving.model import opt
     from opt_serving.runner.load import load_slots
+    from opt_serving.spec import ModelSpec
     path = ensure_embedded_model()
-    models = [load_slots("jax/opt-tiny", path, num_slots=2, max_seq_len=64, prefix_caching=on, **fmt)
+    spec = ModelSpec.parse("jax/opt-tiny", path, quantize=fmt.get("quantize"))
+    models = [load_slots(spec, num_slots=2, max_seq_len=64, prefix_caching=on, dtype=fmt.get("dtype", "auto"))
               for on in (False, True)]  # (not warmed up: each compiles only what these prompts run)
     stage = models[1].stages.stages[0]
     assert stage.pool["k"][0].dtype == opt.cache_dtype(stage.params, stage.backend)

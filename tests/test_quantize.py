@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from opt_serving.backend import BackendSettings
+from opt_serving.settings import Settings
 from opt_serving.backend.cpu import _lib, head
 from opt_serving.model import layout, opt, quantize, weights
 from opt_serving.model.wrapper import OPTModel, get_model
@@ -57,7 +57,7 @@ def test_int8_logits_within_their_measured_bound(cfg, kernels):
     p32 = peaked_params(cfg)
     seq = np.random.RandomState(3).randint(3, cfg.vocab_size, (8, 32)).astype(np.int32)
     ref = np.asarray(OPTModel(cfg, p32)(seq))
-    backend, params = layout.runtime_params(quantize.quantize_params(p32), BackendSettings(kernels=kernels),
+    backend, params = layout.runtime_params(quantize.quantize_params(p32), Settings(kernels=kernels),
                                             weights="int8")
     assert backend.weights == "int8" and backend.products == kernels
     err, agree = compare(ref, np.asarray(OPTModel(cfg, params, backend=backend)(seq)))
@@ -90,7 +90,7 @@ def test_decode_steps_read_a_bfloat16_cache_within_the_formats_bound(fmt):
     seq = np.random.RandomState(4).randint(3, cfg.vocab_size, (4, 24)).astype(np.int32)
     ref = np.asarray(OPTModel(cfg, p32)(seq))  # [B, S, V]
     if fmt == "int8":
-        backend, params = layout.runtime_params(quantize.quantize_params(p32), BackendSettings(), weights="int8")
+        backend, params = layout.runtime_params(quantize.quantize_params(p32), Settings(), weights="int8")
         m = OPTModel(cfg, params, backend=backend)
     else:
         m = OPTModel(cfg, p32, weights="bfloat16")
@@ -171,13 +171,14 @@ def test_quantize_choices_are_checked():
 def test_int8_greedy_tokens_agree_across_generate_the_engine_and_the_openai_route():
     openai = pytest.importorskip("openai")
     from opt_serving.embedded import ensure_embedded_model
-    from opt_serving.generator import Generator, SamplingParams
+    from opt_serving.generator import SamplingParams
+    from opt_serving.loading import load_generator
     from opt_serving.service.app import create_app
     from opt_serving.service.testserver import serve_in_thread
     path = ensure_embedded_model()
     model = get_model("jax/opt-tiny", path, quantize="int8")
     assert model.backend.weights == "int8"
-    g = Generator.from_pretrained("jax/opt-tiny", str(path), max_batch_size=4, max_seq_len=64, quantize="int8")
+    g = load_generator("jax/opt-tiny", str(path), max_batch_size=4, max_seq_len=64, quantize="int8")
     try:
         with serve_in_thread(create_app(g)) as url:
             client = openai.OpenAI(base_url=url + "/v1", api_key="dummy", max_retries=0, timeout=120)

@@ -14,7 +14,7 @@ from opt_serving.engine import EngineClosed, QueueFull
 from opt_serving.errors import ContextLengthExceeded, InvalidRequest, Overloaded, Unavailable
 from opt_serving.generator import SamplingParams
 from opt_serving.runner.types import SlotSettings
-from opt_serving.testing.fake_engine import fake_engine, fake_generator
+from opt_serving.fake_engine import fake_engine, fake_generator
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""app.py over the fake engine (testing/fake_engine.py): every expected output is worked out by hand.
+"""app.py over the fake engine (fake_engine.py): every expected output is worked out by hand.
 
 The fake model continues greedily with the next byte ("a" -> "bcdef..."), every chosen greedy token has
 logprob -ln2 and the k-th alternative -k ln2; a sampled token is `last + 1 + (seed + k) % 3`. Prompt "a" is
@@ -18,7 +18,7 @@ from opt_serving.engine import SlotSettings
 from opt_serving.generator import SamplingParams
 from opt_serving.service.app import create_app
 from opt_serving.service.testserver import serve_in_thread
-from opt_serving.testing.fake_engine import fake_generator
+from opt_serving.fake_engine import fake_generator
 
 LN2 = math.log(2)
 

@@ -19,7 +19,7 @@ from opt_serving.engine import Engine  # noqa: E402
 from opt_serving.generator import Generator  # noqa: E402
 from opt_serving.service.app import create_app  # noqa: E402
 from opt_serving.service.testserver import serve_in_thread  # noqa: E402
-from opt_serving.testing.fake_engine import GatedSlots, byte_tokenizer  # noqa: E402
+from opt_serving.fake_engine import GatedSlots, byte_tokenizer  # noqa: E402
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from opt_serving.errors import ContextLengthExceeded, InvalidRequest, Overloaded
 from opt_serving.runner.types import StageDied
 from opt_serving.service.app import create_app
 from opt_serving.service.errors import as_http_errors, to_api_error
-from opt_serving.testing.fake_engine import fake_generator
+from opt_serving.fake_engine import fake_generator
 
 # (exception, status, type, code, param, Retry-After)
 CASES = [

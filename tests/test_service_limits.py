@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from opt_serving.service.app import create_app
 from opt_serving.service.limits import DrainUnreadBody
 from opt_serving.service.testserver import serve_in_thread
-from opt_serving.testing.fake_engine import fake_generator
+from opt_serving.fake_engine import fake_generator
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from opt_serving.engine import Engine
 from opt_serving.generator import Generator
 from opt_serving.service.app import create_app
 from opt_serving.service.testserver import serve_in_thread
-from opt_serving.testing.fake_engine import GatedSlots, byte_tokenizer, fake_generator
+from opt_serving.fake_engine import GatedSlots, byte_tokenizer, fake_generator
 
 
 def wait_for(cond, what: str, timeout: float = 20.0):

@@ -7,7 +7,7 @@ from fastapi.testclient import TestClient
 
 from opt_serving.service.app import create_app
 from opt_serving.service.metrics import ServiceMetrics
-from opt_serving.testing.fake_engine import fake_generator
+from opt_serving.fake_engine import fake_generator
 
 
 def value(text: str, sample: str) -> float:

@@ -43,9 +43,9 @@ def reference(folder):
 
 def engine_reference(folder, **kw):
     """The jax/ engine's completions (one device, this process)."""
-    from opt_serving.generator import Generator
+    from opt_serving.loading import load_generator
     import asyncio
-    gen = Generator.from_pretrained("jax/opt-tiny", folder, max_batch_size=8, max_seq_len=64, **kw)
+    gen = load_generator("jax/opt-tiny", folder, max_batch_size=8, max_seq_len=64, **kw)
 
     async def beams():
         return await gen.beam(PROMPTS[1], SamplingParams(max_tokens=8, min_tokens=8), 3)

@@ -11,7 +11,8 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from opt_serving.generator import Generator, SamplingParams  # noqa: E402
+from opt_serving.generator import SamplingParams  # noqa: E402
+from opt_serving.loading import load_generator  # noqa: E402
 from opt_serving.service.app import create_app  # noqa: E402
 from opt_serving.service.testserver import serve_in_thread  # noqa: E402
 
@@ -25,7 +26,7 @@ def tiny():
     except ImportError:
         pytest.skip("opt_serving.embedded not available yet")
     path = ensure_embedded_model()
-    g = Generator.from_pretrained("jax/opt-tiny", str(path), max_batch_size=16, max_seq_len=64, max_queue=64)
+    g = load_generator("jax/opt-tiny", str(path), max_batch_size=16, max_seq_len=64, max_queue=64)
     with serve_in_thread(create_app(g)) as url:
         yield g, path, url
     g.close()

@@ -192,7 +192,7 @@ def test_a_schema_llguidance_cannot_follow_is_a_400_naming_the_problem(opt_vocab
 
 
 def test_an_engine_that_cannot_mask_refuses_structured_output():
-    from opt_serving.testing.fake_engine import fake_generator
+    from opt_serving.fake_engine import fake_generator
     g = fake_generator()
     try:
         with pytest.raises(InvalidRequest, match="structured output is not available with opt-fake"):

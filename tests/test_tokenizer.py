@@ -80,7 +80,7 @@ def test_text_decoder_gives_the_tokenizers_own_decode(opt_tokenizer):
 
 def test_text_decoder_keeps_a_tokenizer_classes_own_decode():
     """A tokenizer class that decodes its own way is called through its decode."""
-    from opt_serving.testing.fake_engine import byte_tokenizer
+    from opt_serving.fake_engine import byte_tokenizer
     base = byte_tokenizer()
 
     class Shouting(type(base)):

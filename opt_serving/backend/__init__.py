@@ -9,7 +9,7 @@ they read (`plain` undoes it).
 
 The rule: the kernels' products, decode attention and screened greedy head on one CPU device in float32
 (and under bfloat16 or int8 weights; the screened head with float32 and bfloat16 ones, which keep a float32 LM
-head; `BackendSettings` can turn them off); the argmax kernel on any CPU devices; plain XLA on other platforms.
+head; `Settings` can turn them off); the argmax kernel on any CPU devices; plain XLA on other platforms.
 """
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ import numpy as np
 
 from opt_serving import sampling
 from opt_serving.backend.cpu import _lib, attention, head, products
-from opt_serving.backend.settings import BackendSettings
+from opt_serving.settings import Settings
 
-__all__ = ["Backend", "BackendSettings", "bfloat16_products", "choose", "devices", "for_params"]
+__all__ = ["Backend", "bfloat16_products", "choose", "devices", "for_params"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,12 +133,12 @@ class Backend:
         return products.unpack_params(params, like, self.weights) if self.products else params
 
 
-def choose(devices: Iterable, dtype, settings: Optional[BackendSettings] = None,
+def choose(devices: Iterable, dtype, settings: Optional[Settings] = None,
            weights: str = "float32") -> Backend:
     """The backend for params of `dtype` on `devices` (see the module docstring for the rule) whose dense
     weights come as `weights` ("int8": model/quantize.py's; "bfloat16": float32 params to run in bfloat16
-    products, see bfloat16_products). `settings`: BackendSettings.from_env() by default."""
-    settings = settings or BackendSettings.from_env()
+    products, see bfloat16_products). `settings`: Settings.from_env() by default."""
+    settings = settings or Settings.from_env()
     devices = list(devices)
     xla = Backend(weights="int8" if weights == "int8" else "float32")
     if not settings.kernels or not devices or any(d.platform != "cpu" for d in devices):
@@ -153,17 +153,17 @@ def choose(devices: Iterable, dtype, settings: Optional[BackendSettings] = None,
                    greedy_head=one and weights != "int8" and settings.bf16_screen and head.supported())
 
 
-def bfloat16_products(devices: Iterable, settings: Optional[BackendSettings] = None) -> bool:
+def bfloat16_products(devices: Iterable, settings: Optional[Settings] = None) -> bool:
     """Whether bfloat16 weights on `devices` can run as packed bfloat16 products with float32 accumulation
     (one CPU device whose oneDNN runs bfloat16 natively: AVX512_BF16 or AMX). Where not, bfloat16 params run
     on XLA, which converts them to float32 at each product."""
-    settings = settings or BackendSettings.from_env()
+    settings = settings or Settings.from_env()
     devices = list(devices)
     return (settings.kernels and len(devices) == 1 and devices[0].platform == "cpu"
             and _lib.load(settings.threads()) is not None and head.supported())
 
 
-def for_params(params: dict, settings: Optional[BackendSettings] = None, weights: str = "float32") -> Backend:
+def for_params(params: dict, settings: Optional[Settings] = None, weights: str = "float32") -> Backend:
     """choose() for a param tree where it lies (its devices; its dtype where all its floating arrays share
     one). The screened head needs an embedding with every weight finite (its error bound)."""
     floating = {x.dtype for x in jax.tree_util.tree_leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)}

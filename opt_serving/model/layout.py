@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from opt_serving.backend import Backend, BackendSettings, choose, devices, for_params
+from opt_serving.backend import Backend, choose, devices, for_params
+from opt_serving.settings import Settings
 from opt_serving.backend.cpu import heap
 from opt_serving.config import OPTConfig
 from opt_serving.model import opt, param_tree
@@ -19,7 +20,7 @@ from opt_serving.model import opt, param_tree
 QKV = ("q_proj", "k_proj", "v_proj")
 
 
-def runtime_params(params: dict, settings: Optional[BackendSettings] = None,
+def runtime_params(params: dict, settings: Optional[Settings] = None,
                    weights: str = "float32") -> tuple[Backend, dict]:
     """Checkpoint-layout params -> (the backend chosen where they lie (backend.for_params), the params in its
     runtime layout): on one device q/k/v fused (fuse_qkv), then what that backend packs (Backend.prepare).
@@ -29,7 +30,7 @@ def runtime_params(params: dict, settings: Optional[BackendSettings] = None,
     return backend, backend.prepare(fused)
 
 
-def runtime_parts(parts: Iterable[dict], where: Iterable, dtype, settings: Optional[BackendSettings] = None,
+def runtime_parts(parts: Iterable[dict], where: Iterable, dtype, settings: Optional[Settings] = None,
                   weights: str = "float32", head: bool = True) -> tuple[Backend, dict]:
     """runtime_params over params arriving a group at a time (sources.tree_parts: the tensors outside the
     layers first, then one layer after another): each group is put in the runtime layout as it arrives and its

@@ -1,6 +1,6 @@
-"""get_model(name, path, ...): a model name and its weights -> the model a notebook (and the slot runner)
-uses. `facebook/opt-*` -> Hugging Face PyTorch OPTForCausalLM (the reference and baseline), `jax/opt-*` -> the
-Flax model on one device (model/wrapper.py's OPTModel), `alpa/opt-*` -> the parallel backend."""
+"""A model spec's weights -> the model on one device: `local_model` (the Flax model, model/wrapper.py's
+OPTModel) and `reference_model` (Hugging Face's PyTorch OPTForCausalLM, facebook/'s: the reference and
+baseline). get_model (opt_serving/models.py) picks between them and the parallel backend by the spec."""
 from __future__ import annotations
 
 import logging
@@ -11,29 +11,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from opt_serving import backend as backend_api
-from opt_serving.config import config_for, get_config, size_from_name
+from opt_serving.backend.cpu import products
+from opt_serving.config import config_for, get_config
 from opt_serving.errors import require
-from opt_serving.model import param_tree, sources, weights
+from opt_serving.model import layout, sources, weights
 from opt_serving.model import quantize as quantization
+from opt_serving.model.weights import resolve_numpy_folder
+from opt_serving.model.wrapper import OPTModel
+from opt_serving.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
-PREFIXES = ("facebook/", "jax/", "alpa/")
-
-
-def resolve_numpy_folder(path: str | Path, model_name: str) -> Path:
-    """`path` itself, or Alpa's `<path>/<name>-np` (also accepting `<path>/<size>-np`)."""
-    path = Path(path)
-    try:
-        size = size_from_name(model_name)
-        candidates = [path, path / f"opt-{size}-np", path / f"{size}-np"]
-    except ValueError:  # not a preset: the name is a label for the folder itself ("jax/my-finetune")
-        candidates = [path]
-    for c in candidates:
-        if (c / "config.json").exists() or (c / "decoder.embed_tokens.weight").exists():
-            return c
-    raise FileNotFoundError(f"no numpy weights folder for {model_name!r}: tried "
-                            + ", ".join(str(c) for c in candidates))
+__all__ = ["check_quantize_dtype", "load_model", "local_model", "model_dtype", "reference_model",
+           "resolve_numpy_folder"]
 
 
 def model_dtype(dtype) -> jnp.dtype:
@@ -44,65 +34,33 @@ def model_dtype(dtype) -> jnp.dtype:
     return jnp.dtype(dtype)
 
 
-def get_model(model_name: str, path: str | Path | None = None, dtype="auto",
-              tensor_parallel: int | None = None, pipeline_parallel: int | None = None,
-              dummy: bool = False, seed: int = 0, quantize: str | None = None, **kwargs):
-    """Load an OPT model by name (see the module docstring for the prefixes). `quantize="int8"`: every dense
-    weight and the LM head in int8 with a scale per output channel (model/quantize.py), from any numpy
-    folder (a quantized one is read as it is). `dtype="bfloat16"` on a CPU with native bfloat16 products
-    keeps float32 activations and runs the products on bfloat16 weights."""
-    quantize = quantization.check_choice(quantize)
-    if not model_name.startswith(PREFIXES):
-        raise ValueError(f"unknown model {model_name!r}: the name must start with one of "
-                         f"{', '.join(PREFIXES)} (e.g. 'jax/opt-125m')")
-    if path is None or not (Path(path) / "config.json").is_file():
-        try:  # unknown sizes fail here, naming the known ones (a folder's config.json wins)
-            size_from_name(model_name)
-        except ValueError as e:
-            if path is None:
-                raise
-            raise ValueError(f"{e}; any name works with a folder that has a config.json, and {path} has none") \
-                from None
-    if quantize and model_name.startswith("facebook/"):
-        raise ValueError(f"{model_name}: quantize={quantize!r} applies to jax/ and alpa/ models (facebook/ is "
-                         "Hugging Face's PyTorch model, the reference)")
-    if model_name.startswith("alpa/"):
-        try:
-            from opt_serving.parallel import backend
-        except ImportError:
-            raise NotImplementedError(
-                f"{model_name}: the alpa/ backend (opt_serving.parallel.backend) is not available "
-                "in this build; use jax/ for one device") from None
-        check_quantize_dtype(quantize, dtype)
-        return backend.get_alpa_model(model_name, path, dtype=dtype, tensor_parallel=tensor_parallel,
-                                      pipeline_parallel=pipeline_parallel, dummy=dummy, seed=seed,
-                                      quantize=quantize, **kwargs)
-    if tensor_parallel not in (None, 1) or pipeline_parallel not in (None, 1):
-        raise ValueError(f"{model_name} runs on one device; use alpa/ for parallelism")
-    if model_name.startswith("facebook/"):
-        return _get_hf_model(model_name, path, dtype, dummy, seed)
+def local_model(spec: ModelSpec, dtype="auto", progress: bool = False) -> OPTModel:
+    """The Flax model on one device over the spec's weights: its numpy folder or random weights from its seed.
+    `spec.quantize="int8"`: every dense weight and the LM head in int8 with a scale per output channel
+    (model/quantize.py), from any numpy folder (a quantized one is read as it is). `dtype="bfloat16"` on a CPU
+    with native bfloat16 products keeps float32 activations and runs the products on bfloat16 weights."""
+    quantize = quantization.check_choice(spec.quantize)
     dtype, fmt = _weights_format(model_dtype(dtype), quantize)
-    if dummy:
-        cfg, source = get_config(model_name), sources.RandomSource(seed)
+    if spec.weights.random:
+        cfg, source = get_config(spec.name), sources.RandomSource(spec.weights.seed)
     else:
-        if path is None:
-            raise ValueError(f"{model_name}: give path= (the numpy weights folder) or dummy=True")
-        folder = resolve_numpy_folder(path, model_name)
-        cfg, source = config_for(model_name, folder), sources.FolderSource(folder, quantize)
-    return load_model(cfg, source, dtype, quantize, fmt, progress=kwargs.get("progress", False))
+        if spec.weights.folder is None:
+            raise ValueError(f"{spec.name}: give path= (the numpy weights folder) or dummy=True")
+        folder = resolve_numpy_folder(spec.weights.folder, spec.name)
+        cfg, source = config_for(spec.name, folder), sources.FolderSource(folder, quantize)
+    return load_model(cfg, source, dtype, quantize, fmt, progress=progress)
 
 
-def load_model(cfg, source, dtype, quantize: str | None = None, fmt: str = "float32", progress: bool = False):
+def load_model(cfg, source, dtype, quantize: str | None = None, fmt: str = "float32",
+               progress: bool = False) -> OPTModel:
     """The one-device model from a source of tensors (model/sources.py), put in its runtime layout a layer at a
     time as it is read (layout.runtime_parts): the process never holds the checkpoint layout and the runtime
     one of the whole model at once."""
-    from opt_serving.model import layout
     parts = sources.tree_parts(source, cfg, dtype=dtype, quantize=quantize)
     if progress:
-        from tqdm import tqdm
+        from tqdm import tqdm  # optional: only for a progress bar
         parts = tqdm(parts, desc="loading weights", unit="layer", total=cfg.num_hidden_layers + 1)
     backend, params = layout.runtime_parts(parts, jax.devices()[:1], dtype, weights=fmt)
-    from opt_serving.model.wrapper import OPTModel  # wrapper re-exports get_model: imported late, not in a cycle
     return OPTModel(cfg, params, backend=backend)
 
 
@@ -117,7 +75,6 @@ def _weights_format(dtype, quantize: str | None) -> tuple[jnp.dtype, str]:
     if dtype != jnp.bfloat16 or jax.default_backend() != "cpu":
         return dtype, "float32"
     if backend_api.bfloat16_products(jax.devices()[:1]):
-        from opt_serving.backend.cpu import products
         rows = products.bf16_fma_rows()
         if rows:  # said once, at load: which kernel a batch's products take
             log.info("bfloat16 products of %d rows or more run as float32 FMAs on the widened bfloat16 weights "
@@ -136,22 +93,24 @@ def check_quantize_dtype(quantize: str | None, dtype) -> None:
         raise ValueError(f"quantize={quantize!r} keeps float32 activations on a CPU; drop dtype={dtype}")
 
 
-def _get_hf_model(model_name, path, dtype, dummy, seed):
-    torch = require("torch", "torch", f"{model_name} (facebook/: Hugging Face's PyTorch model, the reference)")
-    import transformers
+def reference_model(spec: ModelSpec, dtype="auto"):
+    """facebook/: Hugging Face's PyTorch OPTForCausalLM (the reference) over a Hugging Face folder, a numpy
+    folder, or random weights from the spec's seed (torch's generator, not the Flax model's draw)."""
+    torch = require("torch", "torch", f"{spec.name} (facebook/: Hugging Face's PyTorch model, the reference)")
+    import transformers  # beside torch: loaded only for the reference model
     torch_dtype = {"float32": torch.float32, "float16": torch.float16,
                    "bfloat16": torch.bfloat16}[str(model_dtype(dtype))]
-    if dummy or path is None:
-        if not dummy:
-            raise ValueError(f"{model_name}: give path= (an HF folder or numpy folder) or dummy=True")
-        torch.manual_seed(seed)
-        hf_cfg = transformers.OPTConfig(**get_config(model_name).to_hf_dict())
+    if spec.weights.random:
+        torch.manual_seed(spec.weights.seed)
+        hf_cfg = transformers.OPTConfig(**get_config(spec.name).to_hf_dict())
         return transformers.OPTForCausalLM(hf_cfg).to(torch_dtype).eval()
-    path = Path(path)
+    if spec.weights.folder is None:
+        raise ValueError(f"{spec.name}: give path= (an HF folder or numpy folder) or dummy=True")
+    path = Path(spec.weights.folder)
     if (path / "config.json").exists() and (any(path.glob("*.safetensors"))
                                             or any(path.glob("pytorch_model*.bin"))):
         return transformers.OPTForCausalLM.from_pretrained(path, dtype=torch_dtype).eval()
-    folder = resolve_numpy_folder(path, model_name)
+    folder = resolve_numpy_folder(path, spec.name)
     cfg, arrays = weights.load_numpy_folder(folder)
     model = transformers.OPTForCausalLM(transformers.OPTConfig(**cfg.to_hf_dict()))
     state = {weights.metaseq_key_to_hf(k): torch.from_numpy(np.array(v, np.float32))

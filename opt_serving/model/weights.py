@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from opt_serving.config import OPTConfig
+from opt_serving.config import OPTConfig, size_from_name
 
 LAYER_PREFIX = "decoder.layers.{i}."
 
@@ -63,6 +63,21 @@ def param_shapes(cfg: OPTConfig) -> dict[str, tuple[int, ...]]:
     for i in range(cfg.num_hidden_layers):
         shapes.update(layer_param_shapes(cfg, i))
     return shapes
+
+
+def resolve_numpy_folder(path: str | os.PathLike, model_name: str) -> Path:
+    """`path` itself, or Alpa's `<path>/<name>-np` (also accepting `<path>/<size>-np`)."""
+    path = Path(path)
+    try:
+        size = size_from_name(model_name)
+        candidates = [path, path / f"opt-{size}-np", path / f"{size}-np"]
+    except ValueError:  # not a preset: the name is a label for the folder itself ("jax/my-finetune")
+        candidates = [path]
+    for c in candidates:
+        if (c / "config.json").exists() or (c / "decoder.embed_tokens.weight").exists():
+            return c
+    raise FileNotFoundError(f"no numpy weights folder for {model_name!r}: tried "
+                            + ", ".join(str(c) for c in candidates))
 
 
 def save_array(path: str | os.PathLike, array: np.ndarray) -> None:

@@ -1,6 +1,6 @@
 """A Hugging Face style generate() for the Flax OPT (OPTModel, on one device; parallel/backend.py's
-PipelinedOPT shares its front, `Generation`). `get_model` (model/loader.py) is re-exported here, where
-notebooks have always imported it.
+PipelinedOPT shares its front, `Generation`). `get_model` (opt_serving/models.py) is reachable here, where
+notebooks have always imported it, and so are `PREFIXES` (spec.py) and `resolve_numpy_folder` (weights.py).
 
 generate() mirrors transformers 5.23 (`_sample` and the vectorised `_beam_search`, in beam_search.py)
 so tokens match HF's; the whole decoding loop is one jitted `lax.while_loop`,
@@ -20,6 +20,8 @@ from opt_serving import sampling
 from opt_serving.backend import Backend
 from opt_serving.config import OPTConfig
 from opt_serving.model import beam_search, kv_cache, layout, opt
+from opt_serving.model.weights import resolve_numpy_folder  # noqa: F401 (notebooks import it from here)
+from opt_serving.spec import PREFIXES  # noqa: F401 (notebooks import it from here)
 
 
 @dataclasses.dataclass
@@ -311,5 +313,12 @@ def _sample_loop(cfg, params, ids, mask, st, max_new, new_bucket, pad, output_sc
     return state.history, steps, scores_buf
 
 
-# the notebook API's entry point, defined with the loaders (model/loader.py)
-from opt_serving.model.loader import PREFIXES, get_model, resolve_numpy_folder  # noqa: E402,F401
+def __getattr__(name: str):
+    """`from opt_serving.model.wrapper import get_model`, where notebooks have always imported it: the edge's
+    get_model (opt_serving/models.py), which builds this module's models, so it is looked up when asked for
+    rather than imported here (the model layer imports nothing above it)."""
+    if name == "get_model":
+        import opt_serving.models
+        return opt_serving.models.get_model
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+

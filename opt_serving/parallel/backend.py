@@ -19,6 +19,7 @@ that are in flight together; the tokens are chosen by the same jitted `wrapper.p
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from functools import partial
 
@@ -29,18 +30,21 @@ import numpy as np
 from opt_serving import jax_env, sampling
 from opt_serving.backend import choose
 from opt_serving.config import OPTConfig, config_for, get_config
-from opt_serving.model import beam_search, loader, wrapper
+from opt_serving.model import beam_search, layout, loader, sources, wrapper
 from opt_serving.parallel import cluster as clusters
+from opt_serving.parallel import ray_address
 from opt_serving.parallel.cluster import Cluster, parse_bytes
+from opt_serving.parallel.pipeline import RayStages
 from opt_serving.parallel.planner import Plan, search
+from opt_serving.parallel.sharding import ShardedOPT, make_mesh, sharded_parts
+from opt_serving.spec import ModelSpec
 
 
 def connect_ray(start: bool = True):
     """Join the Ray cluster of the last `ray start --head` on this machine, or RAY_ADDRESS's, if it answers (a
     stale address file is skipped, saying so: parallel/ray_address.py); with none, start a local one when
     `start`, else return None."""
-    import ray
-    from opt_serving.parallel import ray_address
+    import ray  # Ray is imported where a cluster is joined: planning for this process's devices needs none
     up, _ = ray_address.init(start=start, include_dashboard=False, logging_level="ERROR")
     return ray if up else None
 
@@ -66,7 +70,6 @@ def _memory(device_memory) -> float | None:
 def plan_cluster(tensor_parallel=None, pipeline_parallel=None, device_memory=None) -> Cluster:
     """What the planner plans for: the Ray cluster when one runs (joined if need be), else this
     process's devices; `device_memory` (bytes or "16GB") overrides each device's memory."""
-    import dataclasses
     memory = _memory(device_memory)
     ray = connect_ray(start=pipeline_parallel not in (None, 1))
     if ray is not None:
@@ -88,25 +91,24 @@ def plan_cluster(tensor_parallel=None, pipeline_parallel=None, device_memory=Non
     return cluster
 
 
-def plan_model(model_name: str, path=None, dtype="float32", dummy: bool = False, tensor_parallel=None,
-               pipeline_parallel=None, device_memory=None, batch_size: int = 1, max_seq_len=None,
-               cluster: Cluster | None = None, quantize: str | None = None):
-    """(plan, config, weights folder or None) of an alpa/ model: the planner's best plan with the given
-    degrees fixed (`quantize="int8"`: planned for int8 weights). Raises planner.NoFeasiblePlan with
+def plan_model(spec: ModelSpec, dtype="float32", device_memory=None, batch_size: int = 1, max_seq_len=None,
+               cluster: Cluster | None = None):
+    """(plan, config, weights folder or None) of an alpa/ model: the planner's best plan with the spec's
+    degrees fixed (`spec.quantize="int8"`: planned for int8 weights). Raises planner.NoFeasiblePlan with
     `opt-serving plan`'s message when nothing fits."""
     dtype = loader.model_dtype(dtype)
     folder = None
-    if dummy:
-        cfg = get_config(model_name)
+    if spec.weights.random:
+        cfg = get_config(spec.name)
     else:
-        if path is None:
-            raise ValueError(f"{model_name}: give path= (the numpy weights folder) or dummy=True")
-        folder = loader.resolve_numpy_folder(path, model_name)
-        cfg = config_for(model_name, folder)
-    cluster = cluster or plan_cluster(tensor_parallel, pipeline_parallel, device_memory)
-    plan = search(cfg, cluster, model=model_name.rsplit("/", 1)[-1], batch_size=batch_size,
-                  max_seq_len=max_seq_len, dtype=jnp.dtype(dtype).name, tensor_parallel=tensor_parallel,
-                  pipeline_parallel=pipeline_parallel, weights=quantize or "float32").best
+        if spec.weights.folder is None:
+            raise ValueError(f"{spec.name}: give path= (the numpy weights folder) or dummy=True")
+        folder = loader.resolve_numpy_folder(spec.weights.folder, spec.name)
+        cfg = config_for(spec.name, folder)
+    cluster = cluster or plan_cluster(spec.tensor_parallel, spec.pipeline_parallel, device_memory)
+    plan = search(cfg, cluster, model=spec.label, batch_size=batch_size,
+                  max_seq_len=max_seq_len, dtype=jnp.dtype(dtype).name, tensor_parallel=spec.tensor_parallel,
+                  pipeline_parallel=spec.pipeline_parallel, weights=spec.quantize or "float32").best
     return plan, cfg, folder
 
 
@@ -115,9 +117,6 @@ def tensor_parallel_model(cfg: OPTConfig, plan: Plan, folder, dtype, seed: int =
     """A pp = 1 plan in this process: params sharded over the first tp devices, each device reading its slice
     of the folder or drawing its slice of the random weights (model/sources.py) (`quantize="int8"`: int8
     weights, model/quantize.py's, split as the float ones are)."""
-    from opt_serving.model import sources
-    from opt_serving.model import layout
-    from opt_serving.parallel.sharding import make_mesh, sharded_parts
     if len(jax.devices()) < plan.tp:
         raise ValueError(f"the plan {plan.name} needs {plan.tp} devices in this process, it sees "
                          f"{len(jax.devices())} (on a CPU: XLA_FLAGS=--xla_force_host_platform_device_count)")
@@ -136,7 +135,6 @@ class TensorParallelOPT(wrapper.OPTModel):
     def __init__(self, cfg: OPTConfig, params, mesh, plan: Plan | None = None, weights: str = "float32",
                  backend=None):
         """`params` in the checkpoint's layout, or with `backend` in its runtime layout (see OPTModel)."""
-        from opt_serving.parallel.sharding import ShardedOPT
         super().__init__(cfg, params, backend=backend, weights=weights)
         self.plan, self.mesh = plan, mesh
         self._sharded = ShardedOPT(cfg, self.fused_params, mesh, backend=self.backend)
@@ -297,21 +295,19 @@ class PipelinedOPT(wrapper.Generation):
         return (seqs, idx), scores, best
 
 
-def get_alpa_model(model_name: str, path=None, dtype="auto", tensor_parallel: int | None = None,
-                   pipeline_parallel: int | None = None, dummy: bool = False, seed: int = 0,
-                   batch_size: int = 1, max_seq_len: int | None = None, cluster: Cluster | None = None,
-                   device_memory=None, micro_batches: int | None = None, quantize: str | None = None,
+def get_alpa_model(spec: ModelSpec, dtype="auto", batch_size: int = 1, max_seq_len: int | None = None,
+                   cluster: Cluster | None = None, device_memory=None, micro_batches: int | None = None,
                    **unused):
-    """An alpa/ model: a plan (explicit degrees kept) for the Ray cluster, then sharded or pipelined
-    (`quantize="int8"`: int8 weights, each stage quantizing its own, or reading them from a quantized folder)."""
+    """An alpa/ model: a plan (the spec's explicit degrees kept) for the Ray cluster, then sharded or pipelined
+    (`spec.quantize="int8"`: int8 weights, each stage quantizing its own, or reading them from a quantized
+    folder)."""
     if unused:
         raise TypeError(f"get_model() got unsupported arguments: {sorted(unused)}")
     dtype = cluster_dtype(dtype)
-    plan, cfg, folder = plan_model(model_name, path, dtype, dummy, tensor_parallel, pipeline_parallel,
-                                   device_memory, batch_size, max_seq_len, cluster, quantize)
+    seed, quantize = spec.weights.seed or 0, spec.quantize
+    plan, cfg, folder = plan_model(spec, dtype, device_memory, batch_size, max_seq_len, cluster)
     if plan.pp == 1:
         return tensor_parallel_model(cfg, plan, folder, dtype, seed, quantize)
-    from opt_serving.parallel.pipeline import RayStages
     # this process only drives the stages (each holds its GPUs' share): no device memory taken ahead of need
     jax_env.apply(jax_env.route_only())
     connect_ray()

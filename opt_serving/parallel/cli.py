@@ -11,13 +11,16 @@ Exit status 0 with a plan, 1 when nothing fits (the reason in numbers on stderr)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
 from opt_serving.config import OPTConfig, get_config
 from opt_serving.jax_env import DEFAULT_HEADROOM
-from opt_serving.parallel.cluster import GB, Cluster, parse_cluster
+from opt_serving.parallel import cost, ray_address
+from opt_serving.parallel.cluster import GB, Cluster, cluster_from_jax, cluster_from_ray, parse_cluster
+from opt_serving.parallel.cluster import calibrate as measure
 from opt_serving.parallel.planner import NoFeasiblePlan, SearchResult, search
 
 
@@ -62,11 +65,8 @@ def load_cluster(text: str, calibrate: bool = False, profile: dict | None = None
     """`profile`: calibrate(...) keywords (model, batch, context, dtype) to also measure that
     model's decode stages on the local devices; see profile.py."""
     if text == "local":
-        from opt_serving.parallel.cluster import calibrate as measure, cluster_from_jax
         cluster = cluster_from_jax()
     elif text == "ray":
-        from opt_serving.parallel import ray_address
-        from opt_serving.parallel.cluster import calibrate as measure, cluster_from_ray
         if not ray_address.init(start=False, logging_level="ERROR")[0]:
             raise ValueError("--cluster ray: no Ray cluster is running on this machine (or at RAY_ADDRESS); "
                              "start one with `ray start --head`, or give the cluster as text (e.g. 2x8x80GB)")
@@ -77,7 +77,6 @@ def load_cluster(text: str, calibrate: bool = False, profile: dict | None = None
             raise ValueError("--calibrate measures the local devices; it cannot apply to a "
                              "dry-run cluster given as text")
     if calibrate:
-        import dataclasses
         cluster = dataclasses.replace(cluster, spec=measure(base=cluster.spec, **(profile or {})))
     return cluster
 
@@ -150,7 +149,6 @@ def run(args: argparse.Namespace) -> int:
         profile = None
         if args.calibrate and args.cluster == "local" and args.batch_size == 1:
             # profiling builds the whole model's stages for real: only where that is small
-            from opt_serving.parallel import cost
             need = cost.weight_bytes(cfg, args.dtype)
             if need < 2 * GB:
                 profile = dict(model=cfg, batch=1, dtype=args.dtype,

@@ -23,11 +23,8 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from opt_serving.config import OPTConfig
-    from opt_serving.parallel.profile import DecodeProfile
+from opt_serving.config import OPTConfig
+from opt_serving.parallel.profile import DecodeProfile, profile_decode
 
 GB = 1e9
 GiB = 2 ** 30
@@ -59,7 +56,7 @@ class DeviceSpec:
     remote_call_s: float = 0.0
     # measured decode-step times of one model's stages at each tp (profile.py); when it
     # matches the stage being costed, cost.stage_time uses it instead of the roofline
-    profile: "DecodeProfile | None" = None
+    profile: DecodeProfile | None = None
 
     @property
     def flops_achieved(self) -> float:
@@ -286,8 +283,7 @@ def _layer_overhead(device, layers=(2, 10)) -> float:
     slope between a shallow and a deep narrow model is the per-layer fixed cost."""
     import jax
     import jax.numpy as jnp
-    from opt_serving.config import OPTConfig
-    from opt_serving.model import kv_cache, opt, param_tree
+    from opt_serving.model import kv_cache, opt, param_tree  # JAX: measuring only (the planner imports none)
     times = []
     for n in layers:
         cfg = OPTConfig(vocab_size=128, hidden_size=64, num_hidden_layers=n, num_attention_heads=4,
@@ -380,7 +376,6 @@ def calibrate(devices=None, base: DeviceSpec | None = None, size: int = 1024,
     if len(devices) > 1:
         changes.update(_multi_device_rates(devices, matvec))
     if model is not None:
-        from opt_serving.parallel.profile import profile_decode
         prof = profile_decode(model, tps, batch=batch, context=context, dtype=dtype,
                               stage_actors=stage_actors)
         changes["profile"] = prof

@@ -1,7 +1,8 @@
-"""A model name and weights -> the slot runner the engine drives, for every plan.
+"""A model spec (spec.py) -> the slot runner the engine drives, for every plan.
 
-`jax/` and `facebook/` names run on one device. `alpa/` names take the planner's plan for the Ray
-cluster this process is connected to (or, with no cluster running, for this process's devices):
+jax/ and facebook/ models run on one device (the engine runs facebook/ weights on the Flax model). alpa/ ones
+take the planner's plan for the Ray cluster this process is connected to (or, with no cluster running, for this
+process's devices):
 pp = 1 runs the tensor-parallel stage in this process (GSPMD shards the KV cache by heads); pp > 1 runs
 one Ray actor per stage (`parallel/pipeline.py`), each holding its layers and their KV cache.
 """
@@ -10,55 +11,48 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
+import jax
+
 from opt_serving.backend import Backend
-from opt_serving.model import opt
+from opt_serving.model import loader, opt
+from opt_serving.parallel import backend as parallel
+from opt_serving.parallel.pipeline import RayStages
 from opt_serving.runner.prefix import default_blocks
 from opt_serving.runner.slots import LocalStages, Slots
 from opt_serving.runner.stage import StageSlots
+from opt_serving.spec import ModelSpec
 
 log = logging.getLogger(__name__)
 
 
-def load_slots(model_name: str, path=None, dtype: str = "auto", num_slots: int = 16,
-               max_seq_len: Optional[int] = None, dummy: bool = False, seed: int = 0,
-               tensor_parallel: Optional[int] = None, pipeline_parallel: Optional[int] = None,
-               device_memory=None, micro_batches: Optional[int] = None, quantize: Optional[str] = None,
-               prefix_caching: bool = True) -> Slots:
-    """Slots over the named model's weights: a numpy folder (or its parent holding `<size>-np/`), or
-    random weights of the named size (`dummy`, drawn from `seed`). `micro_batches`: decode slot groups
-    of a pipelined plan (default: pp, at most one per slot). `quantize="int8"`: int8 weights (model/quantize.py;
-    an alpa/ plan's are split as its float ones, each pipeline stage quantizing its own). `prefix_caching`:
-    keep prompts' KV for the prompts that start the same way (runner/prefix.py; every stage keeps its layers').
+def load_slots(spec: ModelSpec, dtype: str = "auto", num_slots: int = 16, max_seq_len: Optional[int] = None,
+               device_memory=None, micro_batches: Optional[int] = None, prefix_caching: bool = True) -> Slots:
+    """Slots over the spec's weights: a numpy folder (or its parent holding `<size>-np/`), or random weights
+    of its size drawn from its seed. `micro_batches`: decode slot groups of a pipelined plan (default: pp, at
+    most one per slot). `spec.quantize="int8"`: int8 weights (model/quantize.py; an alpa/ plan's are split as
+    its float ones, each pipeline stage quantizing its own). `prefix_caching`: keep prompts' KV for the prompts
+    that start the same way (runner/prefix.py; every stage keeps its layers').
     """
-    from opt_serving.model.loader import check_quantize_dtype, get_model
-    dtype = resolve_dtype(dtype, cluster=model_name.startswith("alpa/"))
-    if model_name.startswith("alpa/"):
-        check_quantize_dtype(quantize, dtype)
-        from opt_serving.parallel import backend
-        plan, cfg, source = backend.plan_model(model_name, path, dtype, dummy=dummy,
-                                               tensor_parallel=tensor_parallel,
-                                               pipeline_parallel=pipeline_parallel,
-                                               device_memory=device_memory, batch_size=num_slots,
-                                               max_seq_len=max_seq_len, quantize=quantize)
-        if prefix_caching and not getattr(plan, "prefix_pool", True):
+    spec = spec.for_engine()
+    dtype = resolve_dtype(dtype, cluster=spec.parallel)
+    if not spec.parallel:
+        m = loader.local_model(spec, dtype)
+    else:
+        loader.check_quantize_dtype(spec.quantize, dtype)
+        plan, cfg, source = parallel.plan_model(spec, dtype, device_memory=device_memory, batch_size=num_slots,
+                                                max_seq_len=max_seq_len)
+        if prefix_caching and not plan.prefix_pool:
             log.warning("prefix caching is off: the plan %s has no room for its pool beside %d slots of %s tokens",
                         plan.name, num_slots, max_seq_len or cfg.max_position_embeddings)
             prefix_caching = False
         if plan.pp > 1:
-            from opt_serving.parallel.pipeline import RayStages
             groups = micro_batches or plan.pp
             groups = max(g for g in range(1, min(groups, num_slots) + 1) if num_slots % g == 0)
             blocks = prefix_blocks(cfg, num_slots, max_seq_len, prefix_caching)
-            stages = RayStages(cfg, plan, source, dtype=dtype, seed=seed, rows=num_slots // groups,
-                               groups=groups, max_seq_len=max_seq_len, quantize=quantize, prefix_blocks=blocks)
+            stages = RayStages(cfg, plan, source, dtype=dtype, seed=spec.weights.seed or 0, rows=num_slots // groups,
+                               groups=groups, max_seq_len=max_seq_len, quantize=spec.quantize, prefix_blocks=blocks)
             return Slots(cfg, stages, num_slots, groups, max_seq_len, plan=plan, prefix_blocks=blocks)
-        m = backend.tensor_parallel_model(cfg, plan, source, dtype, seed, quantize)
-    else:
-        if tensor_parallel not in (None, 1) or pipeline_parallel not in (None, 1):
-            raise ValueError(f"{model_name} runs on one device; use alpa/ for parallelism")
-        if model_name.startswith("facebook/"):
-            model_name = "jax/" + model_name[len("facebook/"):]
-        m = get_model(model_name, path, dtype=dtype, dummy=dummy, seed=seed, quantize=quantize)
+        m = parallel.tensor_parallel_model(cfg, plan, source, dtype, spec.weights.seed or 0, spec.quantize)
     return local_slots(m.config, m.fused_params, num_slots, max_seq_len, plan=getattr(m, "plan", None),
                        backend=m.backend, prefix_blocks=prefix_blocks(m.config, num_slots, max_seq_len, prefix_caching))
 
@@ -77,9 +71,7 @@ def resolve_dtype(dtype: str, cluster: bool = False) -> str:
     if dtype != "auto":
         return dtype
     if cluster:
-        from opt_serving.parallel.backend import cluster_dtype
-        return cluster_dtype(dtype)
-    import jax
+        return parallel.cluster_dtype(dtype)
     return "float16" if jax.default_backend() == "gpu" else "float32"
 
 

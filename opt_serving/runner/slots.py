@@ -40,6 +40,8 @@ from typing import Any, Optional, Protocol, Sequence
 import numpy as np
 
 from opt_serving.model import kv_cache
+from opt_serving.model.wrapper import OPTModel
+from opt_serving.parallel.backend import PipelinedOPT
 from opt_serving.runner.prefix import BLOCK_SIZE, PrefixCache
 from opt_serving.runner.stage import (cache_bucket, chunk_width, chunk_widths, job_size, job_sizes, prefill_bucket,
                                       prefill_buckets)
@@ -569,9 +571,7 @@ class Slots:
         """A `wrapper.Generation` (HF-style generate(), beam search) over the same weights, no second copy:
         an OPTModel in this process, or a PipelinedOPT over the same stage actors."""
         if isinstance(self.stages, LocalStages):
-            from opt_serving.model.wrapper import OPTModel
             return OPTModel(self.cfg, self.params, self.stages.stages[0].backend)
-        from opt_serving.parallel.backend import PipelinedOPT
         return PipelinedOPT(self.cfg, self.stages, self.plan)
 
     def check_health(self) -> None:

@@ -9,10 +9,21 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
 import threading
+import time
+import urllib.error
+import urllib.request
 
 from opt_serving.admission import DECODE_STEPS, PREFILL_BUDGET, PREFILL_CHUNK
+from opt_serving.config import get_config
+from opt_serving.parallel import ray_address
+from opt_serving.parallel.planner import NoFeasiblePlan
+from opt_serving.service.deployment import ServeArgs, build_app, check_model_args
+from opt_serving.service.ports import free_port
+from opt_serving.settings import Settings
+from opt_serving.tokenizer import load_tokenizer
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -124,7 +135,6 @@ def _start_ray(found, num_cpus: int | None, local_env: dict | None = None) -> bo
 def port_holder(host: str, port: int) -> str | None:
     """None when `port` can be bound on `host`; else what holds it: the listening process (pid and command
     line) where it can be found, or a plain description."""
-    import socket
     bind_host = "" if host in ("0.0.0.0", "::") else host
     with socket.socket(socket.AF_INET6 if ":" in bind_host else socket.AF_INET) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed connection's TIME_WAIT is no holder
@@ -198,8 +208,7 @@ def wants_direct_ingress(ingress: str, num_replicas: int | None) -> bool:
 
 def serve_args_from(args: argparse.Namespace):
     """The command line -> the application builder's `ServeArgs`."""
-    from opt_serving.service.deployment import ServeArgs
-    keys = list(args.api_key) + [k for k in os.environ.get("OPT_SERVING_API_KEYS", "").split(",") if k]
+    keys = list(args.api_key) + list(Settings.from_env().api_keys)
     # absolute paths: the replica that reads them is another process, maybe in another folder
     path, tokenizer = (None if a is None else os.path.abspath(a) for a in (args.path, args.tokenizer))
     return ServeArgs(engine=args.engine, model=args.model, path=path, dummy=args.dummy, seed=args.seed,
@@ -218,8 +227,6 @@ def serve_args_from(args: argparse.Namespace):
 def check_args(serve_args) -> str | None:
     """What is wrong with the model arguments (None: nothing), found before Ray starts: the replica that
     loads the model would only report it as a failed deployment."""
-    from opt_serving.service.deployment import check_model_args
-    from opt_serving.tokenizer import load_tokenizer
     try:
         check_model_args(serve_args)
         if serve_args.tokenizer is not None:
@@ -227,7 +234,6 @@ def check_args(serve_args) -> str | None:
                 return f"--tokenizer {serve_args.tokenizer}: no such folder"
             tok = load_tokenizer(serve_args.tokenizer)  # a missing or broken folder fails here, not in Ray
             if serve_args.dummy:
-                from opt_serving.config import get_config
                 vocab = get_config(serve_args.model).vocab_size
                 if len(tok) > vocab:
                     return (f"--tokenizer {serve_args.tokenizer} has {len(tok)} tokens, more than "
@@ -265,7 +271,6 @@ def _stop_serving(started_ray: bool, deployed: str | None, timeout_s: float) -> 
     are skipped. Returns False when it did not finish in time."""
     import ray
 
-    from opt_serving.parallel import ray_address
     if not ray.is_initialized():
         return True
     try:
@@ -316,10 +321,7 @@ def _deploy(args: argparse.Namespace, serve_args, direct: bool, started_ray: boo
     name (never replaced), or Serve refuses the application."""
     from ray import serve  # after Ray started: Serve reads its settings when imported
 
-    from opt_serving.parallel.planner import NoFeasiblePlan
-    from opt_serving.service.deployment import build_app
     # with direct ingress Serve still starts its proxy: it gets a spare port, the replica owns --port
-    from opt_serving.service.ports import free_port
     serve.start(http_options={"host": args.host, "port": free_port() if direct else args.port})
     if not started_ray:
         problem = _foreign_serve_problem(args)
@@ -362,9 +364,6 @@ def _foreign_serve_problem(args: argparse.Namespace) -> str | None:
 
 def _answers(url: str, timeout_s: float) -> bool:
     """Whether an HTTP server answers at `url` (any status) within `timeout_s`."""
-    import time
-    import urllib.error
-    import urllib.request
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -384,7 +383,6 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"opt-serving serve: {problem}", file=sys.stderr)
         return 2
-    from opt_serving.parallel import ray_address
     try:
         found = ray_address.find_cluster(args.ray_address)
     except ConnectionError as e:

@@ -11,9 +11,14 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt
 
 from opt_serving import jax_env
 from opt_serving.admission import DECODE_STEPS, PREFILL_CHUNK
+from opt_serving.fake_engine import fake_generator
+from opt_serving.loading import check_model_args as check_model_names
+from opt_serving.loading import load_generator
+from opt_serving.parallel.pipeline import stage_bundles
 from opt_serving.service import protocol as P
 from opt_serving.service.app import create_app
 from opt_serving.service.limits import DEFAULT_MAX_BODY_BYTES
+from opt_serving.spec import ModelSpec, is_parallel
 
 
 class ServeArgs(BaseModel):
@@ -23,7 +28,7 @@ class ServeArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # model: the named model's weights (below). fake: the hand-checkable fake engine
-    # (opt_serving/testing/fake_engine.py), for tests and demos of the HTTP side; it takes no model arguments
+    # (opt_serving/fake_engine.py), for tests and demos of the HTTP side; it takes no model arguments
     engine: Literal["model", "fake"] = "model"
     model: Optional[str] = None          # None: the embedded tiny model
     path: Optional[str] = None
@@ -71,7 +76,7 @@ class ServeArgs(BaseModel):
 
     def plan_args(self) -> dict:
         """What load_engine takes about the plan (alpa/ models only)."""
-        if not (self.model or "").startswith("alpa/"):
+        if not is_parallel(self.model):
             return {}
         return dict(tensor_parallel=self.tensor_parallel, pipeline_parallel=self.pipeline_parallel,
                     device_memory=self.device_memory, micro_batches=self.micro_batches)
@@ -85,8 +90,7 @@ def check_model_args(args: ServeArgs) -> None:
             raise ValueError("the fake engine (--engine fake) takes no weights or tokenizer (--path, --dummy, "
                              "--tokenizer)")
         return
-    from opt_serving.loading import check_model_args as check
-    check(args.model, args.path, args.dummy, args.tokenizer)
+    check_model_names(args.model, args.path, args.dummy, args.tokenizer)
 
 
 def build_generator(args: ServeArgs):
@@ -94,10 +98,8 @@ def build_generator(args: ServeArgs):
     `dummy`), the embedded tiny one (neither), or the fake engine."""
     check_model_args(args)
     if args.engine == "fake":
-        from opt_serving.testing.fake_engine import fake_generator
         return fake_generator(num_slots=args.max_batch_size, max_seq_len=args.max_seq_len or 256,
                               max_queue=args.max_queue)
-    from opt_serving.loading import load_generator
     return load_generator(args.model, args.path, dtype=args.dtype, max_batch_size=args.max_batch_size,
                           max_seq_len=args.max_seq_len, max_queue=args.max_queue, dummy=args.dummy, seed=args.seed,
                           tokenizer=args.tokenizer, quantize=args.quantize, prefill_chunk=args.prefill_chunk,
@@ -118,7 +120,7 @@ def placement(args: ServeArgs) -> dict:
     cluster."""
     if args.engine == "fake":  # no model, no JAX
         return {"ray_actor_options": {"num_cpus": args.num_cpus}}
-    if not (args.model or "").startswith("alpa/"):
+    if not is_parallel(args.model):
         have = cluster_gpus()
         gpus = args.num_gpus if args.num_gpus is not None else (1.0 if have > 0 else 0.0)
         if gpus > have:
@@ -127,15 +129,17 @@ def placement(args: ServeArgs) -> dict:
     if args.num_gpus is not None:
         raise ValueError("num_gpus (--num-gpus) is for one-device models; an alpa/ model's plan reserves its "
                          "GPUs (--tensor-parallel, --pipeline-parallel)")
+    # JAX and the planner are imported only for an alpa/ model's plan: a one-device or fake deployment's
+    # process (the `serve` command's) never loads them
     from opt_serving.parallel import backend
     from opt_serving.runner.load import resolve_dtype
     args.dtype = resolve_dtype(args.dtype, cluster=True)  # the cluster's GPUs decide "auto", not this process's
     # the plan needs only the config: the folder's, or the preset's when there is no folder (yet)
-    plan, _, _ = backend.plan_model(args.model, args.path, args.dtype, dummy=args.dummy or args.path is None,
-                                    tensor_parallel=args.tensor_parallel,
-                                    pipeline_parallel=args.pipeline_parallel, device_memory=args.device_memory,
-                                    batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
-                                    quantize=args.quantize)
+    spec = ModelSpec.parse(args.model, args.path, dummy=args.dummy or args.path is None,
+                           tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel,
+                           quantize=args.quantize)
+    plan, _, _ = backend.plan_model(spec, args.dtype, device_memory=args.device_memory,
+                                    batch_size=args.max_batch_size, max_seq_len=args.max_seq_len)
     args.tensor_parallel, args.pipeline_parallel = plan.tp, plan.pp
     gpus = cluster_gpus() > 0
     if plan.pp == 1:
@@ -148,7 +152,6 @@ def placement(args: ServeArgs) -> dict:
     # one bundle per stage, the replica in stage 0's (a bundle lies on one node, so a stage's tp devices
     # do too); CPU nodes are the planner's devices: one stage a node where there are enough of them. The
     # replica only drives the stages (each holds its own GPUs' share): it needs no GPU
-    from opt_serving.parallel.pipeline import stage_bundles
     bundles, strategy = stage_bundles(plan, gpus, extra_cpus=args.num_cpus)
     return {"ray_actor_options": _actor_options(args.num_cpus, 0, _jax_env(0) if gpus else {}),
             "placement_group_bundles": bundles, "placement_group_strategy": strategy}

@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from opt_serving.errors import InvalidRequest, NotFound
+from opt_serving.generator import Completion, SamplingParams
 from opt_serving.service import protocol as P
 from opt_serving.service.errors import ClientGone, as_http_errors
 from opt_serving.service.metrics import ServiceMetrics
@@ -27,7 +28,6 @@ class Service:
                  max_logprobs: int = P.MAX_LOGPROBS):
         """`model_name`: the name (or names, vLLM's --served-model-name) requests may call the model by; the
         first is the one answers give when a request names none. Default: the generator's."""
-        from opt_serving.generator import SamplingParams
         self.g = generator
         self.SamplingParams = SamplingParams
         names = [model_name] if isinstance(model_name, str) else list(model_name or [])
@@ -83,7 +83,6 @@ class Service:
     async def complete_all(self, streams: list, endpoint: str, per_prompt: int = 1) -> list:
         """Join every stream into a Completion, timed for the metrics as `endpoint`; a failure or a timeout
         cancels them all. `per_prompt`: consecutive streams sharing one prompt (counted once)."""
-        from opt_serving.generator import Completion
         timer = self.metrics.timer(endpoint)
 
         async def join(i: int, st):

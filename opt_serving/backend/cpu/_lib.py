@@ -10,7 +10,7 @@ from typing import Optional
 
 import jax
 
-from opt_serving.backend.settings import BackendSettings
+from opt_serving.settings import Settings
 
 LIBRARY = Path(__file__).resolve().parents[2] / "_cpu_kernels.so"
 MATMUL, ARGMAX, ATTENTION, GREEDY_HEAD = "opt_onednn_matmul", "opt_argmax", "opt_decode_attention", "opt_greedy_head"
@@ -57,7 +57,7 @@ def _load() -> Optional[ctypes.CDLL]:
     for fn in (lib.opt_bf16_fma_reads, lib.opt_s8_vnni_reads):
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_int64, ctypes.c_int64]
-    settings = BackendSettings.from_env()
+    settings = Settings.from_env()
     lib.opt_cpu_kernels_set_threads(settings.threads())
     lib.opt_bf16_fma_rows(-1 if settings.bf16_fma_rows is None else settings.bf16_fma_rows)
     lib.opt_s8_vnni_rows(-1 if settings.s8_vnni_rows is None else settings.s8_vnni_rows)

@@ -20,6 +20,8 @@ import ctypes
 import os
 from typing import Iterator, Mapping
 
+from opt_serving.settings import Settings
+
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters (malloc.h)
 # blocks below this come from the heap (a step's temporaries; the weights, allocated before, are not affected)
 MMAP_THRESHOLD = 256 << 20
@@ -31,7 +33,7 @@ _done = False
 
 def wanted(env: Mapping[str, str] = os.environ) -> bool:
     """Whether keep_heap may change malloc's settings: not turned off, and none of the user's own."""
-    return (env.get("OPT_SERVING_KEEP_HEAP", "1") != "0"
+    return (Settings.from_env(env).keep_heap
             and not any(k in env for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"))
             and "glibc.malloc." not in env.get("GLIBC_TUNABLES", ""))
 

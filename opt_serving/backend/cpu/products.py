@@ -80,7 +80,7 @@ def matmul(x, packed, n: int, bias=None, relu: bool = False, weights: str = "flo
 
 def bf16_fma_rows(rows: Optional[int] = None) -> int:
     """From how many rows bfloat16 products run as float32 FMAs on widened weights (0: never); `rows` sets
-    it (negative: this CPU's default, BackendSettings.bf16_fma_rows). The numbers are the same either way
+    it (negative: this CPU's default, Settings.bf16_fma_rows). The numbers are the same either way
     (bfloat16 rows and weights, float32 sums); only the order of the sums differs."""
     return int(_lib.lib().opt_bf16_fma_rows(-2 if rows is None else max(rows, -1)))
 
@@ -92,7 +92,7 @@ def bf16_fma_reads(k: int, n: int) -> bool:
 
 def s8_vnni_rows(rows: Optional[int] = None) -> int:
     """From how many rows int8 products run our VNNI kernel instead of oneDNN's (0: never); `rows` sets it
-    (negative: the default, BackendSettings.s8_vnni_rows). The numbers are the same either way."""
+    (negative: the default, Settings.s8_vnni_rows). The numbers are the same either way."""
     return int(_lib.lib().opt_s8_vnni_rows(-2 if rows is None else max(rows, -1)))
 
 

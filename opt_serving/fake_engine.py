@@ -1,4 +1,5 @@
-"""A fake slot model whose every output can be worked out by hand, and a byte-level tokenizer for it.
+"""`opt-serving serve --engine fake`: a fake slot model whose every output can be worked out by hand, and a
+byte-level tokenizer for it (the HTTP side served without weights, for demos, clients' tests and load tests).
 
 Same interface as `engine.OPTSlots`, driven by the real `engine.Engine` scheduler, so the service and the
 generator can be tested fast and exactly. The "model" after token `t` ranks `t+1, t+2, ..., t+5` (mod vocab)
@@ -20,6 +21,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from opt_serving.engine import Engine, Prefix, SlotSettings, StepResult, TokenInfo
+from opt_serving.generator import Generator
 
 LN2 = math.log(2.0)
 BYTE_OFFSET = 4
@@ -220,7 +222,6 @@ def fake_generator(num_slots: int = 4, max_seq_len: int = 64, max_queue: int = 1
                    tokenizer=None, decode_steps: int = 1):
     """A `Generator` over the fake engine: the byte tokenizer by default, or any tokenizer (the fake's
     vocabulary then follows it, e.g. the real OPT one)."""
-    from opt_serving.generator import Generator
     tokenizer = tokenizer if tokenizer is not None else byte_tokenizer()
     engine = fake_engine(num_slots, max_seq_len, max_queue, start, vocab_size=len(tokenizer),
                          decode_steps=decode_steps)

@@ -1,0 +1,42 @@
+"""get_model(): the notebook's entry point. A model name and its options are parsed once into a `ModelSpec`
+(spec.py) and the spec picks the model:
+
+    model = get_model("jax/opt-125m", "/data/opt-125m-np")          # the Flax model on one device
+    model = get_model("facebook/opt-125m", "/data/opt-125m-hf")     # Hugging Face's PyTorch model (reference)
+    model = get_model("alpa/opt-tiny", folder, tensor_parallel=2)   # the planner's plan (parallel/backend.py)
+    model.generate(input_ids, max_new_tokens=8)
+
+`opt_serving.model.wrapper.get_model`, where notebooks have always imported it, is this function.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from opt_serving.model import loader
+from opt_serving.model import quantize as quantization
+from opt_serving.parallel import backend as parallel
+from opt_serving.spec import PREFIXES, TORCH, ModelSpec
+
+__all__ = ["PREFIXES", "get_model"]
+
+
+def get_model(model_name: str, path: str | Path | None = None, dtype="auto",
+              tensor_parallel: int | None = None, pipeline_parallel: int | None = None,
+              dummy: bool = False, seed: int = 0, quantize: str | None = None, **kwargs):
+    """Load an OPT model by name (spec.py's prefixes: jax/, facebook/, alpa/). `quantize="int8"`: every dense
+    weight and the LM head in int8 with a scale per output channel (model/quantize.py), from any numpy
+    folder (a quantized one is read as it is). `dtype="bfloat16"` on a CPU with native bfloat16 products
+    keeps float32 activations and runs the products on bfloat16 weights. An alpa/ model takes the planner's
+    options too (batch_size, max_seq_len, cluster, device_memory, micro_batches: parallel/backend.py)."""
+    quantize = quantization.check_choice(quantize)
+    spec = ModelSpec.parse(model_name, path, dummy=dummy, seed=seed, tensor_parallel=tensor_parallel,
+                           pipeline_parallel=pipeline_parallel, quantize=quantize)
+    if spec.parallel:
+        loader.check_quantize_dtype(quantize, dtype)
+        return parallel.get_alpa_model(spec, dtype=dtype, **kwargs)
+    if spec.backend == TORCH:
+        if quantize:  # the engine runs facebook/ weights on the Flax model, which quantizes; the reference does not
+            raise ValueError(f"{model_name}: quantize={quantize!r} applies to jax/ and alpa/ models (facebook/ is "
+                             "Hugging Face's PyTorch model, the reference)")
+        return loader.reference_model(spec, dtype)
+    return loader.local_model(spec, dtype, progress=kwargs.get("progress", False))

@@ -1,0 +1,83 @@
+"""settings.Settings: every OPT_SERVING_* switch read in one place, with README.md's names and defaults."""
+import ast
+import re
+from pathlib import Path
+
+from opt_serving.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_settings_come_from_the_environment(monkeypatch):
+    assert Settings.from_env({}) == Settings()
+    env = {"OPT_SERVING_ONEDNN": "0", "OPT_SERVING_BF16_SCREEN": "0", "OPT_SERVING_CPU_THREADS": "3",
+           "OPT_SERVING_NO_CEXT": "1", "OPT_SERVING_BF16_FMA_ROWS": "16"}
+    assert Settings.from_env(env) == Settings(kernels=False, bf16_screen=False, cpu_threads=3,
+                                              cext=False, bf16_fma_rows=16)
+    assert Settings.from_env({"OPT_SERVING_BF16_FMA_ROWS": "0"}).bf16_fma_rows == 0  # never
+    assert Settings.from_env({"OPT_SERVING_S8_VNNI_ROWS": "0"}).s8_vnni_rows == 0  # oneDNN's kernel always
+    assert Settings.from_env({"OPT_SERVING_S8_VNNI_ROWS": "4"}).s8_vnni_rows == 4
+    monkeypatch.setenv("OPT_SERVING_BF16_SCREEN", "0")
+    assert not Settings.from_env().bf16_screen
+
+
+def test_the_switches_read_outside_the_backend():
+    defaults = Settings.from_env({})
+    assert (defaults.keep_heap, defaults.compile_cache, defaults.cache_dir, defaults.api_keys) == (True, "", None, ())
+    assert (defaults.pin_threads, defaults.avx512) == (True, True)
+    s = Settings.from_env({"OPT_SERVING_KEEP_HEAP": "0", "OPT_SERVING_COMPILE_CACHE": " /tmp/xla ",
+                           "OPT_SERVING_CACHE": "/tmp/c", "OPT_SERVING_API_KEYS": "a,,b",
+                           "OPT_SERVING_PIN_THREADS": "0", "OPT_SERVING_NO_AVX512": ""})
+    assert (s.keep_heap, s.compile_cache, s.cache_dir, s.api_keys) == (False, "/tmp/xla", Path("/tmp/c"), ("a", "b"))
+    assert (s.pin_threads, s.avx512) == (False, False)  # NO_AVX512: any value, as the C++ reads it
+    for off in ("0", "off", "OFF", "false", "none"):
+        assert Settings.from_env({"OPT_SERVING_COMPILE_CACHE": off}).compile_cache is None
+
+
+def test_the_readers_follow_the_settings(monkeypatch, tmp_path):
+    from opt_serving import embedded
+    from opt_serving.backend.cpu import heap
+    monkeypatch.setenv("OPT_SERVING_CACHE", str(tmp_path))
+    assert embedded.default_cache_dir() == tmp_path
+    assert not heap.wanted({"OPT_SERVING_KEEP_HEAP": "0"}) and heap.wanted({})
+
+
+def _variables() -> set[str]:
+    doc = Settings.__doc__
+    return set(re.findall(r"OPT_SERVING_[A-Z0-9_]+", doc))
+
+
+def test_every_switch_is_a_field_and_in_the_readme():
+    variables = _variables()
+    assert len(variables) == len(Settings.__dataclass_fields__) == 12
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("Environment switches"):]
+    table = table[:table.index("\n## ")]
+    assert {v for v in variables if f"`{v}" not in table} == set()
+
+
+def _reads(tree: ast.AST):
+    """`OPT_SERVING_*` names a module reads from the environment: env.get("X"), os.getenv("X"), env["X"],
+    "X" in env."""
+    def named(node):
+        return isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("OPT_SERVING_")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, (ast.Attribute, ast.Name)) and node.args:
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id
+            if name in ("get", "getenv", "pop", "setdefault") and named(node.args[0]):
+                yield node.args[0].value
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and named(node.slice):
+            yield node.slice.value
+        elif isinstance(node, ast.Compare) and named(node.left) and isinstance(node.ops[0], (ast.In, ast.NotIn)):
+            yield node.left.value
+
+
+def test_no_module_reads_a_switch_but_settings():
+    readers = {}
+    for path in sorted((ROOT / "opt_serving").rglob("*.py")):
+        if path.name == "settings.py" and path.parent.name == "opt_serving" or "testing" in path.parts:
+            continue
+        found = sorted(set(_reads(ast.parse(path.read_text()))))
+        if found:
+            readers[str(path.relative_to(ROOT))] = found
+    assert readers == {}
