@@ -46,7 +46,7 @@ class ChunkedPrefill:
 
     def __init__(self, model, chunk: Optional[int], budget: Optional[int] = PREFILL_BUDGET):
         self.model = model
-        self.chunk = chunk if chunk and chunk > 0 and hasattr(model, "prefill_chunk") else None
+        self.chunk = chunk if chunk and chunk > 0 and model.chunked_prefill else None
         self.budget = max(budget or PREFILL_BUDGET, self.chunk or 0)
         self.spent = 0  # prompt tokens of this iteration's whole prefills (take)
         self._jobs: dict = {}  # request -> its job (open_prefill's), None until its first chunk; oldest first
@@ -72,15 +72,13 @@ class ChunkedPrefill:
     def cost(self, req) -> int:
         """The prompt tokens the request's prefill computes: past its cached prefix (`prompt_cost`), none for
         a prompt that joins a decode step (its tokens ride in the step's products)."""
-        joinable = getattr(self.model, "joinable", None)
-        if joinable is not None and req.settings.max_tokens > 0 and joinable(req.prompt, req.settings):
+        if self.model.joins_steps and req.settings.max_tokens > 0 and self.model.joinable(req.prompt, req.settings):
             return 0
         return self._to_compute(req)
 
     def _to_compute(self, req) -> int:
         """The prompt's tokens past what the slot model has cached of it (`prompt_cost`)."""
-        cost = getattr(self.model, "prompt_cost", None)
-        return len(req.prompt) if cost is None else cost(req.prompt, req.settings)
+        return self.model.prompt_cost(req.prompt, req.settings)
 
     def add(self, req) -> None:
         self._jobs[req] = None
@@ -153,10 +151,9 @@ def take(queue: collections.deque, free: int, chunked: ChunkedPrefill) -> list:
 def prefill_whole(model, reqs: list) -> list:
     """A Prefix (or the exception that stopped it) per request: together where the slot model has
     `prefill_batch`, and one by one if that fails, so only the request that caused it fails."""
-    batched = getattr(model, "prefill_batch", None)
-    if batched is not None and len(reqs) > 1:
+    if model.batched_prefill and len(reqs) > 1:
         try:
-            return batched([r.prompt for r in reqs], [r.settings for r in reqs])
+            return model.prefill_batch([r.prompt for r in reqs], [r.settings for r in reqs])
         except Exception:
             log.exception("prefilling %d requests together failed; prefilling them one by one", len(reqs))
     out = []

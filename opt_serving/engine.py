@@ -95,15 +95,13 @@ class Engine:
     @property
     def max_top_logprobs(self) -> int:
         """The most top alternatives a token can come with."""
-        return getattr(self.model, "max_top_logprobs", MAX_TOP_LOGPROBS)
+        return self.model.max_top_logprobs
 
     def warmup(self) -> None:
         """Compile every prefill bucket, the decode step and the chunked prefill's step now, not at the first
         request."""
-        kw = {"prefill_chunk": self.prefill_chunk} if self.prefill_chunk else {}
-        if self.decode_steps > 1 and hasattr(self.model, "step_many"):
-            kw["decode_steps"] = self.decode_steps
-        self.model.warmup(**kw)
+        self.model.warmup(prefill_chunk=self.prefill_chunk or None,
+                          decode_steps=self.decode_steps if self.model.many_steps else 1)
 
     def start(self) -> None:
         if self._thread is None:
@@ -162,9 +160,7 @@ class Engine:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
         self._fail_pending(EngineClosed("the engine shut down before the request finished"))
-        close = getattr(self.model, "close", None)
-        if close is not None:  # e.g. a pipeline's stage actors and placement group
-            close()
+        self.model.close()  # e.g. a pipeline's stage actors and placement group
 
     def check_health(self) -> None:
         """Raise RuntimeError saying why this engine cannot serve: its thread is dead (or was never started),
@@ -182,9 +178,7 @@ class Engine:
         if busy and waited > self.health_stall_s:
             raise RuntimeError(f"engine stalled: no prefill or decode step finished in {waited:.0f} s "
                                f"(limit {self.health_stall_s:g} s) with {queued} queued and {running} running")
-        model_check = getattr(self.model, "check_health", None)
-        if model_check is not None:
-            model_check()
+        self.model.check_health()
 
     def __enter__(self):
         return self
@@ -284,11 +278,10 @@ class Engine:
     def _join(self, req: EngineRequest) -> bool:
         """Start a short prompt in a free slot with its prefill in the next decode step, where the slot model
         takes it (`join`); the step gives its first token. False: prefill it first."""
-        join = getattr(self.model, "join", None)
-        if join is None or req.settings.max_tokens <= 0:  # (scoring only: prefilled, never stepped)
+        if not self.model.joins_steps or req.settings.max_tokens <= 0:  # (scoring only: prefilled, never stepped)
             return False
         slot = self._slots.index(None)
-        if not join(req.prompt, req.settings, slot):
+        if not self.model.join(req.prompt, req.settings, slot):
             return False
         self._count_prefill(req, joined=True)
         req.cached_tokens = 0  # (a joining prompt is computed in the step: nothing reused)
@@ -301,8 +294,8 @@ class Engine:
         now: a prefill pass of a few short prompts reads every weight with the running streams waiting, where
         the next step carries them in its products while it decodes (a batch of clients that finished
         together sends its next requests at once: more than a block's worth of prompts arrive)."""
-        joinable = getattr(self.model, "joinable", None)
-        return joinable is not None and req.settings.max_tokens > 0 and joinable(req.prompt, req.settings)
+        return (self.model.joins_steps and req.settings.max_tokens > 0
+                and self.model.joinable(req.prompt, req.settings))
 
     def _count_prefill(self, req: EngineRequest, joined: bool = False, cached: int = 0) -> None:
         with self._cv:
@@ -327,18 +320,15 @@ class Engine:
         self._deliver(req, [prefix.first])
 
     def _discard(self, prefix: Prefix) -> None:
-        discard = getattr(self.model, "discard", None)
-        if discard is not None:
-            discard(prefix)
+        self.model.discard(prefix)
 
     def _step(self, joining: bool = False) -> None:
         with self._cv:  # several steps in one call while no queued request could take a slot meanwhile
             hurry = bool(self._queue and None in self._slots) or self._chunked.held > 0
-        step_many = getattr(self.model, "step_many", None)
         t = time.perf_counter()
-        if (self.decode_steps > 1 and step_many is not None and not hurry
+        if (self.decode_steps > 1 and self.model.many_steps and not hurry
                 and 0 < self.decode_steps * self._step_s <= self.decode_call_s):  # (the first step alone)
-            results = step_many(self.decode_steps)
+            results = self.model.step_many(self.decode_steps)
         else:
             results = [self.model.step()]
         took = (time.perf_counter() - t) / len(results)

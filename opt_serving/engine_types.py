@@ -6,10 +6,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import numbers
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from opt_serving.errors import ContextLengthExceeded, InvalidRequest, Overloaded, Unavailable
-from opt_serving.runner.types import MAX_BAD_WORD_LEN, MAX_BAD_WORDS, EngineOutput, Prefix, SlotSettings, StepResult
+from opt_serving.runner.types import MAX_BAD_WORD_LEN, MAX_BAD_WORDS, EngineOutput, SlotModel, SlotSettings
 
 
 def check_prompt(ids: Sequence[int], max_tokens: int, vocab_size: int, max_seq_len: int) -> None:
@@ -48,26 +48,6 @@ class QueueFull(Overloaded):
 class EngineClosed(Unavailable):
     """The engine was closed (shutdown), or its thread died, before or while serving the request."""
     code = "shutting_down"
-
-
-class SlotModel(Protocol):
-    num_slots: int
-    max_seq_len: int
-    vocab_size: int
-
-    def warmup(self) -> None: ...
-    def prefill(self, tokens: Sequence[int], settings: SlotSettings) -> Prefix: ...
-    # optional: `prefill_batch(prompts, settings) -> list[Prefix]`, several requests at once; `open_prefill`,
-    # `prefill_chunk`, `discard_partial`: a prompt a chunk at a time (admission.py, runner.slots.Slots);
-    # `prompt_cost(tokens, settings) -> int`, the prompt tokens a prefill would compute now (a prefix cache's
-    # slot model computes only those past its cached prefix; Prefix.cached says how many it reused)
-    def insert(self, prefix: Prefix, slot: int) -> None: ...
-    def step(self) -> StepResult: ...
-    def free(self, slot: int) -> None: ...
-    # optional: `step_many(n) -> list[StepResult]`, n steps in one call (each fed the last one's tokens;
-    # fewer where the model cannot: runner.slots.Slots); `discard(prefix)`, a prefix that will never be
-    # inserted (its rows are let go);
-    # `check_health()`, raising when the model cannot serve (e.g. a dead pipeline stage)
 
 
 Callback = Callable[[EngineOutput], Optional[bool]]

@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from opt_serving.engine import Engine, Prefix, SlotSettings, StepResult, TokenInfo
+from opt_serving.engine import Engine, Prefix, SlotModel, SlotSettings, StepResult, TokenInfo
 from opt_serving.generator import Generator
 
 LN2 = math.log(2.0)
@@ -48,8 +48,10 @@ def fake_top(last: int, vocab_size: int = FAKE_VOCAB_SIZE) -> list[tuple[int, fl
     return [((last + j) % vocab_size, -j * LN2) for j in range(1, MAX_TOP_LOGPROBS + 1)]
 
 
-class FakeSlots:
-    """`engine.SlotModel` with hand-checkable outputs (see the module docstring)."""
+class FakeSlots(SlotModel):
+    """A slot model (engine.SlotModel) with hand-checkable outputs (see the module docstring); of the
+    abilities, only many_steps."""
+    many_steps = True
     max_top_logprobs = MAX_TOP_LOGPROBS
 
     def __init__(self, num_slots: int = 4, max_seq_len: int = 64, vocab_size: int = FAKE_VOCAB_SIZE):
@@ -62,7 +64,7 @@ class FakeSlots:
         self.inserted: list[int] = []   # slots in insertion order (tests look at slot reuse)
         self.inserted_settings: list[SlotSettings] = []  # and the requests' settings (what the layers above asked)
 
-    def warmup(self) -> None:
+    def warmup(self, prefill_chunk: Optional[int] = None, decode_steps: int = 1) -> None:
         self.warmed_up = True
 
     def _next(self, last: int, k: int, s: SlotSettings) -> TokenInfo:

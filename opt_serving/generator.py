@@ -176,13 +176,12 @@ class Generator:
         request and handed to the stage that samples; InvalidRequest where the engine has no such stage."""
         with self._grammar_lock:
             if self._ll_tokenizer is None:
-                use = getattr(self.engine.model, "use_tokenizer", None)
-                if use is None:
+                if not self.engine.model.masks_tokens:
                     raise InvalidRequest(f"structured output is not available with {self.model_name}: its engine "
                                          "cannot mask its tokens", param=so.param)
                 text = tokenizer_json(self.tokenizer)
                 tok = ll_tokenizer(text, self.vocab_size, self.eos_token_id)
-                use(text, self.eos_token_id)
+                self.engine.model.use_tokenizer(text, self.eos_token_id)
                 self._ll_tokenizer = tok
             return self._ll_tokenizer
 
@@ -266,11 +265,10 @@ class Generator:
     def beam_model(self):
         """The model beam search runs on; InvalidRequest if this generator has none."""
         if self._model is None:
-            make = getattr(self.engine.model, "generation_model", None)
-            if make is None:
+            if not self.engine.model.runs_generate:
                 raise InvalidRequest(f"beam search (num_beams > 1) is not available for {self.model_name}: its "
                                      "engine has no model to run generate() on", param="num_beams")
-            self._model = make()
+            self._model = self.engine.model.generation_model()
         return self._model
 
     # ---- blocking (batch tool, notebooks; not on the event loop thread) ----

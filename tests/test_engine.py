@@ -495,6 +495,7 @@ def test_a_failed_batched_prefill_is_retried_one_by_one():
     from opt_serving.fake_engine import FakeSlots
 
     class Fussy(FakeSlots):
+        batched_prefill = True
         batches = []
 
         def prefill_batch(self, prompts, settings):
@@ -967,3 +968,68 @@ def test_decode_steps_in_one_call_give_the_single_steps_tokens(model, hf, monkey
     assert four[0].ids == hf_greedy(hf, PROMPTS[0], 10) and four[4].ids == hf_greedy(hf, jobs[4][0], 6)
     assert (four[3].finish, four[3].ids[-1]) == ("stop", stop) and len(four[3].ids) == stop_at.index(stop) + 1
     assert four[4].finish == "length" and len(four[4].ids) == 6
+
+
+def test_a_slot_model_with_only_the_required_methods_is_served_and_never_asked_for_an_ability_it_lacks():
+    """runner.types.SlotModel: the five abstract methods are all a slot model needs; with chunked prefill, several
+    decode steps a call and a batch of prompts asked of the engine, one that declares no ability is served
+    through prefill / insert / step / free alone (its undeclared methods raise NotImplementedError if called),
+    and one missing a required method cannot be made."""
+    from opt_serving.engine import Prefix, SlotModel, StepResult, TokenInfo
+
+    class Plain(SlotModel):
+        """Each token is the last one + 1."""
+        def __init__(self):
+            self.num_slots, self.max_seq_len, self.vocab_size = 2, 64, 100
+            self.last, self.calls = [None] * 2, []
+
+        def warmup(self, prefill_chunk=None, decode_steps=1):
+            self.calls.append(("warmup", prefill_chunk, decode_steps))
+
+        def prefill(self, tokens, settings):
+            self.calls.append("prefill")
+            return Prefix(length=len(tokens), first=TokenInfo(tokens[-1] + 1, 0.0), prompt=None, state=None,
+                          settings=settings)
+
+        def insert(self, prefix, slot):
+            self.last[slot] = prefix.first.id
+
+        def step(self):
+            self.calls.append("step")
+            toks = np.array([0 if t is None else t + 1 for t in self.last], np.int32)
+            self.last = [None if t is None else int(x) for t, x in zip(self.last, toks)]
+            return StepResult(toks, np.zeros(2, np.float32), np.full((2, MAX_TOP_LOGPROBS), -1, np.int32),
+                              np.zeros((2, MAX_TOP_LOGPROBS), np.float32))
+
+        def free(self, slot):
+            self.last[slot] = None
+
+    model = Plain()
+    e = Engine(model, start=False, prefill_chunk=4, decode_steps=4)
+    e.warmup()
+    assert model.calls == [("warmup", None, 1)]  # no chunked prefill, no step_many: nothing of theirs compiled
+    e.start()
+    try:
+        outs = [[], [], []]
+        done = [threading.Event() for _ in outs]
+
+        def on(i):
+            def cb(out):
+                outs[i].extend(t.id for t in out.tokens)
+                if out.finish_reason:
+                    done[i].set()
+            return cb
+        for i, prompt in enumerate([[5, 6, 7, 8, 9, 10, 11], [20], [40, 41]]):  # the first is longer than a chunk
+            e.submit(prompt, SlotSettings(max_tokens=5), on(i))
+        assert all(d.wait(60) for d in done)
+    finally:
+        e.close()
+    assert outs == [[12, 13, 14, 15, 16], [21, 22, 23, 24, 25], [42, 43, 44, 45, 46]]
+    with pytest.raises(NotImplementedError, match="Plain has no chunked_prefill"):
+        model.prefill_chunk(None)
+
+    class Incomplete(SlotModel):
+        def warmup(self, prefill_chunk=None, decode_steps=1): ...
+
+    with pytest.raises(TypeError, match="abstract"):
+        Incomplete()

@@ -45,7 +45,7 @@ from opt_serving.parallel.backend import PipelinedOPT
 from opt_serving.runner.prefix import BLOCK_SIZE, PrefixCache
 from opt_serving.runner.stage import (cache_bucket, chunk_width, chunk_widths, job_size, job_sizes, prefill_bucket,
                                       prefill_buckets)
-from opt_serving.runner.types import (JOIN_BLOCKS, JOIN_PROMPT_TOKENS, JOIN_PROMPTS, MAX_TOP_LOGPROBS,
+from opt_serving.runner.types import (JOIN_BLOCKS, JOIN_PROMPT_TOKENS, JOIN_PROMPTS, MAX_TOP_LOGPROBS, SlotModel,
                                       PREFILL_BATCH_TOKENS, JoinBlock, PartialPrefill, Prefix, SlotSettings,
                                       StepResult, TokenInfo)
 
@@ -85,9 +85,10 @@ class LocalStages:
         pass
 
 
-class Slots:
-    """`engine.SlotModel` over `stages`, each holding `num_slots // groups` rows of every group."""
-    max_top_logprobs = MAX_TOP_LOGPROBS  # alternatives a token can come with
+class Slots(SlotModel):
+    """The slot model (runner.types.SlotModel) over `stages`, each holding `num_slots // groups` rows of every
+    group, with every ability."""
+    batched_prefill = chunked_prefill = joins_steps = many_steps = masks_tokens = runs_generate = True
 
     def __init__(self, cfg, stages: Stages, num_slots: int, groups: int = 1, max_seq_len: Optional[int] = None,
                  plan=None, prefix_blocks: int = 0):

@@ -3,8 +3,9 @@ settings, the tokens chosen for it, a prefilled request waiting for a slot (or o
 chunks), one decode step's result."""
 from __future__ import annotations
 
+import abc
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -150,3 +151,83 @@ class StepResult:
 class StageDied(Unavailable):
     """A pipeline stage (a Ray actor) is gone: the model cannot serve until it is loaded again."""
     code = "stage_died"
+
+
+class SlotModel(abc.ABC):
+    """What the engine drives: `num_slots` decode slots over one model (runner.slots.Slots; the fake engine's
+    FakeSlots). The five abstract methods are what every slot model has. What only some have is declared by
+    the class attributes below, which the engine and admission read (never probing for methods); the methods
+    of an ability a model does not declare raise NotImplementedError, and the rest default to doing nothing."""
+    num_slots: int
+    max_seq_len: int
+    vocab_size: int
+    max_top_logprobs: int = MAX_TOP_LOGPROBS  # the most top alternatives a token can come with
+
+    # abilities
+    batched_prefill: bool = False  # prefill_batch: several requests' prompts in one pass
+    chunked_prefill: bool = False  # open_prefill / prefill_chunk / discard_partial: a prompt a chunk at a time
+    joins_steps: bool = False      # joinable / join: a short prompt prefilled inside the next decode step
+    many_steps: bool = False       # step_many: n decode steps in one call, each fed the last one's tokens
+    masks_tokens: bool = False     # use_tokenizer: structured output's token masks
+    runs_generate: bool = False    # generation_model: a model beam search runs generate() on
+
+    @abc.abstractmethod
+    def warmup(self, prefill_chunk: Optional[int] = None, decode_steps: int = 1) -> None:
+        """Compile now what serving runs, not at the first request."""
+
+    @abc.abstractmethod
+    def prefill(self, tokens: Sequence[int], settings: SlotSettings) -> Prefix:
+        """A prompt's prefill, not yet in a slot."""
+
+    @abc.abstractmethod
+    def insert(self, prefix: Prefix, slot: int) -> None:
+        """A prefilled prompt into a free slot: its first token was given, it decodes from the next step."""
+
+    @abc.abstractmethod
+    def step(self) -> StepResult:
+        """One decode step of every occupied slot."""
+
+    @abc.abstractmethod
+    def free(self, slot: int) -> None:
+        """A slot's request is done: the slot takes the next."""
+
+    def prompt_cost(self, tokens: Sequence[int], settings: SlotSettings) -> int:
+        """The prompt tokens a prefill would compute now: a prefix cache's model computes only those past its
+        cached prefix (Prefix.cached says how many it reused)."""
+        return len(tokens)
+
+    def discard(self, prefix: Prefix) -> None:
+        """A prefix that will never be inserted: its rows are let go."""
+
+    def check_health(self) -> None:
+        """Raise when the model cannot serve (a pipeline's stage died)."""
+
+    def close(self) -> None:
+        """Free what the model holds beyond this process (a pipeline's stage actors and placement group)."""
+
+    def prefill_batch(self, prompts: Sequence[Sequence[int]], settings: Sequence[SlotSettings]) -> list[Prefix]:
+        raise NotImplementedError(f"{type(self).__name__} has no batched_prefill")
+
+    def open_prefill(self, tokens: Sequence[int], settings: SlotSettings, chunk: int, size: Optional[int] = None):
+        raise NotImplementedError(f"{type(self).__name__} has no chunked_prefill")
+
+    def prefill_chunk(self, job) -> Optional[Prefix]:
+        raise NotImplementedError(f"{type(self).__name__} has no chunked_prefill")
+
+    def discard_partial(self, job) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no chunked_prefill")
+
+    def joinable(self, tokens: Sequence[int], settings: SlotSettings) -> bool:
+        raise NotImplementedError(f"{type(self).__name__} does not join steps")
+
+    def join(self, tokens: Sequence[int], settings: SlotSettings, slot: int) -> bool:
+        raise NotImplementedError(f"{type(self).__name__} does not join steps")
+
+    def step_many(self, n: int) -> list[StepResult]:
+        raise NotImplementedError(f"{type(self).__name__} has no many_steps")
+
+    def use_tokenizer(self, tokenizer_json: str, eos: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot mask tokens")
+
+    def generation_model(self):
+        raise NotImplementedError(f"{type(self).__name__} has no model to run generate() on")
