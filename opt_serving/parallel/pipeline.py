@@ -221,6 +221,11 @@ class StageActor:
     def echo(self, x):
         return x
 
+    # the compiled graph's one method (handoff.py): an execution's calls for this stage, in order
+    def run_calls(self, payload):
+        from opt_serving.parallel import handoff
+        return handoff.run_calls(self, payload)
+
 
 def process_memory() -> dict:
     """This process's resident memory in bytes: now (`rss`, split into anonymous memory and file pages
@@ -270,8 +275,11 @@ class RayStages:
 
     def __init__(self, cfg: OPTConfig, plan, folder=None, dtype="float32", seed: int = 0, rows: int = 1,
                  groups: int = 1, max_seq_len: int | None = None, cpus_per_stage: float = 1,
-                 placement_timeout_s: float = 120, quantize: str | None = None, prefix_blocks: int = 0):
+                 placement_timeout_s: float = 120, quantize: str | None = None, prefix_blocks: int = 0,
+                 handoff: str = "auto"):
         import ray
+        if handoff not in HANDOFFS:
+            raise ValueError(f"handoff must be one of {', '.join(HANDOFFS)}, not {handoff!r}")
         from ray.util import get_current_placement_group
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -318,15 +326,47 @@ class RayStages:
         self._sent: list = []
         self._lock = threading.Lock()
         self.dead: str | None = None
-        self._finalizer = weakref.finalize(self, _shutdown, list(self.actors), pg if own else None)
+        self._chain = None  # the compiled graph the calls go through (handoff.py), or None: object refs
+        self._graphs: list = []  # (for the finalizer, which must not hold self)
+        self._finalizer = weakref.finalize(self, _shutdown, list(self.actors), pg if own else None, self._graphs)
         if own:
             _LIVE.append(weakref.ref(self))
         self.get([a.ready.remote() for a in self.actors])
+        self.handoff, self.handoff_reason = self._start_handoff(handoff)
+
+    def _start_handoff(self, handoff: str) -> tuple[str, str]:
+        """Compile the stages' graph where `handoff` asks for it -> (the hand-off used, why)."""
+        import logging
+        log = logging.getLogger(__name__)
+        nodes = len({w["node"] for w in self.where()})
+        if handoff == "refs":
+            why = "asked for (handoff='refs')"
+        elif handoff == "auto" and nodes > 1:
+            # Ray 2.60's raylet failed a check (experimental_mutable_object_provider.cc) at a compiled graph's
+            # first write across nodes (benchmark/README.md)
+            why = f"the stages span {nodes} nodes, where compiled graphs are not used (handoff='auto')"
+        else:
+            from opt_serving.parallel.handoff import CompiledChain
+            try:
+                self._chain = CompiledChain(self.actors, max_inflight=max(16, 4 * self.n))
+            except Exception as e:
+                log.warning("pipeline stage hand-off: the compiled graph failed to start (%s: %s); using object "
+                            "refs", type(e).__name__, e)
+                return "refs", f"the compiled graph failed to start ({type(e).__name__}: {e})"
+            self._graphs.append(self._chain.dag)
+            why = ("asked for (handoff='cgraph')" if handoff == "cgraph" else
+                   f"all {self.n} stages on one node (handoff='auto')")
+            log.info("pipeline stage hand-off: Ray Compiled Graph, %s", why)
+            return "cgraph", why
+        log.info("pipeline stage hand-off: object refs, %s", why)
+        return "refs", why
 
     def describe(self, i: int) -> str:
         return _describe(i, self.specs[i])
 
     def call(self, i: int, method: str, *args):
+        if self._chain is not None:
+            return self._chained(self._chain.call, i, method, args)
         ref = getattr(self.actors[i], method).remote(*args)
         if method in ("insert", "free", "drop", "end_warmup", "store_prefix"):
             with self._lock:
@@ -337,6 +377,8 @@ class RayStages:
         import ray
         if self.dead is not None:
             raise StageDied(self.dead)
+        if self._chain is not None:
+            return self._chained(self._get_chained, futures)
         try:
             with self._lock:  # check the replies nobody waited for, so their errors are not lost
                 done, self._sent = ray.wait(self._sent, num_returns=len(self._sent), timeout=0) if self._sent \
@@ -347,6 +389,30 @@ class RayStages:
             which = [self.describe(i) for i in self._dead()]
             self.dead = (f"pipeline {', '.join(which) or 'stage'} died ({type(e).__name__}); "
                          "the model must be loaded again")
+            raise StageDied(self.dead) from None
+
+    def _get_chained(self, futures):
+        self._chain.flush()  # the calls this thread left waiting go first
+        if isinstance(futures, (list, tuple)):
+            return [self._chain.get(f) for f in futures]
+        return self._chain.get(futures)
+
+    def _chained(self, fn, *args):
+        """fn(*args) on the compiled graph; a broken graph (a stage gone, or the pipeline closed) -> StageDied."""
+        from ray.exceptions import RayTaskError
+        if self.dead is not None:
+            raise StageDied(self.dead)
+        try:
+            return fn(*args)
+        except RayTaskError:  # a stage's call raised (as the cause's type): the stages live on
+            raise
+        except Exception as e:
+            if self._chain.broken is None and not _is_ray_error(e):
+                raise  # a bug here, not a broken graph
+            if self.dead is None:
+                which = [self.describe(i) for i in self._dead()]
+                self.dead = (f"pipeline {', '.join(which) or 'stage'} died ({type(e).__name__}); "
+                             "the model must be loaded again")
             raise StageDied(self.dead) from None
 
     def _dead(self, timeout_s: float = 10) -> list[int]:
@@ -382,6 +448,15 @@ class RayStages:
         self._finalizer()
 
 
+HANDOFFS = ("auto", "cgraph", "refs")
+
+
+def _is_ray_error(e: BaseException) -> bool:
+    import ray
+    return isinstance(e, (ray.exceptions.RayError, ray.exceptions.RayChannelError)) or \
+        type(e).__module__.startswith("ray.")
+
+
 # pipelines this process placed itself, oldest first (a notebook's `m = get_model(...)` run again)
 _LIVE: list = []
 
@@ -410,13 +485,17 @@ def _wait_or_make_room(pg, timeout_s: float) -> None:
             older[0].close("closed to make room for a newer pipelined model in this process; load it again")
 
 
-def _shutdown(actors, pg) -> None:
-    """Kill the stage actors and remove the placement group this pipeline made (if Ray is still up)."""
+def _shutdown(actors, pg, graphs=()) -> None:
+    """Stop the stages' compiled graph, kill the stage actors and remove the placement group this pipeline
+    made (if Ray is still up)."""
     try:
         import ray
         if not ray.is_initialized():
             return
         from ray.util.placement_group import remove_placement_group
+        from opt_serving.parallel.handoff import teardown
+        for dag in graphs:
+            teardown(dag)
         for a in actors:
             ray.kill(a)
         if pg is not None:
