@@ -23,8 +23,11 @@ channel or actor error): `RayStages` turns that into `StageDied` naming the stag
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import traceback
+
+import numpy as np
 
 # the calls whose replies nobody waits for (their errors surface at a later get)
 FIRE_AND_FORGET = frozenset({"insert", "free", "drop", "end_warmup", "store_prefix"})
@@ -44,7 +47,7 @@ def run_calls(stage, payload):
     """The compiled graph's step in a stage actor: run this stage's calls of the execution in order ->
     (the later stages' calls, the results they take, the results for the driver) or, in the last stage, the
     results for the driver (one per call that hands nothing on, in stage and call order)."""
-    calls, prev, out = payload
+    calls, prev, out = owned(payload)
     forward = {}
     for j, (method, args, back) in enumerate(calls[0]):
         result = _run_one(stage, method, args, prev)
@@ -53,6 +56,26 @@ def run_calls(stage, payload):
         else:
             forward[j] = result
     return (calls[1:], forward, out) if len(calls) > 1 else out
+
+
+def owned(x):
+    """`x` with every numpy array in it (in tuples, lists, dicts and dataclasses) copied: what a channel read
+    gives is a read-only view of the channel's shared memory, and while one is kept (in a stage's state, or a
+    hidden state XLA aliases) Ray cannot reuse the buffer, and the graph stops once every buffer is held."""
+    if isinstance(x, np.ndarray):
+        return x if x.flags.writeable and x.flags.owndata else x.copy()
+    if isinstance(x, tuple):
+        items = [owned(a) for a in x]
+        return type(x)(*items) if hasattr(x, "_fields") else tuple(items)
+    if isinstance(x, list):
+        return [owned(a) for a in x]
+    if isinstance(x, dict):
+        return {k: owned(v) for k, v in x.items()}
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        changed = {f.name: owned(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init}
+        changed = {k: v for k, v in changed.items() if v is not getattr(x, k)}
+        return dataclasses.replace(x, **changed) if changed else x
+    return x
 
 
 def _run_one(stage, method: str, args, prev):
@@ -179,7 +202,7 @@ class CompiledChain:
             if not self._sent:
                 raise RuntimeError("a result of a call another thread has not sent yet")
             oldest = self._sent.popleft()
-            out = self._run(oldest.ref.get, -1)
+            out = owned(self._run(oldest.ref.get, -1))  # (what the driver keeps must not hold the channel)
             oldest.ref = None
             oldest.results = dict(zip(oldest.backs(), out))
             self._late += [r for (i, j), r in oldest.results.items()
