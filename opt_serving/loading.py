@@ -50,7 +50,7 @@ def load_generator(model: Optional[str], path=None, dtype: str = "auto", max_bat
     admission.PREFILL_BUDGET), `decode_steps`
     decode steps in one call while nobody waits for a slot (engine.Engine), `prefix_caching`: prompts that start
     as earlier ones did reuse their KV cache (runner/prefix.py). `plan`: an alpa/
-    model's tensor_parallel, pipeline_parallel, device_memory, micro_batches (`load_engine`).
+    model's tensor_parallel, pipeline_parallel, device_memory, micro_batches, handoff (`load_engine`).
     ValueError (naming the argument) for arguments that do not go together; OSError for missing files."""
     from opt_serving.generator import Generator
     from opt_serving.tokenizer import load_tokenizer, tokenizer_for_dummy
@@ -77,7 +77,7 @@ def load_engine(model_name: str, path=None, dtype: str = "auto", num_slots: int 
                 decode_steps: int = DECODE_STEPS, prefix_caching: bool = True, **plan) -> "Engine":
     """An engine over `runner.load.load_slots(model_name, path, ...)` (every plan: one device, a
     tensor-parallel mesh, pipeline stages on a Ray cluster; `plan` takes dummy, seed, tensor_parallel,
-    pipeline_parallel, device_memory, micro_batches), compiled before it returns when `warmup` (the
+    pipeline_parallel, device_memory, micro_batches, handoff), compiled before it returns when `warmup` (the
     chunked prefill's step and `decode_steps` steps in one call too: `prefill_chunk`, `prefill_budget`,
     `decode_steps`, see engine.Engine; `prefix_caching`, runner/prefix.py). What it compiles is kept
     on disk for the next start (xla_cache)."""

@@ -20,12 +20,13 @@ def load_slots(model_name: str, path=None, dtype: str = "auto", num_slots: int =
                max_seq_len: Optional[int] = None, dummy: bool = False, seed: int = 0,
                tensor_parallel: Optional[int] = None, pipeline_parallel: Optional[int] = None,
                device_memory=None, micro_batches: Optional[int] = None, quantize: Optional[str] = None,
-               prefix_caching: bool = True) -> Slots:
+               prefix_caching: bool = True, handoff: str = "auto") -> Slots:
     """Slots over the named model's weights: a numpy folder (or its parent holding `<size>-np/`), or
     random weights of the named size (`dummy`, drawn from `seed`). `micro_batches`: decode slot groups
     of a pipelined plan (default: pp, at most one per slot). `quantize="int8"`: int8 weights (model/quantize.py;
     an alpa/ plan's are split as its float ones, each pipeline stage quantizing its own). `prefix_caching`:
     keep prompts' KV for the prompts that start the same way (runner/prefix.py; every stage keeps its layers').
+    `handoff`: how a pipelined plan's stages hand hidden states on (pipeline.RayStages: "auto", "cgraph", "refs").
     """
     from opt_serving.model.loader import check_quantize_dtype, get_model
     dtype = resolve_dtype(dtype, cluster=model_name.startswith("alpa/"))
@@ -43,7 +44,8 @@ def load_slots(model_name: str, path=None, dtype: str = "auto", num_slots: int =
             groups = max(g for g in range(1, min(groups, num_slots) + 1) if num_slots % g == 0)
             blocks = prefix_blocks(cfg, num_slots, max_seq_len, prefix_caching)
             stages = RayStages(cfg, plan, source, dtype=dtype, seed=seed, rows=num_slots // groups,
-                               groups=groups, max_seq_len=max_seq_len, quantize=quantize, prefix_blocks=blocks)
+                               groups=groups, max_seq_len=max_seq_len, quantize=quantize, prefix_blocks=blocks,
+                               handoff=handoff)
             return Slots(cfg, stages, num_slots, groups, max_seq_len, plan=plan, prefix_blocks=blocks)
         m = backend.tensor_parallel_model(cfg, plan, source, dtype, seed, quantize)
     else:
