@@ -64,13 +64,14 @@ def owned(x):
     hidden state XLA aliases) Ray cannot reuse the buffer, and the graph stops once every buffer is held."""
     if isinstance(x, np.ndarray):
         return x if x.flags.writeable and x.flags.owndata else x.copy()
-    if isinstance(x, tuple):
+    if isinstance(x, (tuple, list)):  # (the same object where nothing in it changed)
         items = [owned(a) for a in x]
-        return type(x)(*items) if hasattr(x, "_fields") else tuple(items)
-    if isinstance(x, list):
-        return [owned(a) for a in x]
+        if all(a is b for a, b in zip(items, x)):
+            return x
+        return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
     if isinstance(x, dict):
-        return {k: owned(v) for k, v in x.items()}
+        items = {k: owned(v) for k, v in x.items()}
+        return x if all(items[k] is v for k, v in x.items()) else items
     if dataclasses.is_dataclass(x) and not isinstance(x, type):
         changed = {f.name: owned(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init}
         changed = {k: v for k, v in changed.items() if v is not getattr(x, k)}
