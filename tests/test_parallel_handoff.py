@@ -2,7 +2,8 @@
 greedy and sampled tokens through pp 2 and pp 3 stages with two micro-batch groups in flight (requests
 refilling slots while the other group is in the stages) equal the one-device engine's on either hand-off; a
 compiled graph that fails to start falls back to refs; a stage killed under a compiled graph is StageDied
-naming it, not a hang; `auto` picks the compiled graph on one node and refs across two (simulated) nodes.
+naming it, not a hang; `auto` picks the compiled graph on one GPU node only, refs across two (simulated) nodes
+and on CPU stages.
 Ray starts are slow on 2 cores: one Ray for the one-node tests."""
 import concurrent.futures
 import logging
@@ -90,19 +91,16 @@ def one_device(params):
 def test_pp2_compiled_graph_and_refs_give_the_one_device_tokens(ray_local, folder, one_device, caplog):
     caplog.set_level(logging.INFO, logger="opt_serving.parallel.pipeline")
     got = {}
-    for handoff in ("auto", "refs"):
+    for handoff in ("cgraph", "auto"):
         slots = ray_slots(folder, 2, handoff)
         try:
             got[slots.stages.handoff] = run(slots)
-            if handoff == "auto":  # ray_local is one node
-                assert slots.stages.handoff == "cgraph"
-                assert "one node" in slots.stages.handoff_reason
         finally:
             slots.close()
-    assert set(got) == {"cgraph", "refs"}
+    assert set(got) == {"cgraph", "refs"}  # auto on one CPU node: refs
     assert got["cgraph"] == got["refs"] == one_device
     said = [r.getMessage() for r in caplog.records if "hand-off" in r.getMessage()]
-    assert "Compiled Graph" in said[0] and "one node" in said[0] and "object refs" in said[1]
+    assert "Compiled Graph, asked for" in said[0] and "object refs" in said[1] and "CPUs" in said[1]
 
 
 def test_pp3_compiled_graph_gives_the_one_device_tokens_and_a_failed_compile_falls_back_to_refs(
@@ -183,6 +181,16 @@ def test_auto_uses_refs_when_the_stages_span_two_nodes(folder):
             assert 0 <= first.first.id < CFG.vocab_size
         finally:
             slots.close()
+
+
+@pytest.mark.parametrize("handoff, nodes, gpus, want, why", [
+    ("auto", 1, True, "cgraph", "one node, on GPUs"), ("auto", 2, True, "refs", "span 2 nodes"),
+    ("auto", 1, False, "refs", "CPUs"), ("cgraph", 2, False, "cgraph", "asked for"),
+    ("refs", 1, True, "refs", "asked for")])
+def test_auto_chooses_a_compiled_graph_on_one_gpu_node_and_refs_elsewhere(handoff, nodes, gpus, want, why):
+    from opt_serving.parallel.pipeline import choose_handoff
+    got, reason = choose_handoff(handoff, nodes, gpus)
+    assert got == want and why in reason
 
 
 def test_an_unknown_handoff_is_an_error_naming_the_choices():

@@ -6,7 +6,9 @@ and the sampling state. It runs the tensor-parallel jitted steps of its layers o
 devices (tp GPUs, or on a CPU tp host devices it makes itself through XLA_FLAGS). The driver
 (`runner.slots.Slots`, or `backend.PipelinedOPT.generate`) chains calls: stage i's output ref is
 stage i+1's argument, so hidden states move between stages through Ray's object store without
-coming back to the driver, and several micro-batches are in the stages at once.
+coming back to the driver, and several micro-batches are in the stages at once. Or (`handoff`,
+`choose_handoff`) every call goes through one Ray Compiled Graph compiled per pipeline (handoff.py), the
+hidden states handed from stage to stage over its channels.
 
 Placement: one placement-group bundle per stage (its tp GPUs and a CPU: a bundle always lies on one
 node). Under Ray Serve the replica's own placement group holds them (bundle i is stage i's, the replica
@@ -332,20 +334,14 @@ class RayStages:
         if own:
             _LIVE.append(weakref.ref(self))
         self.get([a.ready.remote() for a in self.actors])
-        self.handoff, self.handoff_reason = self._start_handoff(handoff)
+        self.handoff, self.handoff_reason = self._start_handoff(handoff, gpus)
 
-    def _start_handoff(self, handoff: str) -> tuple[str, str]:
-        """Compile the stages' graph where `handoff` asks for it -> (the hand-off used, why)."""
+    def _start_handoff(self, handoff: str, gpus: bool) -> tuple[str, str]:
+        """Compile the stages' graph where `handoff` asks for it (choose_handoff) -> (the hand-off used, why)."""
         import logging
         log = logging.getLogger(__name__)
-        nodes = len({w["node"] for w in self.where()})
-        if handoff == "refs":
-            why = "asked for (handoff='refs')"
-        elif handoff == "auto" and nodes > 1:
-            # Ray 2.60's raylet failed a check (experimental_mutable_object_provider.cc) at a compiled graph's
-            # first write across nodes (benchmark/README.md)
-            why = f"the stages span {nodes} nodes, where compiled graphs are not used (handoff='auto')"
-        else:
+        choice, why = choose_handoff(handoff, len({w["node"] for w in self.where()}), gpus)
+        if choice == "cgraph":
             from opt_serving.parallel.handoff import CompiledChain
             try:
                 self._chain = CompiledChain(self.actors, max_inflight=max(16, 4 * self.n))
@@ -354,12 +350,8 @@ class RayStages:
                             "refs", type(e).__name__, e)
                 return "refs", f"the compiled graph failed to start ({type(e).__name__}: {e})"
             self._graphs.append(self._chain.dag)
-            why = ("asked for (handoff='cgraph')" if handoff == "cgraph" else
-                   f"all {self.n} stages on one node (handoff='auto')")
-            log.info("pipeline stage hand-off: Ray Compiled Graph, %s", why)
-            return "cgraph", why
-        log.info("pipeline stage hand-off: object refs, %s", why)
-        return "refs", why
+        log.info("pipeline stage hand-off: %s, %s", "Ray Compiled Graph" if choice == "cgraph" else "object refs", why)
+        return choice, why
 
     def describe(self, i: int) -> str:
         return _describe(i, self.specs[i])
@@ -449,6 +441,23 @@ class RayStages:
 
 
 HANDOFFS = ("auto", "cgraph", "refs")
+
+
+def choose_handoff(handoff: str, nodes: int, gpus: bool) -> tuple[str, str]:
+    """The hand-off a pipeline uses ("cgraph" or "refs") and why, for the `handoff` asked, the nodes its stages
+    lie on and whether they run on GPUs. `auto`: a compiled graph where every stage is on one node and runs on
+    GPUs; object refs across nodes (Ray 2.60's raylet failed a check, experimental_mutable_object_provider.cc, at
+    a compiled graph's first write across nodes) and on CPU stages (a compiled graph's stage waiting for its input
+    polls its channel, taking CPU from the stages' kernels on the cores they share: the pipelined decode loop ran
+    0.74-0.76x as fast as with refs on one CPU node, benchmark/README.md)."""
+    if handoff != "auto":
+        return handoff, f"asked for (handoff={handoff!r})"
+    if nodes > 1:
+        return "refs", f"the stages span {nodes} nodes, where compiled graphs are not used (handoff='auto')"
+    if not gpus:
+        return "refs", ("the stages run on CPUs, where a compiled graph's waiting stages poll and slow the others' "
+                        "kernels (handoff='auto')")
+    return "cgraph", "all stages on one node, on GPUs (handoff='auto')"
 
 
 def _is_ray_error(e: BaseException) -> bool:
