@@ -21,7 +21,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `common` when run from anywhere
+import harness  # noqa: E402
 from common import machine_description, now, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,33 +87,15 @@ def make_tokenizer(folder: Path, assets: Path) -> None:
         "pad_token": "<pad>", "add_bos_token": True}))
 
 
-def start_server(args, prefix_caching: bool, log: Path) -> subprocess.Popen:
+def start_server(args, prefix_caching: bool, log: Path) -> harness.Server:
     cmd = [sys.executable, "-m", "opt_serving", "serve", "--model", args.model, "--port", str(args.port),
            "--max-batch-size", str(args.max_batch_size), "--max-seq-len", str(args.max_seq_len),
            "--ray-address", "local", "--dtype", args.dtype]
     cmd += ["--dummy"] if args.dummy else ["--path", args.path]
     cmd += ["--tokenizer", args.tokenizer] if args.tokenizer else []
     cmd += [] if prefix_caching else ["--no-prefix-caching"]
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.time() + args.start_timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited ({proc.returncode}); its log: {log}")
-        if "opt-serving: serving" in log.read_text(errors="replace"):
-            return proc
-        time.sleep(2)
-    stop_server(proc)
-    raise SystemExit(f"the server was not ready in {args.start_timeout:.0f} s; its log: {log}")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: it drains, then stops the Ray it started
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    name = f"opt-serving serve ({'with' if prefix_caching else 'without'} the prefix cache)"
+    return harness.start(cmd, "opt-serving: serving", name=name, log=log, timeout=args.start_timeout)
 
 
 def server_metric(port: int, name: str) -> float:
@@ -172,19 +154,18 @@ def main() -> None:
             (work / d).mkdir()
         make_task(work / "task")
         make_tokenizer(work / "tokenizer", Path(args.tokenizer))
-        for rnd in range(args.rounds):
-            for on in ((True, False) if rnd % 2 == 0 else (False, True)):
-                tag = f"{rnd}-{'on' if on else 'off'}"
-                proc = start_server(args, on, work / f"server-{tag}.log")
-                try:
-                    res = run_lm_eval(args, work, tag)
-                finally:
-                    stop_server(proc)
-                res.update(round=rnd, prefix_caching=on, time=now())
-                runs.append(res)
-                print(f"round {rnd} prefix caching {'on ' if on else 'off'}: lm_eval {res['wall_s']:.1f} s, in "
-                      f"requests {res['requests_s']:.1f} s, hit rate {res['hit_rate']:.2f}, acc {res['acc']:.4f}, "
-                      f"acc_norm {res['acc_norm']:.4f}", flush=True)
+        for rnd, side in harness.in_turn(["on", "off"], args.rounds):
+            on, tag = side == "on", f"{rnd}-{side}"
+            server = start_server(args, on, work / f"server-{tag}.log")
+            try:
+                res = run_lm_eval(args, work, tag)
+            finally:
+                server.stop()
+            res.update(round=rnd, prefix_caching=on, time=now())
+            runs.append(res)
+            print(f"round {rnd} prefix caching {'on ' if on else 'off'}: lm_eval {res['wall_s']:.1f} s, in "
+                  f"requests {res['requests_s']:.1f} s, hit rate {res['hit_rate']:.2f}, acc {res['acc']:.4f}, "
+                  f"acc_norm {res['acc_norm']:.4f}", flush=True)
     on = [r for r in runs if r["prefix_caching"]]
     off = [r for r in runs if not r["prefix_caching"]]
     same = all((a["acc"], a["acc_norm"]) == (b["acc"], b["acc_norm"]) for a in on for b in off)
@@ -195,6 +176,11 @@ def main() -> None:
     print(f"{machine_description()}; {args.model}, {args.limit} documents x 4 requests")
     print(f"prefix caching: {speed[0]:.2f}x faster in requests, {speed[1]:.2f}x in lm_eval's wall time; scores "
           f"{'identical' if same else 'DIFFERENT'} (largest log-likelihood difference {diff:.2e})")
+    med = harness.medians(runs, "prefix_caching", ("requests_s", "wall_s"))
+    harness.print_comparison([("time in requests s", med[True]["requests_s"], med[False]["requests_s"]),
+                              ("lm_eval wall time s", med[True]["wall_s"], med[False]["wall_s"])],
+                             ours="prefix cache", peer="no prefix cache",
+                             title=f"medians over {args.rounds} rounds", digits=2)
     if args.json:
         write_json(args.json, {"time": now(), "machine": machine_description(), "model": args.model,
                                "limit": args.limit, "runs": runs, "speedup_requests": speed[0],
@@ -202,4 +188,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    harness.script(main)

@@ -32,7 +32,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -42,6 +41,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
 from common import machine_description, now, write_json  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -253,44 +253,12 @@ def measured(run, url: str) -> dict:
     return r
 
 
-class Server:
+def start_server(argv: list[str], port: int, timeout: float = 600, cpus: set[int] | None = None) -> harness.Server:
     """`opt-serving serve` in a subprocess (a private local Ray, stopped by SIGINT on exit)."""
-
-    def __init__(self, argv: list[str], port: int, timeout: float = 600, cpus: set[int] | None = None):
-        self.port = port
-        self.lines: list[str] = []
-        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "opt_serving", "serve", *argv, "--port", str(port),
-                                      "--ray-address", "local"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, preexec_fn=_pin(cpus))
-        deadline = time.monotonic() + timeout
-        try:
-            for line in self.proc.stdout:
-                self.lines.append(line)
-                if "opt-serving: serving" in line:
-                    break
-                if time.monotonic() > deadline:
-                    raise RuntimeError("server did not start in time")
-            else:
-                raise RuntimeError("server exited:\n" + "".join(self.lines[-40:]))
-        except BaseException:
-            self.stop()
-            raise
-        # keep reading its output so that the pipe never fills
-        threading.Thread(target=lambda: [self.lines.append(x) for x in self.proc.stdout], daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "opt_serving", "serve", *argv, "--port", str(port), "--ray-address", "local"]
+    return harness.start(cmd, "opt-serving: serving", name="opt-serving serve", env=env, cwd=REPO,
+                         preexec_fn=_pin(cpus), timeout=timeout, url=f"http://127.0.0.1:{port}")
 
 
 def model_name(url: str) -> str:
@@ -400,7 +368,7 @@ def main(argv=None) -> dict:
             sargs += (["--model", args.model] if args.model else []) + (["--dummy"] if args.dummy else [])
             sargs += ["--tokenizer", args.tokenizer] if args.tokenizer else []
             t0 = time.monotonic()
-            server = Server(sargs, args.port, cpus=args.server_cpus)
+            server = start_server(sargs, args.port, cpus=args.server_cpus)
             print(f"server up in {time.monotonic() - t0:.1f} s at {server.url}", flush=True)
             url = server.url
         else:
@@ -446,4 +414,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    harness.script(main)

@@ -21,16 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `common` when run from anywhere
+import harness  # noqa: E402
 from common import machine_description, now, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,28 +52,9 @@ def server_command(name: str, args) -> tuple[list[str], dict, str]:
     return cmd, {**os.environ, "PYTHONPATH": str(ROOT)}, "opt-serving: serving"
 
 
-def start(name: str, args, log: Path) -> subprocess.Popen:
+def start(name: str, args, log: Path) -> harness.Server:
     cmd, env, ready = server_command(name, args)
-    proc = subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.time() + args.start_timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{name} exited ({proc.returncode}) while starting; its log: {log}")
-        if ready in log.read_text(errors="replace"):
-            return proc
-        time.sleep(2)
-    stop(proc)
-    raise SystemExit(f"{name} was not ready in {args.start_timeout:.0f} s; its log: {log}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: both drain and stop what they started (ours: its Ray)
-        try:
-            proc.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    return harness.start(cmd, ready, name=name, env=env, log=log, timeout=args.start_timeout)
 
 
 def load(args, scenario: list[str], out: Path, warm: bool = False) -> dict:
@@ -107,25 +85,23 @@ def main() -> None:
     scenario, runs = SCENARIOS[args.scenario], []
     with tempfile.TemporaryDirectory(prefix="opt-serving-vs-vllm-") as tmp:
         work = Path(tmp)
-        for rnd in range(args.rounds):
-            for name in servers if rnd % 2 == 0 else servers[::-1]:
-                proc = start(name, args, work / f"{name}-{rnd}.log")
-                try:
-                    load(args, scenario, work / "warm.json", warm=True)
-                    s = load(args, scenario, work / f"{name}-{rnd}.json")
-                finally:
-                    stop(proc)
-                row = {"round": rnd, "server": name, "time": now(), "tokens_per_s": s["output_tokens_per_s"],
-                       "ttft_p50_s": s["ttft_s"]["median"], "ttft_p99_s": s["ttft_s"]["p99"],
-                       "itl_p99_s": s["itl_s"]["p99"], "cached_input_tokens": s["cached_input_tokens"],
-                       "input_tokens": s["total_input_tokens"], "failed": s["failed"]}
-                runs.append(row)
-                print(f"round {rnd} {name:>15}: {row['tokens_per_s']:7.1f} tokens/s, TTFT p50 "
-                      f"{1e3 * row['ttft_p50_s']:7.0f} ms, p99 {1e3 * row['ttft_p99_s']:7.0f} ms, ITL p99 "
-                      f"{1e3 * row['itl_p99_s']:6.0f} ms, cached {row['cached_input_tokens']}/{row['input_tokens']}"
-                      f"{', FAILED ' + str(row['failed']) if row['failed'] else ''}", flush=True)
-    med = {n: {k: float(np.median([r[k] for r in runs if r["server"] == n]))
-               for k in ("tokens_per_s", "ttft_p50_s", "ttft_p99_s")} for n in servers}
+        for rnd, name in harness.in_turn(servers, args.rounds):
+            server = start(name, args, work / f"{name}-{rnd}.log")
+            try:
+                load(args, scenario, work / "warm.json", warm=True)
+                s = load(args, scenario, work / f"{name}-{rnd}.json")
+            finally:
+                server.stop()
+            row = {"round": rnd, "server": name, "time": now(), "tokens_per_s": s["output_tokens_per_s"],
+                   "ttft_p50_s": s["ttft_s"]["median"], "ttft_p99_s": s["ttft_s"]["p99"],
+                   "itl_p99_s": s["itl_s"]["p99"], "cached_input_tokens": s["cached_input_tokens"],
+                   "input_tokens": s["total_input_tokens"], "failed": s["failed"]}
+            runs.append(row)
+            print(f"round {rnd} {name:>15}: {row['tokens_per_s']:7.1f} tokens/s, TTFT p50 "
+                  f"{1e3 * row['ttft_p50_s']:7.0f} ms, p99 {1e3 * row['ttft_p99_s']:7.0f} ms, ITL p99 "
+                  f"{1e3 * row['itl_p99_s']:6.0f} ms, cached {row['cached_input_tokens']}/{row['input_tokens']}"
+                  f"{', FAILED ' + str(row['failed']) if row['failed'] else ''}", flush=True)
+    med = harness.medians(runs, "server", ("tokens_per_s", "ttft_p50_s", "ttft_p99_s"))
     print(f"{machine_description()}; scenario {args.scenario}; medians over {args.rounds} rounds:")
     for n in servers:
         vs = "" if "vllm" not in med or n == "vllm" else (
@@ -133,10 +109,15 @@ def main() -> None:
             f"{med[n]['ttft_p50_s'] / med['vllm']['ttft_p50_s']:.2f}x, p99 {med[n]['ttft_p99_s'] / med['vllm']['ttft_p99_s']:.2f}x")
         print(f"  {n:>15}: {med[n]['tokens_per_s']:7.1f} tokens/s, TTFT p50 {1e3 * med[n]['ttft_p50_s']:.0f} ms, "
               f"p99 {1e3 * med[n]['ttft_p99_s']:.0f} ms{vs}")
+    for n in [n for n in servers if n != "vllm" and "vllm" in med]:
+        harness.print_comparison([(what, scale * med[n][k], scale * med["vllm"][k]) for what, k, scale in
+                                  (("output tokens/s", "tokens_per_s", 1), ("TTFT p50 ms", "ttft_p50_s", 1e3),
+                                   ("TTFT p99 ms", "ttft_p99_s", 1e3))],
+                                 ours=n, peer="vllm", title=f"{args.scenario}: {n} against vllm, medians")
     if args.json:
         write_json(args.json, {"time": now(), "machine": machine_description(), "scenario": args.scenario,
                                "load": scenario, "runs": runs, "medians": med})
 
 
 if __name__ == "__main__":
-    main()
+    harness.script(main)

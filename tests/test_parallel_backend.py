@@ -309,7 +309,7 @@ def test_each_stage_loads_about_its_share_and_the_driver_nothing(ray_local, tmp_
         for i, (actor, spec) in enumerate(zip(stages.actors, stages.specs)):
             loaded = ray_local.get(actor.memory.remote())["loaded"]
             share = (cost.stage_param_bytes(cfg, spec.num_layers, spec.first, spec.last, 1, "float32")
-                     + cost.runtime_extra_bytes(cfg, spec.last, 1, "float32", cpu=True))
+                     + cost.runtime_extra_bytes(cfg, spec.last, 1, "float32", cpu=True, first=spec.first))
             growth = loaded["peak_rss"] - loaded["before"]["rss"]
             assert 0.9 * share < growth < 1.5 * share + 128e6, (i, growth / 1e6, share / 1e6)
     finally:

@@ -45,16 +45,29 @@ def runtime_parts(parts: Iterable[dict], where: Iterable, dtype, settings: Optio
     with heap.returning_freed_blocks() if on_cpu else contextlib.nullcontext():
         for part in parts:
             embedding = part.get("embed_tokens", {}).get("embedding")
-            if embedding is not None and backend.greedy_head and not (head and np.isfinite(np.asarray(embedding)).all()):
+            head_only = head and embedding is not None and "embed_positions" not in part  # a pipeline's last stage
+            if embedding is not None and backend.greedy_head and (head_only or not (
+                    head and np.isfinite(np.asarray(embedding)).all())):
                 backend = dataclasses.replace(backend, greedy_head=False)  # for_params's rule; no head, no screen
             rest = part if head else {k: v for k, v in part.items() if k != "embed_tokens"}
             out.update(backend.prepare(fuse_qkv(rest) if len(where) <= 1 else rest))
             if not head and embedding is not None:
                 out["embed_tokens"] = part["embed_tokens"]
-            del part, rest
+            if head_only and "packed" in out.get("lm_head", {}):
+                out["embed_tokens"] = {"embedding": _vocab_only(embedding.shape[0], where[0])}
+            del part, rest, embedding
     if backend.greedy_head and not head:
         backend = dataclasses.replace(backend, greedy_head=False)
     return backend, out
+
+
+def _vocab_only(vocab: int, device):
+    """A pipeline's last stage that is not also its first reads the tied embedding only as its packed head
+    (Backend.logits; the lookup is the first stage's): the float32 embedding [V, D] is dropped, a [V, 0] array on
+    its device left for its vocabulary size. Without it the screened greedy head (which rescores its candidates
+    from the embedding's rows) is off there: the stage would hold the vocabulary's weights two and a half times
+    over for a few percent of a step, where a pipeline is the plan because memory is short."""
+    return jax.device_put(np.zeros((vocab, 0), np.float32), device)
 
 
 def checkpoint_params(cfg: OPTConfig, backend: Backend, params: dict) -> dict:

@@ -153,13 +153,15 @@ def weight_bytes(cfg: OPTConfig, dtype: str = "float16", weights: str = "float32
 
 
 def runtime_extra_bytes(cfg: OPTConfig, last: bool, tp: int = 1, dtype: str = "float32", weights: str = "float32",
-                        cpu: bool = False) -> int:
+                        cpu: bool = False, first: bool = True) -> int:
     """Bytes a stage's runtime layout holds beyond its checkpoint params: on one CPU device with float32
-    weights, the last stage's packed LM head (a float32 copy of the tied embedding in oneDNN's layout, beside
-    the embedding kept for the exact rescoring) and the greedy screen's int8 copy with its per-token scales and
-    norms (backend/cpu/head.py). Nothing elsewhere: GPUs and tensor-parallel meshes run plain XLA on the
-    params as they are, and int8's head copy is packed in place of its qkernel."""
-    if not (cpu and last and tp == 1 and dtype == "float32" and weights == "float32"):
+    weights, the whole model's packed LM head (a float32 copy of the tied embedding in oneDNN's layout, beside
+    the embedding kept for the lookup and the exact rescoring) and the greedy screen's int8 copy with its
+    per-token scales and norms (backend/cpu/head.py). A pipeline's last stage holds the packed head in the
+    embedding's place and no screen (model/layout.py: _vocab_only). Nothing elsewhere: GPUs and
+    tensor-parallel meshes run plain XLA on the params as they are, and int8's head copy is packed in place of
+    its qkernel."""
+    if not (cpu and last and first and tp == 1 and dtype == "float32" and weights == "float32"):
         return 0
     v, d = cfg.vocab_size, cfg.word_embed_proj_dim
     return v * d * 4 + v * d + 3 * 4 * v

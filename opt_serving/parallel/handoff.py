@@ -30,7 +30,7 @@ import traceback
 import numpy as np
 
 # the calls whose replies nobody waits for (their errors surface at a later get)
-FIRE_AND_FORGET = frozenset({"insert", "free", "drop", "end_warmup", "store_prefix"})
+FIRE_AND_FORGET = frozenset({"insert", "free", "drop", "begin_warmup", "end_warmup", "store_prefix"})
 # calls a thread's batch may hold before it is sent even without a chained call
 MAX_BATCH_CALLS = 256
 

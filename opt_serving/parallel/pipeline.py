@@ -30,6 +30,7 @@ import numpy as np
 
 from opt_serving import jax_env
 from opt_serving.config import OPTConfig
+from opt_serving.parallel.handoff import FIRE_AND_FORGET
 from opt_serving.runner.types import StageDied
 
 STAGE_NAME_PREFIX = "opt-serving-stage-"
@@ -200,6 +201,9 @@ class StageActor:
     def use_tokenizer(self, tokenizer_json, eos):
         self.slots.use_tokenizer(tokenizer_json, eos)
 
+    def begin_warmup(self):
+        self.slots.begin_warmup()
+
     def end_warmup(self):
         self.slots.end_warmup()
 
@@ -360,7 +364,7 @@ class RayStages:
         if self._chain is not None:
             return self._chained(self._chain.call, i, method, args)
         ref = getattr(self.actors[i], method).remote(*args)
-        if method in ("insert", "free", "drop", "end_warmup", "store_prefix"):
+        if method in FIRE_AND_FORGET:
             with self._lock:
                 self._sent.append(ref)
         return ref

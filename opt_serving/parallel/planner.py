@@ -174,7 +174,7 @@ def _stage_memory(cfg: OPTConfig, n: int, first: bool, last: bool, tp: int, batc
               cost.activation_bytes(cfg, micro, 1, dtype, tp))
     if last:
         act += cost.logits_bytes(cfg, max(micro, prefill_batch), tp)
-    runtime = cost.runtime_extra_bytes(cfg, last, tp, dtype, weights, cpu)
+    runtime = cost.runtime_extra_bytes(cfg, last, tp, dtype, weights, cpu, first)
     return params, kv, act, runtime, cost.load_bytes(cfg, n, first, last, tp, dtype, weights)
 
 

@@ -484,6 +484,7 @@ class Slots:
         cache has the same shapes: warming group 0 compiles all."""
         if prefill_chunk:
             self.hit_chunk = prefill_chunk
+        self._to_all("begin_warmup")
         # b - 1 prompt tokens fill prefill bucket b; each a prefix-cache miss, so its blocks are stored
         prefixes = [self._warm_prefill(b - 1) for b in self.buckets]
         stored = [b for b in self.buckets if b > BLOCK_SIZE]

@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 import jax
 import numpy as np
 
+from opt_serving import xla_cache
 from opt_serving.backend import Backend
 from opt_serving.backend.cpu import heap
 from opt_serving.model import kv_cache, layout, opt
@@ -31,6 +32,22 @@ from opt_serving.model import quantize as quantization
 from opt_serving.runner.prefix import BLOCK_SIZE as PREFIX_BLOCK
 from opt_serving.runner.sampler import Sampler, split_rows
 from opt_serving.runner.types import PREFILL_MIN_BUCKET, JoinBlock, SlotSettings
+
+
+def _settles(method):
+    """During warm-up (begin_warmup to end_warmup), after each call: what JAX keeps of the programs it just
+    compiled besides their executables (xla_cache.drop_staging_caches) and the heap pages the compiles freed go
+    back, so a stage's peak while it compiles its programs is its arrays and executables, not every program's
+    lowering as well."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        out = method(self, *args, **kwargs)
+        if self._warming:
+            xla_cache.drop_staging_caches()
+            if self._on_cpu:
+                heap.trim()
+        return out
+    return run
 
 
 # The smallest cache window where the attention kernel reads only the entries written so far: a step then
@@ -139,6 +156,7 @@ class StageSlots:
                    for d in leaf.sharding.device_set}
         self._device = next(iter(devices)) if len(devices) == 1 else None
         self._on_cpu = bool(devices) and all(d.platform == "cpu" for d in devices)
+        self._warming = False  # from begin_warmup to end_warmup (_settles)
         if self.pool is not None and self._device is not None:  # placed as the pools its stores make
             self.pool = jax.device_put(self.pool, self._device)
         self.sampler = Sampler(cfg, backend, rows, groups, self.max_seq_len) if stage.last else None
@@ -208,6 +226,7 @@ class StageSlots:
         self._free = jax.jit(kv_cache.free_slot, donate_argnums=(0,))
 
     # ---- prefill ----
+    @_settles
     def prefill(self, handles: Sequence[int], x, ids, mask, lengths, settings: Sequence[SlotSettings],
                 state_rows: int):
         """One prefill pass: keep each request's cache rows under its handle. A stage that is not last
@@ -219,6 +238,7 @@ class StageSlots:
             return h
         return self.sampler.prefill(self.params, handles, h, ids, mask, lengths, settings, state_rows)
 
+    @_settles
     def prefill_chunk(self, handle: int, x, start: int, mask, size: int, final=None, gather=None, next_ids=None):
         """One chunk of a prompt prefilled in chunks (x: its ids [1, C], or the previous stage's hidden states
         [1, C, D]; mask [1, C] its real tokens) at positions start.., into the request's batch-1 cache of
@@ -242,11 +262,13 @@ class StageSlots:
         scores = None if next_ids is None else self.sampler.chunk_scores(self.params, h, next_ids)
         return (None if final is None else self.sampler.prefill_chunked(self.params, handle, h, *final)), scores
 
+    @_settles
     def store_prefix(self, handle: int, ids) -> None:
         """A prefilled request's full blocks into the prefix cache's pool: block j of its cache into pool block
         ids[j] (int32 [entries // PREFIX_BLOCK]; the pool's size for blocks not to keep)."""
         self.pool = self._store(self.pool, self.pending[handle], ids)
 
+    @_settles
     def insert(self, handle: int, group: int, row: int, keep: bool = False) -> None:
         """A prefilled request into a slot (`keep`: its rows stay for another insert, as warm-up does)."""
         pcache = self.pending[handle] if keep else self.pending.pop(handle)
@@ -255,6 +277,7 @@ class StageSlots:
         if self.sampler is not None:
             self.sampler.insert(handle, group, row, keep)
 
+    @_settles
     def drop(self, handle: int) -> None:
         """A prefilled request that will not be inserted."""
         self.pending.pop(handle, None)
@@ -262,6 +285,7 @@ class StageSlots:
             self.sampler.drop(handle)
 
     # ---- decode ----
+    @_settles
     def decode(self, group: int, x, positions, window: int, read_len: int, want_scores: bool = True,
                want_top: bool = True, join: Optional[JoinBlock] = None):
         """One decode step of a group's rows: x is the newest tokens [rows] (first stage) or the previous
@@ -280,6 +304,7 @@ class StageSlots:
             return h
         return self.sampler.choose(self.params, group, h, want_scores, want_top, join)
 
+    @_settles
     def decode_steps(self, group: int, x, positions, window: int, read_len: int, n: int, want_scores: bool = True,
                      want_top: bool = True):
         """`n` decode steps of a group in one call, on a stage that is the whole model: as `decode` n times,
@@ -305,6 +330,7 @@ class StageSlots:
         if self.sampler is not None:
             self.sampler.use_tokenizer(tokenizer_json, eos)
 
+    @_settles
     def free(self, group: int, row: int) -> None:
         self.caches[group] = self._free(self.caches[group], np.int32(row))
         if self.sampler is not None:
@@ -323,6 +349,10 @@ class StageSlots:
             at += 1 if self.windows[at] < target else -1
             self.caches[group] = self._resize(self.caches[group], self.windows[at])
 
+    def begin_warmup(self) -> None:
+        """Warm-up (Slots.warmup) starts: until end_warmup, each call settles the memory its compiles used."""
+        self._warming = True
+
     def end_warmup(self) -> None:
         """After warm-up grew group 0's cache to every window (its rows freed): compile the shrinking resizes
         where steps use them, then start every group from an empty smallest window cut from it. Arrays a
@@ -331,7 +361,15 @@ class StageSlots:
         if not self.backend.attention:
             for w in reversed(self.windows[:-1]):
                 self._fit_cache(0, w, shrink=True)
-        self.caches = [self._resize(self.caches[0], self.windows[0]) for _ in range(self.groups)]
+        # one at a time, each old cache dropped before the next is made: making all the new ones first held
+        # every group's cache twice (at OPT-1.3b's 8 x 256, a third of a stage's weights more at its peak)
+        first, self.caches = self.caches[0], [None] * self.groups
+        for g in range(self.groups):
+            self.caches[g] = self._resize(self.caches[0] if g else first, self.windows[0])
+            if g == 0:
+                del first  # the others are cut from group 0's new cache: the old one goes first
+        self._warming = False
+        xla_cache.drop_staging_caches()
         if self._on_cpu:  # the weights are in place: from now on a step's temporaries stay in the heap
             heap.keep_heap()
 

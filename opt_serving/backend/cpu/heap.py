@@ -83,3 +83,14 @@ def _mallopt():
         return None
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return mallopt
+
+
+def trim() -> bool:
+    """Hand the heap's free pages back to the kernel now (glibc's malloc_trim), wherever they lie: a compile's
+    freed memory between blocks still in use is not trimmed by the thresholds. -> whether any was returned."""
+    try:
+        malloc_trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return False
+    malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return bool(malloc_trim(0))
