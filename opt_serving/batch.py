@@ -265,6 +265,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="alpa/ models: pipeline stages on the Ray cluster (default: the planner's)")
     parser.add_argument("--device-memory", default=None, metavar="BYTES",
                         help="alpa/ models: what each device may hold, e.g. 16GB")
+    parser.add_argument("--handoff", default="auto", choices=["auto", "cgraph", "refs"],
+                        help="pipelined plans: how stages hand hidden states on: a Ray Compiled Graph (cgraph), "
+                             "Ray object refs (refs), or auto: cgraph when every stage is on one node")
 
 
 def _interrupt(*_):
@@ -288,7 +291,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         plan = {} if not is_parallel(args.model) else dict(
             tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel,
-            device_memory=args.device_memory)
+            device_memory=args.device_memory, handoff=args.handoff)
         gen = load_generator(args.model, args.path, args.dtype, args.max_batch_size, args.max_seq_len,
                              dummy=args.dummy, seed=args.seed, tokenizer=args.tokenizer, quantize=args.quantize,
                              prefill_chunk=args.prefill_chunk, prefix_caching=args.prefix_caching, **plan)

@@ -53,7 +53,8 @@ def load_generator(model: Optional[str], path=None, dtype: str = "auto", max_bat
     admission.PREFILL_BUDGET), `decode_steps`
     decode steps in one call while nobody waits for a slot (engine.Engine), `prefix_caching`: prompts that start
     as earlier ones did reuse their KV cache (runner/prefix.py). `tensor_parallel`, `pipeline_parallel` and
-    `plan` (device_memory, micro_batches): an alpa/ model's plan (`load_engine`); `quantize="int8"`: int8 weights.
+    `plan` (device_memory, micro_batches, handoff): an alpa/ model's plan (`load_engine`); `quantize="int8"`: int8
+    weights.
     ValueError (naming the argument) for arguments that do not go together; OSError for missing files."""
     check_model_args(model, path, dummy, tokenizer)
     if dummy:
@@ -77,11 +78,13 @@ def load_engine(model: Union[str, ModelSpec], path=None, dtype: str = "auto", nu
                 prefill_chunk: Optional[int] = PREFILL_CHUNK, prefill_budget: Optional[int] = None,
                 decode_steps: int = DECODE_STEPS, prefix_caching: bool = True, dummy: bool = False, seed: int = 0,
                 tensor_parallel: Optional[int] = None, pipeline_parallel: Optional[int] = None,
-                quantize: Optional[str] = None, device_memory=None, micro_batches: Optional[int] = None) -> Engine:
+                quantize: Optional[str] = None, device_memory=None, micro_batches: Optional[int] = None,
+                handoff: str = "auto") -> Engine:
     """An engine over `runner.load.load_slots` of a model spec, or of a name with its weights (`path`, or
     `dummy` random ones from `seed`) and plan (`tensor_parallel`, `pipeline_parallel`, `quantize`) parsed into
     one here: every plan (one device, a tensor-parallel mesh, pipeline stages on a Ray cluster;
-    `device_memory`, `micro_batches`), compiled before it returns when `warmup` (the
+    `device_memory`, `micro_batches`, `handoff`: parallel.pipeline.RayStages), compiled before it returns when
+    `warmup` (the
     chunked prefill's step and `decode_steps` steps in one call too: `prefill_chunk`, `prefill_budget`,
     `decode_steps`, see engine.Engine; `prefix_caching`, runner/prefix.py). What it compiles is kept
     on disk for the next start (xla_cache)."""
@@ -93,7 +96,8 @@ def load_engine(model: Union[str, ModelSpec], path=None, dtype: str = "auto", nu
         quantize=quantize)
     xla_cache.enable()
     slots = load_slots(spec, dtype=dtype, num_slots=num_slots, max_seq_len=max_seq_len,
-                       device_memory=device_memory, micro_batches=micro_batches, prefix_caching=prefix_caching)
+                       device_memory=device_memory, micro_batches=micro_batches, prefix_caching=prefix_caching,
+                       handoff=handoff)
     engine = Engine(slots, max_queue=max_queue, start=False, prefill_chunk=prefill_chunk,
                     prefill_budget=prefill_budget, decode_steps=decode_steps)
     try:

@@ -297,10 +297,10 @@ class PipelinedOPT(wrapper.Generation):
 
 def get_alpa_model(spec: ModelSpec, dtype="auto", batch_size: int = 1, max_seq_len: int | None = None,
                    cluster: Cluster | None = None, device_memory=None, micro_batches: int | None = None,
-                   **unused):
+                   handoff: str = "auto", **unused):
     """An alpa/ model: a plan (the spec's explicit degrees kept) for the Ray cluster, then sharded or pipelined
     (`spec.quantize="int8"`: int8 weights, each stage quantizing its own, or reading them from a quantized
-    folder)."""
+    folder; `handoff`: how pipeline stages hand hidden states on, pipeline.RayStages)."""
     if unused:
         raise TypeError(f"get_model() got unsupported arguments: {sorted(unused)}")
     dtype = cluster_dtype(dtype)
@@ -312,4 +312,4 @@ def get_alpa_model(spec: ModelSpec, dtype="auto", batch_size: int = 1, max_seq_l
     jax_env.apply(jax_env.route_only())
     connect_ray()
     return PipelinedOPT(cfg, RayStages(cfg, plan, folder, dtype=jnp.dtype(loader.model_dtype(dtype)).name, seed=seed,
-                                       quantize=quantize), plan, micro_batches)
+                                       quantize=quantize, handoff=handoff), plan, micro_batches)

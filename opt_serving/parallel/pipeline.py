@@ -6,7 +6,9 @@ and the sampling state. It runs the tensor-parallel jitted steps of its layers o
 devices (tp GPUs, or on a CPU tp host devices it makes itself through XLA_FLAGS). The driver
 (`runner.slots.Slots`, or `backend.PipelinedOPT.generate`) chains calls: stage i's output ref is
 stage i+1's argument, so hidden states move between stages through Ray's object store without
-coming back to the driver, and several micro-batches are in the stages at once.
+coming back to the driver, and several micro-batches are in the stages at once. Or (`handoff`,
+`choose_handoff`) every call goes through one Ray Compiled Graph compiled per pipeline (handoff.py), the
+hidden states handed from stage to stage over its channels.
 
 Placement: one placement-group bundle per stage (its tp GPUs and a CPU: a bundle always lies on one
 node). Under Ray Serve the replica's own placement group holds them (bundle i is stage i's, the replica
@@ -28,6 +30,7 @@ import numpy as np
 
 from opt_serving import jax_env
 from opt_serving.config import OPTConfig
+from opt_serving.parallel.handoff import FIRE_AND_FORGET
 from opt_serving.runner.types import StageDied
 
 STAGE_NAME_PREFIX = "opt-serving-stage-"
@@ -224,6 +227,11 @@ class StageActor:
     def echo(self, x):
         return x
 
+    # the compiled graph's one method (handoff.py): an execution's calls for this stage, in order
+    def run_calls(self, payload):
+        from opt_serving.parallel import handoff
+        return handoff.run_calls(self, payload)
+
 
 def process_memory() -> dict:
     """This process's resident memory in bytes: now (`rss`, split into anonymous memory and file pages
@@ -273,8 +281,11 @@ class RayStages:
 
     def __init__(self, cfg: OPTConfig, plan, folder=None, dtype="float32", seed: int = 0, rows: int = 1,
                  groups: int = 1, max_seq_len: int | None = None, cpus_per_stage: float = 1,
-                 placement_timeout_s: float = 120, quantize: str | None = None, prefix_blocks: int = 0):
+                 placement_timeout_s: float = 120, quantize: str | None = None, prefix_blocks: int = 0,
+                 handoff: str = "auto"):
         import ray
+        if handoff not in HANDOFFS:
+            raise ValueError(f"handoff must be one of {', '.join(HANDOFFS)}, not {handoff!r}")
         from ray.util import get_current_placement_group
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -321,17 +332,39 @@ class RayStages:
         self._sent: list = []
         self._lock = threading.Lock()
         self.dead: str | None = None
-        self._finalizer = weakref.finalize(self, _shutdown, list(self.actors), pg if own else None)
+        self._chain = None  # the compiled graph the calls go through (handoff.py), or None: object refs
+        self._graphs: list = []  # (for the finalizer, which must not hold self)
+        self._finalizer = weakref.finalize(self, _shutdown, list(self.actors), pg if own else None, self._graphs)
         if own:
             _LIVE.append(weakref.ref(self))
         self.get([a.ready.remote() for a in self.actors])
+        self.handoff, self.handoff_reason = self._start_handoff(handoff, gpus)
+
+    def _start_handoff(self, handoff: str, gpus: bool) -> tuple[str, str]:
+        """Compile the stages' graph where `handoff` asks for it (choose_handoff) -> (the hand-off used, why)."""
+        import logging
+        log = logging.getLogger(__name__)
+        choice, why = choose_handoff(handoff, len({w["node"] for w in self.where()}), gpus)
+        if choice == "cgraph":
+            from opt_serving.parallel.handoff import CompiledChain
+            try:
+                self._chain = CompiledChain(self.actors, max_inflight=max(16, 4 * self.n))
+            except Exception as e:
+                log.warning("pipeline stage hand-off: the compiled graph failed to start (%s: %s); using object "
+                            "refs", type(e).__name__, e)
+                return "refs", f"the compiled graph failed to start ({type(e).__name__}: {e})"
+            self._graphs.append(self._chain.dag)
+        log.info("pipeline stage hand-off: %s, %s", "Ray Compiled Graph" if choice == "cgraph" else "object refs", why)
+        return choice, why
 
     def describe(self, i: int) -> str:
         return _describe(i, self.specs[i])
 
     def call(self, i: int, method: str, *args):
+        if self._chain is not None:
+            return self._chained(self._chain.call, i, method, args)
         ref = getattr(self.actors[i], method).remote(*args)
-        if method in ("insert", "free", "drop", "begin_warmup", "end_warmup", "store_prefix"):
+        if method in FIRE_AND_FORGET:
             with self._lock:
                 self._sent.append(ref)
         return ref
@@ -340,6 +373,8 @@ class RayStages:
         import ray
         if self.dead is not None:
             raise StageDied(self.dead)
+        if self._chain is not None:
+            return self._chained(self._get_chained, futures)
         try:
             with self._lock:  # check the replies nobody waited for, so their errors are not lost
                 done, self._sent = ray.wait(self._sent, num_returns=len(self._sent), timeout=0) if self._sent \
@@ -350,6 +385,30 @@ class RayStages:
             which = [self.describe(i) for i in self._dead()]
             self.dead = (f"pipeline {', '.join(which) or 'stage'} died ({type(e).__name__}); "
                          "the model must be loaded again")
+            raise StageDied(self.dead) from None
+
+    def _get_chained(self, futures):
+        self._chain.flush()  # the calls this thread left waiting go first
+        if isinstance(futures, (list, tuple)):
+            return [self._chain.get(f) for f in futures]
+        return self._chain.get(futures)
+
+    def _chained(self, fn, *args):
+        """fn(*args) on the compiled graph; a broken graph (a stage gone, or the pipeline closed) -> StageDied."""
+        from ray.exceptions import RayTaskError
+        if self.dead is not None:
+            raise StageDied(self.dead)
+        try:
+            return fn(*args)
+        except RayTaskError:  # a stage's call raised (as the cause's type): the stages live on
+            raise
+        except Exception as e:
+            if self._chain.broken is None and not _is_ray_error(e):
+                raise  # a bug here, not a broken graph
+            if self.dead is None:
+                which = [self.describe(i) for i in self._dead()]
+                self.dead = (f"pipeline {', '.join(which) or 'stage'} died ({type(e).__name__}); "
+                             "the model must be loaded again")
             raise StageDied(self.dead) from None
 
     def _dead(self, timeout_s: float = 10) -> list[int]:
@@ -385,6 +444,33 @@ class RayStages:
         self._finalizer()
 
 
+HANDOFFS = ("auto", "cgraph", "refs")
+
+
+def choose_handoff(handoff: str, nodes: int, gpus: bool) -> tuple[str, str]:
+    """The hand-off a pipeline uses ("cgraph" or "refs") and why, for the `handoff` asked, the nodes its stages
+    lie on and whether they run on GPUs. `auto` is object refs, the one measured faster: across nodes Ray 2.60's
+    raylet failed a check (experimental_mutable_object_provider.cc) at a compiled graph's first write, and on CPU
+    stages a compiled graph's stage waiting for its input polls its channel, taking CPU from the stages' kernels
+    (the pipelined decode loop ran 0.74-0.76x as fast as with refs on one CPU node, benchmark/README.md). On one
+    node of GPUs a compiled graph was never measured: `handoff="cgraph"` asks for it."""
+    if handoff != "auto":
+        return handoff, f"asked for (handoff={handoff!r})"
+    if nodes > 1:
+        return "refs", f"the stages span {nodes} nodes, where compiled graphs are not used (handoff='auto')"
+    if not gpus:
+        return "refs", ("the stages run on CPUs, where a compiled graph's waiting stages poll and slow the others' "
+                        "kernels (handoff='auto')")
+    return "refs", ("a compiled graph on GPUs is not measured yet (handoff='auto'; handoff='cgraph' asks for "
+                    "one)")
+
+
+def _is_ray_error(e: BaseException) -> bool:
+    import ray
+    return isinstance(e, (ray.exceptions.RayError, ray.exceptions.RayChannelError)) or \
+        type(e).__module__.startswith("ray.")
+
+
 # pipelines this process placed itself, oldest first (a notebook's `m = get_model(...)` run again)
 _LIVE: list = []
 
@@ -413,13 +499,17 @@ def _wait_or_make_room(pg, timeout_s: float) -> None:
             older[0].close("closed to make room for a newer pipelined model in this process; load it again")
 
 
-def _shutdown(actors, pg) -> None:
-    """Kill the stage actors and remove the placement group this pipeline made (if Ray is still up)."""
+def _shutdown(actors, pg, graphs=()) -> None:
+    """Stop the stages' compiled graph, kill the stage actors and remove the placement group this pipeline
+    made (if Ray is still up)."""
     try:
         import ray
         if not ray.is_initialized():
             return
         from ray.util.placement_group import remove_placement_group
+        from opt_serving.parallel.handoff import teardown
+        for dag in graphs:
+            teardown(dag)
         for a in actors:
             ray.kill(a)
         if pg is not None:

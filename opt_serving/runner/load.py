@@ -26,12 +26,14 @@ log = logging.getLogger(__name__)
 
 
 def load_slots(spec: ModelSpec, dtype: str = "auto", num_slots: int = 16, max_seq_len: Optional[int] = None,
-               device_memory=None, micro_batches: Optional[int] = None, prefix_caching: bool = True) -> Slots:
+               device_memory=None, micro_batches: Optional[int] = None, prefix_caching: bool = True,
+               handoff: str = "auto") -> Slots:
     """Slots over the spec's weights: a numpy folder (or its parent holding `<size>-np/`), or random weights
     of its size drawn from its seed. `micro_batches`: decode slot groups of a pipelined plan (default: pp, at
     most one per slot). `spec.quantize="int8"`: int8 weights (model/quantize.py; an alpa/ plan's are split as
     its float ones, each pipeline stage quantizing its own). `prefix_caching`: keep prompts' KV for the prompts
-    that start the same way (runner/prefix.py; every stage keeps its layers').
+    that start the same way (runner/prefix.py; every stage keeps its layers'). `handoff`: how a pipelined plan's
+    stages hand hidden states on (pipeline.RayStages: "auto", "cgraph", "refs").
     """
     spec = spec.for_engine()
     dtype = resolve_dtype(dtype, cluster=spec.parallel)
@@ -50,7 +52,8 @@ def load_slots(spec: ModelSpec, dtype: str = "auto", num_slots: int = 16, max_se
             groups = max(g for g in range(1, min(groups, num_slots) + 1) if num_slots % g == 0)
             blocks = prefix_blocks(cfg, num_slots, max_seq_len, prefix_caching)
             stages = RayStages(cfg, plan, source, dtype=dtype, seed=spec.weights.seed or 0, rows=num_slots // groups,
-                               groups=groups, max_seq_len=max_seq_len, quantize=spec.quantize, prefix_blocks=blocks)
+                               groups=groups, max_seq_len=max_seq_len, quantize=spec.quantize, prefix_blocks=blocks,
+                               handoff=handoff)
             return Slots(cfg, stages, num_slots, groups, max_seq_len, plan=plan, prefix_blocks=blocks)
         m = parallel.tensor_parallel_model(cfg, plan, source, dtype, spec.weights.seed or 0, spec.quantize)
     return local_slots(m.config, m.fused_params, num_slots, max_seq_len, plan=getattr(m, "plan", None),

@@ -88,6 +88,9 @@ def _plan_and_ray_arguments(p: argparse.ArgumentParser) -> None:
                         "name); the planner pipelines a model that does not fit one device")
     p.add_argument("--micro-batches", type=int, default=None,
                    help="pipelined plans: decode slot groups in flight through the stages (default: pp)")
+    p.add_argument("--handoff", default="auto", choices=["auto", "cgraph", "refs"],
+                   help="pipelined plans: how stages hand hidden states on: a Ray Compiled Graph (cgraph), Ray "
+                        "object refs (refs), or auto: cgraph when every stage is on one node, refs across nodes")
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="most top alternatives a request may ask for per token (vLLM's --max-logprobs)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20,
@@ -220,7 +223,7 @@ def serve_args_from(args: argparse.Namespace):
                      num_replicas=args.num_replicas, num_gpus=args.num_gpus,
                      graceful_shutdown_timeout_s=args.drain_timeout,
                      tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel,
-                     device_memory=args.device_memory, micro_batches=args.micro_batches,
+                     device_memory=args.device_memory, micro_batches=args.micro_batches, handoff=args.handoff,
                      max_logprobs=args.max_logprobs, max_body_bytes=args.max_body_bytes)
 
 

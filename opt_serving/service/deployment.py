@@ -60,6 +60,8 @@ class ServeArgs(BaseModel):
     pipeline_parallel: Optional[int] = None
     device_memory: Optional[str] = None  # what each device may hold ("16GB"): CPU nodes, GPUs Ray does not name
     micro_batches: Optional[int] = None  # decode slot groups of a pipelined plan (default pp)
+    # how pipeline stages hand hidden states on: a Ray Compiled Graph (one node) or object refs (parallel/pipeline.py)
+    handoff: Literal["auto", "cgraph", "refs"] = "auto"
     health_check_period_s: float = 5.0
     max_logprobs: int = P.MAX_LOGPROBS   # vLLM's --max-logprobs
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -79,7 +81,7 @@ class ServeArgs(BaseModel):
         if not is_parallel(self.model):
             return {}
         return dict(tensor_parallel=self.tensor_parallel, pipeline_parallel=self.pipeline_parallel,
-                    device_memory=self.device_memory, micro_batches=self.micro_batches)
+                    device_memory=self.device_memory, micro_batches=self.micro_batches, handoff=self.handoff)
 
 
 def check_model_args(args: ServeArgs) -> None:
