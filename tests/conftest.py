@@ -123,16 +123,3 @@ def opt_vocab_server(opt_tokenizer):
         yield g, url, openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=120), hf
     g.close()
 
-
-# The suite's longest files (pipelines on simulated Ray clusters, the 8-device child, served stages) start first:
-# `make test` hands whole files to its workers in collection order, and a long file started last ran alone for
-# minutes after the other worker had finished.
-LONG_FILES = ("test_parallel_backend.py", "test_service_pipeline.py", "test_parallel_handoff.py",
-              "test_parallel_pipeline.py", "test_runner.py", "test_service_replica_kill.py",
-              "test_service_cli_cluster.py", "test_chaos.py", "test_engine.py", "test_multidevice.py",
-              "test_parallel_sharding.py", "test_model_sources.py", "test_service_app.py", "test_service_signals.py")
-
-
-def pytest_collection_modifyitems(session, config, items):
-    rank = {name: i for i, name in enumerate(LONG_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable: each file's own order kept

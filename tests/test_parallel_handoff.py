@@ -103,20 +103,13 @@ def test_pp2_compiled_graph_and_refs_give_the_one_device_tokens(ray_local, folde
     assert "Compiled Graph, asked for" in said[0] and "object refs" in said[1] and "CPUs" in said[1]
 
 
-def test_pp3_compiled_graph_gives_the_one_device_tokens_and_a_failed_compile_falls_back_to_refs(
-        ray_local, folder, one_device, monkeypatch, caplog):
+def test_a_failed_compile_falls_back_to_refs_with_a_warning(ray_local, folder, one_device, monkeypatch, caplog):
     from opt_serving.parallel import handoff
-    slots = ray_slots(folder, 3, "cgraph")
-    try:
-        assert slots.stages.handoff == "cgraph"
-        assert run(slots) == one_device
-    finally:
-        slots.close()
 
     def fail(self, actors, max_inflight=16):
         raise RuntimeError("no channels today")
     monkeypatch.setattr(handoff.CompiledChain, "__init__", fail)
-    slots = ray_slots(folder, 3, "cgraph")
+    slots = ray_slots(folder, 2, "cgraph")
     try:
         assert slots.stages.handoff == "refs"
         assert "no channels today" in slots.stages.handoff_reason
