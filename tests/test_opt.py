@@ -164,7 +164,7 @@ def test_a_prefill_in_chunks_gives_the_whole_prefill(cfg, per_row):
     ids = np.random.RandomState(4).randint(3, cfg.vocab_size, n).astype(np.int32)
     whole_ids, whole_mask = np.ones((1, size), np.int32), (np.arange(size) < n).astype(np.int32)[None]
     whole_ids[0, :n] = ids
-    want, want_cache = opt._prefill(cfg, params, kv_cache.init_cache(cfg, 1, size), whole_ids, whole_mask)
+    want, want_cache = opt.prefill_step(cfg, params, kv_cache.init_cache(cfg, 1, size), whole_ids, whole_mask)
     specs = [opt.StageSpec(0, 1, True, False), opt.StageSpec(1, 2, False, True)]
     parts = [param_tree.stage_params(params, s) for s in specs]
     cache = kv_cache.init_cache(cfg, 1, size)

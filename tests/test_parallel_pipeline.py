@@ -167,3 +167,30 @@ def test_stages_built_a_layer_at_a_time_compute_what_their_whole_trees_do(folder
             x = s.seq_prefill(0, x, MASK, True)
         chains.append(np.asarray(x))
     np.testing.assert_array_equal(chains[0], chains[1])
+
+
+def test_the_stage_actor_offers_exactly_the_declared_stage_calls_and_the_runner_makes_no_other():
+    """runner.types.STAGE_CALLS is the stage interface: StageSlots implements every call, the Ray stage actor is
+    generated from it (each forwarding to its StageSlots), and every call runner/slots.py sends a stage is in it."""
+    import inspect
+    import re
+    from opt_serving.parallel.pipeline import StageActor
+    from opt_serving.runner import slots
+    from opt_serving.runner.stage import StageSlots
+    from opt_serving.runner.types import STAGE_CALLS
+
+    class Recorder:
+        def __init__(self):
+            self.seen = []
+
+        def __getattr__(self, name):
+            return lambda *args: self.seen.append((name, args)) or name
+
+    for name, step in STAGE_CALLS.items():
+        assert callable(getattr(StageSlots, name, None)), name
+        actor = StageActor.__new__(StageActor)  # no model: the forwarding alone
+        actor.slots, actor._busy, actor._calls = Recorder(), 0.0, 0
+        assert getattr(StageActor, name)(actor, 1, "x") == name and actor.slots.seen == [(name, (1, "x"))]
+        assert actor._calls == (1 if step else 0), name  # the steps count as the stage's busy time
+    sent = set(re.findall(r'(?:call\([^,]+, |_to_all\()"([a-z_]+)"', inspect.getsource(slots)))
+    assert sent and sent <= set(STAGE_CALLS), sent - set(STAGE_CALLS)

@@ -153,7 +153,7 @@ def search(cfg, params, ids, mask, st, max_new, k, n_return, length_penalty, ear
         cache = kv_cache.reorder(cache, parents)
         logits, cache = jax.lax.cond(
             go,
-            lambda: opt._decode(cfg, params, cache, last, n_real + (cur - s), cur,  # a scalar: see wrapper._sample_loop
+            lambda: opt.decode_step(cfg, params, cache, last, n_real + (cur - s), cur,  # a scalar: see wrapper._sample_loop
                                 backend=backend),
             lambda: (logits, cache))
         return c, logits, cache, go, scores_buf

@@ -305,8 +305,8 @@ def prefill_positions(attention_mask):
     return jnp.cumsum(m, axis=1) * m - 1
 
 
-def _prefill(cfg, params, cache, input_ids, attention_mask, all_logits=True, return_hidden=False,
-             stage: StageSpec | None = None, backend: Backend = XLA):
+def prefill_step(cfg, params, cache, input_ids, attention_mask, all_logits=True, return_hidden=False,
+                 stage: StageSpec | None = None, backend: Backend = XLA):
     """See `prefill`. With return_hidden, the final hidden states [B,S,D] (or [B,D]) come back
     instead of logits: the caller applies `lm_logits` only where it needs them (a 2048-token
     prompt's full logits are a 158 GFLOP product). A `stage` that is not first takes hidden states
@@ -332,7 +332,7 @@ def _extend(cfg, params, cache, x, start, chunk_mask, return_hidden=False, stage
     stage's hidden states [B, C, D]) at positions start..start+C-1 (`start` int32, scalar or [B]);
     `chunk_mask` [B, C] marks its real tokens (a prompt's last chunk is right-padded). Each writes its k/v
     at its own entry and attends to the row's valid entries before `start` and causally within the chunk;
-    valid afterwards: those and the chunk's real tokens. Chunks of C over a prompt give what `_prefill` of
+    valid afterwards: those and the chunk's real tokens. Chunks of C over a prompt give what `prefill_step` of
     the whole prompt gives. -> (logits [B, C, V], or with `return_hidden` / on a stage that is not last
     the hidden states [B, C, D]; cache)."""
     b, c = chunk_mask.shape
@@ -349,8 +349,8 @@ def _extend(cfg, params, cache, x, start, chunk_mask, return_hidden=False, stage
     return out, {"k": tuple(c[0] for c in caches), "v": tuple(c[1] for c in caches), "mask": before | chunk}
 
 
-def _decode(cfg, params, cache, tokens, positions, write_index, read_len=None, return_hidden=False,
-            stage: StageSpec | None = None, backend: Backend = XLA):
+def decode_step(cfg, params, cache, tokens, positions, write_index, read_len=None, return_hidden=False,
+                stage: StageSpec | None = None, backend: Backend = XLA):
     """See `decode`. A `stage` that is not first takes hidden states [B, D] as `tokens`; one that is
     not last returns its hidden states [B, D]."""
     dtype = param_dtype(params)
@@ -385,9 +385,9 @@ def _joining_attend(k_cache, v_cache, mask, write_index, read_len, rows, entries
     return attend
 
 
-def _decode_joining(cfg, params, cache, tokens, positions, write_index, read_len, block, stage: StageSpec | None = None,
-                    backend: Backend = XLA):
-    """A decode step of the cache's B rows (as `_decode`, hidden states) with prompts joining free rows in
+def decode_joining_step(cfg, params, cache, tokens, positions, write_index, read_len, block,
+                        stage: StageSpec | None = None, backend: Backend = XLA):
+    """A decode step of the cache's B rows (as `decode_step`, hidden states) with prompts joining free rows in
     the same pass, so their tokens share its products: `block` = (ids [T] (or on a stage that is not first
     nothing: `tokens` are then the previous stage's hidden states [B + T, D]), rows [T], entries [T], seg
     [T]), see `_joining_attend`. A joining row's cache row starts afresh: valid are its prompt's entries.
@@ -407,7 +407,7 @@ def _decode_joining(cfg, params, cache, tokens, positions, write_index, read_len
     return out[0], {"k": tuple(c[0] for c in caches), "v": tuple(c[1] for c in caches), "mask": mask}
 
 
-prefill = jax.jit(_prefill, static_argnums=(0,), static_argnames=("all_logits", "backend"),
+prefill = jax.jit(prefill_step, static_argnums=(0,), static_argnames=("all_logits", "backend"),
                   donate_argnums=(2,))
 prefill.__doc__ = """prefill(cfg, params, cache, input_ids[B,S], attention_mask[B,S], all_logits=True, backend=XLA)
     -> (logits float32 [B,S,V] (or [B,V] for the last position when all_logits=False), cache)
@@ -417,7 +417,7 @@ offset). Writes cache entries 0..S-1 and resets each row's validity to the
 prompt's real tokens. The cache is donated; pass S bucketed (bucket_length). `backend`: the one
 the params were prepared for (layout.runtime_params)."""
 
-decode = jax.jit(_decode, static_argnums=(0,), static_argnames=("backend",), donate_argnums=(2,))
+decode = jax.jit(decode_step, static_argnums=(0,), static_argnames=("backend",), donate_argnums=(2,))
 decode.__doc__ = """decode(cfg, params, cache, tokens[B], positions[B], write_index[B], read_len=None, backend=XLA)
     -> (logits float32 [B,V], cache)
 
@@ -435,7 +435,7 @@ def start(cfg: OPTConfig, params, ids, mask, max_new: int, backend: Backend = XL
     (next-token logits [B, V] (or the final hidden states [B, D]), cache)."""
     b, s = ids.shape
     cache = init_cache(cfg, b, s + max_new, cache_dtype(params, backend))
-    return _prefill(cfg, params, cache, ids, mask, all_logits=False, return_hidden=return_hidden, backend=backend)
+    return prefill_step(cfg, params, cache, ids, mask, all_logits=False, return_hidden=return_hidden, backend=backend)
 
 
 def forward(cfg: OPTConfig, params, input_ids, attention_mask=None, backend: Backend = XLA):

@@ -297,7 +297,7 @@ def _sample_loop(cfg, params, ids, mask, st, max_new, new_bucket, pad, output_sc
         i, tok, cache, state, unfinished, scores_buf = c
         # one write index for all rows (a scalar): an in-place slice update, where a per-row
         # scatter makes XLA copy the loop-carried cache every step
-        h, cache = opt._decode(cfg, params, cache, tok, n_real + i - 1, s + i - 1,
+        h, cache = opt.decode_step(cfg, params, cache, tok, n_real + i - 1, s + i - 1,
                                read_len=s + i, return_hidden=True, backend=backend)
         tok, state, unfinished, scores_buf = pick(h, state, unfinished, scores_buf, i)
         return i + 1, tok, cache, state, unfinished, scores_buf

@@ -31,7 +31,7 @@ import numpy as np
 from opt_serving import jax_env
 from opt_serving.config import OPTConfig
 from opt_serving.parallel.handoff import FIRE_AND_FORGET
-from opt_serving.runner.types import StageDied
+from opt_serving.runner.types import STAGE_CALLS, StageDied
 
 STAGE_NAME_PREFIX = "opt-serving-stage-"
 
@@ -176,43 +176,6 @@ class StageActor:
         self._calls += 1
         return out
 
-    # the StageSlots calls the driver chains (runner/slots.py); what leaves the actor is numpy
-    def prefill(self, *args):
-        return self._timed(self.slots.prefill, *args)
-
-    def prefill_chunk(self, *args):
-        return self._timed(self.slots.prefill_chunk, *args)
-
-    def insert(self, *args):
-        self.slots.insert(*args)
-
-    def store_prefix(self, handle, ids):
-        self.slots.store_prefix(handle, ids)
-
-    def drop(self, handle):
-        self.slots.drop(handle)
-
-    def decode(self, *args):
-        return self._timed(self.slots.decode, *args)
-
-    def free(self, group, row):
-        self.slots.free(group, row)
-
-    def use_tokenizer(self, tokenizer_json, eos):
-        self.slots.use_tokenizer(tokenizer_json, eos)
-
-    def begin_warmup(self):
-        self.slots.begin_warmup()
-
-    def end_warmup(self):
-        self.slots.end_warmup()
-
-    def cache_windows(self) -> list[int]:
-        return self.slots.cache_windows()
-
-    def ready(self) -> bool:
-        return True
-
     # whole-sequence calls for generate() (backend.PipelinedOPT)
     def seq(self, method, *args):
         return _host(getattr(self.slots, "seq_" + method)(*args))
@@ -231,6 +194,20 @@ class StageActor:
     def run_calls(self, payload):
         from opt_serving.parallel import handoff
         return handoff.run_calls(self, payload)
+
+
+def _forward(name: str, step: bool):
+    """StageActor's method `name`: the stage's own call, timed as busy where it is a step of the model."""
+    def call(self, *args):
+        fn = getattr(self.slots, name)
+        return self._timed(fn, *args) if step else fn(*args)
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
+# the StageSlots calls the driver makes (runner.types.STAGE_CALLS); what leaves the actor from a step is numpy
+for _name, _step in STAGE_CALLS.items():
+    setattr(StageActor, _name, _forward(_name, _step))
 
 
 def process_memory() -> dict:

@@ -164,9 +164,9 @@ class ShardedOPT:
         cache_sh = cache_shardings(cfg, mesh, rules)
         full = NamedSharding(mesh, P())
         # logits gathered to every device: the sampler is not sharded
-        self._prefill = jax.jit(opt._prefill, static_argnums=(0,), static_argnames=("all_logits", "backend"),
+        self._prefill = jax.jit(opt.prefill_step, static_argnums=(0,), static_argnames=("all_logits", "backend"),
                                 donate_argnums=(2,), out_shardings=(full, cache_sh))
-        self._decode = jax.jit(opt._decode, static_argnums=(0,), static_argnames=("backend",), donate_argnums=(2,),
+        self._decode = jax.jit(opt.decode_step, static_argnums=(0,), static_argnames=("backend",), donate_argnums=(2,),
                                out_shardings=(full, cache_sh))
         self._cache_sh = cache_sh
 

@@ -13,7 +13,7 @@ step. A slot freed or refilled while its group is in flight gets no token from t
 
 Joining (`join`): a short prompt takes a free slot in its group's next decode step. Its tokens ride in that
 step's products beside the decode rows (a `JoinBlock` of 8, 16 or 32 tokens, up to four prompts; its k/v go
-straight into the slot's cache row, opt._decode_joining), and the step chooses its first token as it chooses
+straight into the slot's cache row, opt.decode_joining_step), and the step chooses its first token as it chooses
 the others'. A prefill pass of its own would read every weight again for a handful of tokens, about the cost
 of a decode step. Longer prompts, prompts whose scores are asked for, and those a full block leaves over are
 prefilled (`prefill_batch`) and inserted.

@@ -153,6 +153,14 @@ class StageDied(Unavailable):
     code = "stage_died"
 
 
+# The stage interface: every call a runner makes on a stage (Slots through Stages.call), and whether it is a step
+# of the model (a stage actor counts those as busy time). StageSlots implements each; a Ray stage actor
+# (parallel/pipeline.py) is generated from this table, so the two cannot drift apart.
+STAGE_CALLS = {"prefill": True, "prefill_chunk": True, "decode": True, "decode_steps": True,
+               "insert": False, "store_prefix": False, "drop": False, "free": False, "use_tokenizer": False,
+               "begin_warmup": False, "end_warmup": False, "cache_windows": False, "ready": False}
+
+
 class SlotModel(abc.ABC):
     """What the engine drives: `num_slots` decode slots over one model (runner.slots.Slots; the fake engine's
     FakeSlots). The five abstract methods are what every slot model has. What only some have is declared by
