@@ -123,3 +123,13 @@ def opt_vocab_server(opt_tokenizer):
         yield g, url, openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=120), hf
     g.close()
 
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A local Ray of the module's own (never a cluster it did not start), stopped after the module's tests
+    unless a test stopped it already (to start a simulated cluster)."""
+    ray = pytest.importorskip("ray")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR")
+    yield ray
+    if ray.is_initialized():
+        ray.shutdown()

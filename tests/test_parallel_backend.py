@@ -139,14 +139,6 @@ def beam_reference(folder):
     return out
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    ray = pytest.importorskip("ray")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR")  # ours alone
-    yield ray
-    ray.shutdown()
-
-
 # what generate() takes beyond greedy: every one runs the same front and token choice on every plan
 FEATURE_CASES = [dict(max_new_tokens=6, output_scores=True, return_dict_in_generate=True),
                  dict(max_new_tokens=6, bad_words_ids=[[5], [9, 17]], min_length=10, repetition_penalty=1.3),

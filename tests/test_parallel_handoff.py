@@ -39,15 +39,6 @@ def folder(params, tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    ray = pytest.importorskip("ray")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="ERROR")  # ours alone
-    yield ray
-    if ray.is_initialized():  # (the two-node test stops it to start its cluster)
-        ray.shutdown()
-
-
 def run(slots, jobs=JOBS):
     """Every job's tokens through an engine over `slots`, which it closes (six jobs, four slots in two groups: later jobs take
     slots freed while the other group is in the stages)."""
