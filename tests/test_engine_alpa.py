@@ -24,6 +24,9 @@ CHILD = textwrap.dedent("""
 
     path = sys.argv[1]
     engine = load_engine("alpa/opt-tiny", path, num_slots=3, max_seq_len=64, tensor_parallel=2)
+    # four steps a call whatever the machine's load (by default a call is held to admission.DECODE_CALL_S of
+    # wall time, and a loaded CI machine would then take one step at a time)
+    engine.decode_call_s = float("inf")
     stage = engine.model.stages.stages[0]
     cache_spec = str(jax.tree_util.tree_leaves(stage.caches[0])[0].sharding.spec)
     calls = []  # several decode steps a call (the default), on the sharded params too
