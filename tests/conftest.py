@@ -30,9 +30,16 @@ _RAY_TMP = tempfile.mkdtemp(prefix="rt", dir="/tmp")
 os.environ["RAY_TMPDIR"] = _RAY_TMP
 atexit.register(shutil.rmtree, _RAY_TMP, ignore_errors=True)
 
-# Tests compile afresh and write nothing under the user's home (test_xla_cache.py turns the cache on in
-# processes of its own); the servers and Ray workers tests start inherit this.
-os.environ.setdefault("OPT_SERVING_COMPILE_CACHE", "0")
+# The compile cache on, as a user has it (xla_cache.py), in a folder of this test run's own, never under the
+# user's home: made by the first process that loads this file (pytest-xdist's controller, before it starts
+# its workers, which inherit it, as do the servers, Ray workers and children the tests start) and removed when
+# that process exits. The same steps compiled by many servers, stages and children of the run (the embedded
+# model's warm-up, a replica replaced after a kill) are then compiled once. A given OPT_SERVING_COMPILE_CACHE
+# ("0": off) is followed; test_xla_cache.py sets its own in processes of its own.
+if "OPT_SERVING_COMPILE_CACHE" not in os.environ:
+    _XLA_CACHE = tempfile.mkdtemp(prefix="xla", dir="/tmp")
+    os.environ["OPT_SERVING_COMPILE_CACHE"] = _XLA_CACHE
+    atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
 
 # The tiny pre-LN model most unit tests build: two layers of four heads, milliseconds to run.
 TINY = OPTConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
