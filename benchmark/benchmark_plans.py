@@ -48,7 +48,7 @@ def main() -> int:
 
     from opt_serving.config import get_config
     from opt_serving.model import param_tree
-    from opt_serving.parallel.backend import TensorParallelOPT
+    from opt_serving.model.wrapper import OPTModel
     from opt_serving.parallel.cluster import calibrate, cluster_from_jax
     from opt_serving.parallel.pipeline import RayStages, measure_handoff_latency
     from opt_serving.parallel.planner import search
@@ -92,15 +92,15 @@ def main() -> int:
     for plan in tqdm(plans, desc="building plans", unit="plan"):
         if plan.pp == 1:
             mesh = make_mesh(jax.devices()[:plan.tp], plan.tp)
-            model = TensorParallelOPT(cfg, shard_params(params, cfg, mesh), mesh, plan)
+            model = OPTModel(cfg, shard_params(params, cfg, mesh), mesh=mesh, plan=plan)
             state = {"cache": model.prefill(model.init_cache(1, L), ids, mask, False)[1]}
 
             def step(model=model, state=state):
                 out, state["cache"] = model.decode(state["cache"], tok, pos, idx)
                 out.block_until_ready()
         else:
-            from opt_serving.parallel.backend import PipelinedOPT
-            pipe = PipelinedOPT(cfg, RayStages(cfg, plan, None, seed=0), plan)  # the same random weights
+            from opt_serving.runner.generate import StageGeneration
+            pipe = StageGeneration(cfg, RayStages(cfg, plan, None, seed=0), plan)  # the same random weights
             pipes.append(pipe)
             key = pipe._open(1, L)
             pipe.stages.get(pipe._chain("prefill", key, ids, mask, False))

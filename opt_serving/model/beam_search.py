@@ -1,6 +1,6 @@
 """Beam search, a port of transformers 5.23 `_beam_search` (vectorised, one EOS token): `beam_init` and
 `beam_step` are pure functions of the next-token logits and the beams' state, which the on-device loop
-(`search`) and the pipelined host loop (parallel/backend.py) run between decodes.
+(`search`) and the pipelined host loop (runner/generate.py) run between decodes.
 
 A search can be stopped between steps (a server's client gone): the caller's `should_stop` is asked before
 every step, on the host; the on-device loop asks it through a host callback (`stoppable`, `_stopped`), and
@@ -84,7 +84,7 @@ def beam_step(k, s, length_penalty, early_stop, eos, logits, c, prompt_seen, st)
     """One step of transformers 5.23 `_beam_search` (vectorised, one EOS token) given the next-token
     logits [B*K, V] -> (new state, the parent row of every beam [B*K] (reorder the cache by it), the
     token each beam feeds next [B*K], whether to go on, the processed log-probs [B*K, V]).
-    Pure: the on-device loop (`search`) and the pipelined host loop (parallel/backend.py) both run it."""
+    Pure: the on-device loop (`search`) and the pipelined host loop (runner/generate.py) both run it."""
     bk, v = logits.shape
     b = bk // k
     cur, running, running_scores, running_idx = (c["cur"], c["running"], c["running_scores"],

@@ -1,5 +1,5 @@
-"""A Hugging Face style generate() for the Flax OPT (OPTModel, on one device; parallel/backend.py's
-PipelinedOPT shares its front, `Generation`). `get_model` (opt_serving/models.py) is reachable here, where
+"""A Hugging Face style generate() for the Flax OPT (OPTModel, on one device or a tensor-parallel mesh;
+runner/generate.py's StageGeneration, over pipeline stages, shares its front, `Generation`). `get_model` (opt_serving/models.py) is reachable here, where
 notebooks have always imported it, and so are `PREFIXES` (spec.py) and `resolve_numpy_folder` (weights.py).
 
 generate() mirrors transformers 5.23 (`_sample` and the vectorised `_beam_search`, in beam_search.py)
@@ -21,6 +21,7 @@ from opt_serving.backend import Backend
 from opt_serving.config import OPTConfig
 from opt_serving.model import beam_search, kv_cache, layout, opt
 from opt_serving.model.weights import resolve_numpy_folder  # noqa: F401 (notebooks import it from here)
+from opt_serving.parallel.sharding import ShardedOPT
 from opt_serving.spec import PREFIXES  # noqa: F401 (notebooks import it from here)
 
 
@@ -65,7 +66,7 @@ def prepare_inputs(cfg: OPTConfig, input_ids, attention_mask, max_length, max_ne
 class Generation:
     """Hugging Face's generate() over a model's own decode loops: arguments, sampling settings and the
     returned shapes are this code for every plan; a subclass gives `_sample` and `_beams` (OPTModel:
-    one compiled on-device loop; backend.PipelinedOPT: a host loop over the stage actors, picking
+    one compiled on-device loop; runner.generate.StageGeneration: a host loop over the stages, picking
     tokens with the same jitted `pick_tokens` and `beam_search.beam_step`)."""
     config: OPTConfig
 
@@ -173,19 +174,24 @@ def _outputs(seqs, scores, seq_scores, n_steps, is_torch, output_scores, return_
 
 
 class OPTModel(Generation):
-    """The Flax OPT on one device: params + config, the jitted steps, and generate()."""
+    """The Flax OPT on one device or one tensor-parallel mesh: params + config, the jitted steps, and generate()
+    as one compiled on-device loop. Tensor parallelism is a layout of the params (parallel/sharding.py), not
+    another model: over params sharded on `mesh`, GSPMD partitions the same programs."""
 
-    def __init__(self, cfg: OPTConfig, params, backend: Backend | None = None, weights: str = "float32"):
+    def __init__(self, cfg: OPTConfig, params, backend: Backend | None = None, weights: str = "float32",
+                 mesh=None, plan=None):
         """`params` in the checkpoint's layout; or, with the `backend` they were prepared for, already in
         its runtime layout (a slot runner's, shared: runner/slots.py). `weights`: how the dense layers run
         (Backend.weights): "int8" for model/quantize.py's params, "bfloat16" for float32 params whose
-        products run in bfloat16 (get_model decides)."""
-        self.config = cfg
+        products run in bfloat16 (get_model decides). `mesh`: the tp mesh sharded params lie on (the engine
+        steps below then keep the cache sharded by heads); `plan`: the planner's plan it was built for."""
+        self.config, self.mesh, self.plan = cfg, mesh, plan
         self.dtype = opt.param_dtype(params)
         if backend is None:  # q/k/v fused on one device, packed where the backend chosen for them packs
             backend, params = layout.runtime_params(params, weights=weights)
         # the steps and generate() run these
         self.backend, self.fused_params = backend, params
+        self._sharded = None if mesh is None else ShardedOPT(cfg, params, mesh, backend=backend)
 
     @property
     def params(self):
@@ -194,13 +200,19 @@ class OPTModel(Generation):
 
     # engine-facing pass-throughs
     def init_cache(self, batch: int, max_len: int):
+        if self._sharded is not None:
+            return self._sharded.init_cache(batch, max_len)
         return kv_cache.init_cache(self.config, batch, max_len, opt.cache_dtype(self.fused_params, self.backend))
 
     def prefill(self, cache, input_ids, attention_mask, all_logits=True):
+        if self._sharded is not None:
+            return self._sharded.prefill(cache, input_ids, attention_mask, all_logits)
         return opt.prefill(self.config, self.fused_params, cache, input_ids, attention_mask,
                            all_logits=all_logits, backend=self.backend)
 
     def decode(self, cache, tokens, positions, write_index):
+        if self._sharded is not None:
+            return self._sharded.decode(cache, tokens, positions, write_index)
         return opt.decode(self.config, self.fused_params, cache, tokens, positions, write_index,
                           backend=self.backend)
 

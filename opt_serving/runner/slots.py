@@ -41,7 +41,7 @@ import numpy as np
 
 from opt_serving.model import kv_cache
 from opt_serving.model.wrapper import OPTModel
-from opt_serving.parallel.backend import PipelinedOPT
+from opt_serving.runner.generate import StageGeneration
 from opt_serving.runner.prefix import BLOCK_SIZE, PrefixCache
 from opt_serving.runner.stage import (cache_bucket, chunk_width, chunk_widths, job_size, job_sizes, prefill_bucket,
                                       prefill_buckets)
@@ -570,10 +570,10 @@ class Slots(SlotModel):
 
     def generation_model(self):
         """A `wrapper.Generation` (HF-style generate(), beam search) over the same weights, no second copy:
-        an OPTModel in this process, or a PipelinedOPT over the same stage actors."""
+        an OPTModel in this process, or a StageGeneration over the same stage actors."""
         if isinstance(self.stages, LocalStages):
             return OPTModel(self.cfg, self.params, self.stages.stages[0].backend)
-        return PipelinedOPT(self.cfg, self.stages, self.plan)
+        return StageGeneration(self.cfg, self.stages, self.plan)
 
     def check_health(self) -> None:
         self.stages.check_health()

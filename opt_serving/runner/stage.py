@@ -376,7 +376,7 @@ class StageSlots:
     def ready(self) -> bool:
         return True
 
-    # ---- whole sequences: generate() over a pipeline (backend.PipelinedOPT), left-padded batches ----
+    # ---- whole sequences: generate() over a pipeline (runner/generate.py), left-padded batches ----
     def seq_open(self, key, batch: int, max_len: int) -> None:
         self.seqs[key] = self._new_cache(batch, max_len)
 

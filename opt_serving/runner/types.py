@@ -158,7 +158,9 @@ class StageDied(Unavailable):
 # (parallel/pipeline.py) is generated from this table, so the two cannot drift apart.
 STAGE_CALLS = {"prefill": True, "prefill_chunk": True, "decode": True, "decode_steps": True,
                "insert": False, "store_prefix": False, "drop": False, "free": False, "use_tokenizer": False,
-               "begin_warmup": False, "end_warmup": False, "cache_windows": False, "ready": False}
+               "begin_warmup": False, "end_warmup": False, "cache_windows": False, "ready": False,
+               # whole-sequence caches: generate() over a pipeline (runner/generate.py)
+               "seq_open": False, "seq_prefill": True, "seq_decode": True, "seq_reorder": False, "seq_close": False}
 
 
 class SlotModel(abc.ABC):
