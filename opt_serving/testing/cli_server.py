@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -29,18 +32,53 @@ REPLICA, PROXY, CONTROLLER, STAGE = "ray::ServeReplica", "ray::ProxyActor", "ray
 
 
 def wait_for_line(proc: subprocess.Popen, text: str, timeout: float) -> list[str]:
-    """Read the child's output until a line contains `text`; AssertionError with the output otherwise."""
-    seen, deadline = [], time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            if proc.poll() is not None:
-                break
-            continue
+    """Read the child's output until a line contains `text`; AssertionError with the output otherwise, also
+    when the child stays silent past `timeout` (its lines are read by a thread of their own, so a readline
+    that blocks never outlasts the deadline)."""
+    lines = _lines(proc)
+    seen, deadline, why = [], time.monotonic() + timeout, f"within {timeout:.0f} s"
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            line = lines.get(timeout=left)
+        except queue.Empty:
+            break
+        if line is None:
+            lines.put(None)  # (for a later call too)
+            why = "before its output ended"
+            break
         seen.append(line)
         if text in line:
             return seen
-    raise AssertionError(f"server did not print {text!r} (exit status {proc.poll()}); output:\n{''.join(seen)}")
+    raise AssertionError(f"server did not print {text!r} {why} (exit status {proc.poll()}); "
+                         f"output:\n{''.join(seen)}")
+
+
+_readers: "weakref.WeakKeyDictionary[subprocess.Popen, queue.Queue]" = weakref.WeakKeyDictionary()
+
+
+def _lines(proc: subprocess.Popen) -> queue.Queue:
+    """The child's output lines as they come (None once it ends), from one reader thread per child."""
+    with _readers_lock:
+        q = _readers.get(proc)
+        if q is None:
+            q = _readers[proc] = queue.Queue()
+            out = proc.stdout
+
+            def read():
+                while True:
+                    line = out.readline()
+                    if not line:
+                        break
+                    q.put(line)
+                q.put(None)
+            threading.Thread(target=read, name=f"output of {proc.pid}", daemon=True).start()
+        return q
+
+
+_readers_lock = threading.Lock()
 
 
 def processes_under(root: int, marker: str | None = None) -> list[psutil.Process]:
