@@ -56,7 +56,7 @@ def load_slots(spec: ModelSpec, dtype: str = "auto", num_slots: int = 16, max_se
                                handoff=handoff)
             return Slots(cfg, stages, num_slots, groups, max_seq_len, plan=plan, prefix_blocks=blocks)
         m = parallel.tensor_parallel_model(cfg, plan, source, dtype, spec.weights.seed or 0, spec.quantize)
-    return local_slots(m.config, m.fused_params, num_slots, max_seq_len, plan=getattr(m, "plan", None),
+    return local_slots(m.config, m.fused_params, num_slots, max_seq_len, plan=m.plan,
                        backend=m.backend, prefix_blocks=prefix_blocks(m.config, num_slots, max_seq_len, prefix_caching))
 
 
