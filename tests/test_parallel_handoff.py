@@ -140,9 +140,10 @@ def test_a_stage_error_under_a_compiled_graph_raises_as_its_type_and_the_stages_
     slots = ray_slots(folder, 2, "cgraph", num_slots=2, groups=1)
     try:
         stages = slots.stages
-        x = stages.call(0, "seq", "no_such_method", 0)
-        with pytest.raises(AttributeError, match="seq_no_such_method"):
-            stages.get(stages.call(1, "seq", "prefill", 0, x))
+        ids, mask = np.array([[2, 5]], np.int32), np.ones((1, 2), np.int32)
+        x = stages.call(0, "seq_prefill", 999, ids, mask)  # no whole-sequence cache 999 was opened
+        with pytest.raises(KeyError, match="999"):
+            stages.get(stages.call(1, "seq_prefill", 999, x, mask))
         first = slots.prefill([2, 5, 9], SlotSettings())
         assert 0 <= first.first.id < CFG.vocab_size
         assert stages.get([stages.call(i, "ready") for i in range(2)]) == [True, True]
