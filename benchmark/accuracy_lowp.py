@@ -60,7 +60,7 @@ def main(argv=None) -> dict:
     from opt_serving.config import get_config
     from opt_serving.model import param_tree, quantize
     from opt_serving.model.wrapper import OPTModel
-    from opt_serving.tokenizer import load_tokenizer
+    from opt_serving.text.tokenizer import load_tokenizer
 
     cfg = get_config(args.model)
     tok = load_tokenizer(args.tokenizer)

@@ -6,7 +6,7 @@ alternating in one process.
 """
 import time, numpy as np, sys
 from opt_serving.model.wrapper import get_model
-from opt_serving.embedded import ensure_embedded_model
+from opt_serving.model.embedded import ensure_embedded_model
 name = sys.argv[1]
 m = get_model("jax/opt-tiny", str(ensure_embedded_model())) if name == "tiny" else get_model("jax/opt-125m", dummy=True)
 ids = np.random.default_rng(0).integers(4, 1000, (1, 32)).astype(np.int32)

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from opt_serving.tokenizer import load_tokenizer
+from opt_serving.text.tokenizer import load_tokenizer
 
 VOCAB = 50272  # OPT's embedding rows (the tokenizer has 50265 entries)
 EOS = 2
@@ -115,7 +115,7 @@ class OutlinesCore:
     def __init__(self, tokenizer):
         import outlines_core
         from outlines_core.json_schema import build_regex_from_schema
-        from opt_serving.token_text import TokenTexts
+        from opt_serving.text.token_text import TokenTexts
         self.lib, self.build = outlines_core, build_regex_from_schema
         t = time.perf_counter()
         texts, vocab = TokenTexts(tokenizer), {}

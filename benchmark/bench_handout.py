@@ -15,11 +15,11 @@ import time
 
 import numpy as np
 
-from opt_serving.completion import RequestText
-from opt_serving.request import SamplingParams
+from opt_serving.text.completion import RequestText
+from opt_serving.text.request import SamplingParams
 from opt_serving.runner.types import MAX_TOP_LOGPROBS, EngineOutput, SlotSettings, StepResult
-from opt_serving.token_text import TokenTexts
-from opt_serving.tokenizer import load_tokenizer
+from opt_serving.text.token_text import TokenTexts
+from opt_serving.text.tokenizer import load_tokenizer
 
 
 def call_results(rng, slots: int, steps: int, vocab: int) -> list[StepResult]:

@@ -14,7 +14,7 @@ import httpx
 from transformers import AutoTokenizer
 from opt_serving.service.app import create_app
 from opt_serving.service.testserver import serve_in_thread
-from opt_serving.fake_engine import fake_generator
+from opt_serving.text.fake import fake_generator
 
 A = pathlib.Path(__file__).resolve().parents[2] / 'shared' / 'opt-assets'; d = pathlib.Path(tempfile.mkdtemp())
 shutil.copy(A / "gpt2-vocab.json", d / "vocab.json"); shutil.copy(A / "gpt2-merges.txt", d / "merges.txt")

@@ -1,4 +1,4 @@
-"""Cython vs pure Python for the host-side hot path in opt_serving/packing.py (stop strings).
+"""Cython vs pure Python for the host-side hot path in opt_serving/text/packing.py (stop strings).
 
     .venv/bin/python benchmark/bench_packing.py [--repeat 5]
 
@@ -12,7 +12,7 @@ import random
 import sys
 import time
 
-from opt_serving import packing
+from opt_serving.text import packing
 
 try:
     from opt_serving import _speedups as C

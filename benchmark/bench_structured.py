@@ -23,9 +23,9 @@ import time
 
 import jsonschema
 
-from opt_serving.generator import SamplingParams
-from opt_serving.loading import load_generator
-from opt_serving.structured import StructuredOutput
+from opt_serving.text.generator import SamplingParams
+from opt_serving.text.loading import load_generator
+from opt_serving.text.structured import StructuredOutput
 
 SCHEMA = {
     "type": "object",

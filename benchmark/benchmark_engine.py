@@ -63,8 +63,8 @@ def main() -> None:
     p.add_argument("--decode-steps", type=int, default=1, help="decode steps in one call (engine.Engine)")
     args = p.parse_args()
 
-    from opt_serving.engine import SlotSettings
-    from opt_serving.loading import load_engine
+    from opt_serving.engine.scheduler import SlotSettings
+    from opt_serving.text.loading import load_engine
     plan = {"quantize": args.quantize} if args.quantize else {}
     engine = load_engine(args.model, None, dtype=args.dtype, num_slots=args.clients, max_seq_len=args.max_seq_len,
                          dummy=True, decode_steps=args.decode_steps, **plan)

@@ -246,7 +246,7 @@ def main(argv=None) -> None:
         if not args.skip_get_model:
             from opt_serving.model.wrapper import get_model
             from opt_serving.parallel.pipeline import process_memory
-            from opt_serving.tokenizer import load_tokenizer
+            from opt_serving.text.tokenizer import load_tokenizer
             tok = load_tokenizer(args.tokenizer)
             t0 = time.perf_counter()
             model = get_model(args.model, args.folder, dtype=args.dtype, dummy=args.dummy, seed=args.seed,

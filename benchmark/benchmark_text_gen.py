@@ -275,7 +275,7 @@ def make_prompts(cfg: OPTConfig, batch_size: int, prompt_len: int, seed: int) ->
 
 def decode(cfg: OPTConfig, ids: np.ndarray) -> list[str]:
     """Text through the real OPT tokenizer where ../shared/opt-assets has it, else the ids."""
-    from opt_serving.tokenizer import has_tokenizer, load_tokenizer
+    from opt_serving.text.tokenizer import has_tokenizer, load_tokenizer
     if cfg.vocab_size >= 50265 and has_tokenizer(OPT_ASSETS):  # metaseq's file names, read in place
         return load_tokenizer(OPT_ASSETS).batch_decode(ids.tolist(), skip_special_tokens=True)
     return [" ".join(map(str, row)) for row in ids.tolist()]

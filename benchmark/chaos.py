@@ -72,7 +72,7 @@ def run_pp2(a, kinds) -> tuple[chaos.ChaosReport, list]:
     import ray
     from ray import serve
 
-    from opt_serving.embedded import ensure_embedded_model
+    from opt_serving.model.embedded import ensure_embedded_model
     from opt_serving.service.deployment import ServeArgs, build_app
     from opt_serving.service.ports import free_port
     from opt_serving.testing.ray_cluster import simulated_cluster

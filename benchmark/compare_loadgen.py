@@ -59,7 +59,7 @@ def find_aiperf(given: str | None = None) -> str | None:
 def save_hf_tokenizer(tokenizer: str | None, out_dir: str) -> str:
     """The server's tokenizer (a folder as `opt-serving serve --tokenizer` takes it, or None: the embedded
     model's) written as a Hugging Face tokenizer folder, which AIPerf loads with AutoTokenizer."""
-    from opt_serving.tokenizer import load_tokenizer
+    from opt_serving.text.tokenizer import load_tokenizer
     load_tokenizer(tokenizer).save_pretrained(out_dir)
     return out_dir
 

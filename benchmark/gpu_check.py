@@ -179,7 +179,7 @@ def section_tiny(run: Run) -> None:
     from opt_serving.config import OPT_CONFIGS
     from opt_serving.model import wrapper
     from opt_serving.runner.load import local_slots
-    from opt_serving.engine import Engine, SlotSettings
+    from opt_serving.engine.scheduler import Engine, SlotSettings
     dev = torch_device()
     tiny = OPT_CONFIGS["tiny"]
     shapes = {"tiny": tiny, "tiny-post-ln": tiny.replace(word_embed_proj_dim=64, do_layer_norm_before=False)}
@@ -226,7 +226,7 @@ def section_tiny(run: Run) -> None:
 def engine_tokens(engine, prompts, n: int) -> list[list[int]]:
     """Greedy tokens of each prompt through the engine, all submitted at once, no stop token."""
     import threading
-    from opt_serving.engine import SlotSettings
+    from opt_serving.engine.scheduler import SlotSettings
     out = [[] for _ in prompts]
     done = threading.Semaphore(0)
 
@@ -335,8 +335,8 @@ def section_model(run: Run) -> None:
                   runs=[round(b * n / t, 1) for t in times], prompt_len=p, new_tokens=n)
 
     # the continuous-batching engine: one engine of max(batches) slots, as a server runs, at each load
-    from opt_serving.admission import DECODE_STEPS, PREFILL_CHUNK
-    from opt_serving.engine import Engine
+    from opt_serving.engine.admission import DECODE_STEPS, PREFILL_CHUNK
+    from opt_serving.engine.scheduler import Engine
     from opt_serving.runner.load import local_slots
     slots = local_slots(cfg, ours.fused_params, num_slots=max(batches), max_seq_len=a.max_seq_len,
                         backend=ours.backend)

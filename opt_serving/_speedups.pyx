@@ -1,5 +1,5 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, initializedcheck=False
-"""Compiled twin of the function in `opt_serving/packing.py`.
+"""Compiled twin of the function in `opt_serving/text/packing.py`.
 
 Same signature, same results, same errors (tests/test_packing.py runs both on
 the same inputs). Read packing.py for what it means; this file only says how it

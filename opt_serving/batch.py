@@ -42,10 +42,10 @@ from pathlib import Path
 
 from opt_serving.batch_io import (Output, Request, RequestError, error_record, parse_request, read_done,
                                   read_pending, request_key, to_choices)
-from opt_serving.admission import PREFILL_CHUNK
-from opt_serving.engine import QueueFull
+from opt_serving.engine.admission import PREFILL_CHUNK
+from opt_serving.engine.scheduler import QueueFull
 from opt_serving.errors import InvalidRequest
-from opt_serving.loading import load_generator
+from opt_serving.text.loading import load_generator
 from opt_serving.spec import is_parallel
 
 # what the CLI, tests and benchmarks reach through this module
@@ -79,7 +79,7 @@ def run_file(input_path: str | os.PathLike, output_path: str | os.PathLike, gene
              budget: int = 16384, window: int = 4096, progress: bool = True) -> Summary:
     """Answer every request of `input_path` not yet in `output_path`, appending to it.
 
-    `generator` is an `opt_serving.generator.Generator` (the caller owns it and closes it).
+    `generator` is an `opt_serving.text.generator.Generator` (the caller owns it and closes it).
     Raises on an engine failure, after writing every request that finished."""
     input_path, output_path = Path(input_path), Path(output_path)
     if not input_path.is_file():

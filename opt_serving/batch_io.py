@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from opt_serving.errors import InvalidRequest
-from opt_serving.request import BATCH_MAX_N, LEGACY_MAX_LOGPROBS, SamplingParams, check_n, prompt_form
+from opt_serving.text.request import BATCH_MAX_N, LEGACY_MAX_LOGPROBS, SamplingParams, check_n, prompt_form
 
 ID_FIELDS = ("custom_id", "request_id", "id")
 # OpenAI's defaults for fields a line leaves out

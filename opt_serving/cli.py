@@ -21,7 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
               "start the HTTP server (Ray Serve) for a model"),
     "batch": ("opt_serving.batch",
               "run an OpenAI-format jsonl file of requests offline, resumably"),
-    "tiny": ("opt_serving.embedded",
+    "tiny": ("opt_serving.model.embedded",
              "write (once) the embedded tiny random-weight OPT and print its folder"),
 }
 # the commands that run a model in this process; the others plan, convert or route (the model of `serve` runs in

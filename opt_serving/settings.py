@@ -1,7 +1,7 @@
 """Every `OPT_SERVING_*` environment switch, read in one place into one value (`Settings.from_env()`).
 
 The ground floor (no other opt_serving import): the backend reads it where a model is loaded, packing.py at its
-import, xla_cache.enable() before the first compile, embedded.py for its cache folder and the service's command
+import, xla_cache.enable() before the first compile, model/embedded.py for its cache folder and the service's command
 line for API keys. README.md lists the switches; a new one is a field here and a row there.
 """
 from __future__ import annotations

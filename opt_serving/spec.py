@@ -20,7 +20,7 @@ from opt_serving.config import size_from_name
 JAX, TORCH, PARALLEL = "jax", "torch", "parallel"
 BACKENDS = {"jax/": JAX, "facebook/": TORCH, "alpa/": PARALLEL}
 PREFIXES = tuple(BACKENDS)
-# names that mean the embedded tiny model where no weights folder is given (embedded.py builds it)
+# names that mean the embedded tiny model where no weights folder is given (model/embedded.py builds it)
 EMBEDDED_NAMES = ("opt-tiny", "tiny", "jax/opt-tiny")
 EMBEDDED = "jax/opt-tiny"
 

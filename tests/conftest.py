@@ -116,8 +116,8 @@ def opt_vocab_server(opt_tokenizer):
     four decode steps a call as served by default) behind the real OPT tokenizer, served under two names (vLLM's
     --served-model-name) -> (generator, base URL, `openai` client, the HF model)."""
     openai = pytest.importorskip("openai")
-    from opt_serving.engine import Engine, OPTSlots
-    from opt_serving.generator import Generator
+    from opt_serving.engine.scheduler import Engine, OPTSlots
+    from opt_serving.text.generator import Generator
     from opt_serving.model import weights
     from opt_serving.service.app import create_app
     from opt_serving.service.testserver import serve_in_thread

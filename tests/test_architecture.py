@@ -18,7 +18,7 @@ NAMES = ["ground", "backend", "model", "runner", "engine", "text", "service"]
 # alpa/ backend builds runners) but for sharding.py (how the model's params split over a mesh: model and
 # backend only) and cli.py (`opt-serving plan`, an entry point); checkpoint/ is a converter, an entry point used
 # only by the CLI (it reads the model's weight layouts and installs the tokenizer); batch is an entry point
-# beside the service. sampling.py sits with the backend, which plugs its kernels into its token choice.
+# beside the service. backend/sampling.py is the token choice the backend plugs its kernels into.
 LAYERS = {
     "opt_serving": GROUND,  # the package itself (empty __init__)
     "opt_serving.config": GROUND,
@@ -28,25 +28,12 @@ LAYERS = {
     "opt_serving.jax_env": GROUND,
     "opt_serving.xla_cache": GROUND,
     "opt_serving.backend": BACKEND,
-    "opt_serving.sampling": BACKEND,
     "opt_serving.model": MODEL,
-    "opt_serving.embedded": MODEL,
     "opt_serving.parallel.sharding": MODEL,
     "opt_serving.runner": RUNNER,
     "opt_serving.parallel": RUNNER,
-    "opt_serving.engine": ENGINE,
-    "opt_serving.engine_types": ENGINE,
-    "opt_serving.admission": ENGINE,
-    "opt_serving.request": TEXT,
-    "opt_serving.structured": TEXT,
-    "opt_serving.tokenizer": TEXT,
-    "opt_serving.token_text": TEXT,
-    "opt_serving.packing": TEXT,
-    "opt_serving.completion": TEXT,
-    "opt_serving.beam": TEXT,
-    "opt_serving.generator": TEXT,
-    "opt_serving.loading": TEXT,
-    "opt_serving.fake_engine": TEXT,  # FakeSlots beside the engine, and fake_generator over it
+    "opt_serving.engine": ENGINE,  # the scheduler, admission, its types, the fake slot model
+    "opt_serving.text": TEXT,
     "opt_serving.service": SERVICE,
     "opt_serving.batch": SERVICE,
     "opt_serving.batch_io": SERVICE,
@@ -166,7 +153,7 @@ GRAPH = import_graph()
 
 def test_the_graph_is_read():
     # the reader sees the imports it is meant to (a reader that found nothing would pass every rule)
-    assert "opt_serving.engine_types" in GRAPH["opt_serving.engine"]
+    assert "opt_serving.engine.types" in GRAPH["opt_serving.engine.scheduler"]
     assert "opt_serving.model.wrapper" in GRAPH["opt_serving.model.loader"]
     assert "opt_serving.service.app" in GRAPH["opt_serving.service"]
     assert len(MODULES) > 80 and sum(map(len, GRAPH.values())) > 200
@@ -175,6 +162,14 @@ def test_the_graph_is_read():
 def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_package_root_holds_only_the_ground_floor_and_the_entry_points():
+    """The other layers are folders (text/, engine/, runner/, parallel/, model/, backend/), so the tree reads
+    as the layers do."""
+    root = [m for m, (path, package) in MODULES.items() if m.count(".") == 1 and not package]
+    assert len(root) > 5
+    assert [m for m in root if layer(m) not in (GROUND, SERVICE)] == []
 
 
 def test_no_import_circles():

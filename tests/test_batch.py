@@ -87,7 +87,7 @@ def test_read_done_refuses_a_foreign_file(tmp_path: Path):
         B.read_done(out)
 
 
-# ---- end to end on the fake engine (see opt_serving/fake_engine.py: greedy continues
+# ---- end to end on the fake engine (see opt_serving/engine/fake.py: greedy continues
 # last + 1 with log-probability -ln2; bytes are ids 4 + b, so after "a" greedy writes "bcd...") ----
 
 LN2 = math.log(2)
@@ -95,7 +95,7 @@ LN2 = math.log(2)
 
 @pytest.fixture
 def fake():
-    from opt_serving.fake_engine import fake_generator
+    from opt_serving.text.fake import fake_generator
     gen = fake_generator(num_slots=4, max_seq_len=64, max_queue=16)
     yield gen
     gen.close()
@@ -216,9 +216,10 @@ def test_missing_input_and_bad_budget_are_clear_errors(tmp_path, fake):
 
 
 def test_an_engine_failure_stops_the_run_and_a_rerun_finishes_it(tmp_path):
-    from opt_serving.engine import Engine
-    from opt_serving.generator import Generator
-    from opt_serving.fake_engine import FakeSlots, byte_tokenizer
+    from opt_serving.engine.scheduler import Engine
+    from opt_serving.text.generator import Generator
+    from opt_serving.engine.fake import FakeSlots
+    from opt_serving.text.fake import byte_tokenizer
 
     class FailsOnce(FakeSlots):
         def step(self):
@@ -247,9 +248,10 @@ def test_an_engine_failure_stops_the_run_and_a_rerun_finishes_it(tmp_path):
 KILLABLE = """
 import signal, sys, time
 from opt_serving import batch as B
-from opt_serving.engine import Engine
-from opt_serving.generator import Generator
-from opt_serving.fake_engine import FakeSlots, byte_tokenizer
+from opt_serving.engine.scheduler import Engine
+from opt_serving.text.generator import Generator
+from opt_serving.engine.fake import FakeSlots
+from opt_serving.text.fake import byte_tokenizer
 
 class SlowSlots(FakeSlots):  # a decode step that takes time, like a real model's
     def step(self):
@@ -301,8 +303,8 @@ def test_a_killed_run_resumes_with_every_request_exactly_once(tmp_path, fake, si
 
 @pytest.fixture(scope="module")
 def tiny():
-    from opt_serving.embedded import ensure_embedded_model
-    from opt_serving.loading import load_generator
+    from opt_serving.model.embedded import ensure_embedded_model
+    from opt_serving.text.loading import load_generator
     path = ensure_embedded_model()
     gen = load_generator("jax/opt-tiny", path, max_batch_size=4, max_seq_len=64, warmup=False)
     yield path, gen

@@ -42,7 +42,7 @@ def test_summarize_and_tsv_header(tmp_path):
 
 def test_text_gen_side_by_side(tmp_path, monkeypatch, capsys):
     pytest.importorskip("opt_serving.model.wrapper", reason="the model issue's wrapper is not built yet")
-    from opt_serving.embedded import ensure_embedded_model
+    from opt_serving.model.embedded import ensure_embedded_model
     bench = load("benchmark_text_gen")
     monkeypatch.chdir(tmp_path)
     # both sides read the same numpy folder, so their greedy tokens must agree
@@ -92,7 +92,7 @@ def test_text_gen_bad_arguments(argv, message, capsys):
 def fake_server(start: bool = True):
     from opt_serving.service.app import create_app
     from opt_serving.service.testserver import serve_in_thread
-    from opt_serving.fake_engine import fake_generator
+    from opt_serving.text.fake import fake_generator
     # greedy fake model: next id = last + 1, so ids <= 100 plus <= 32 new tokens never reach EOS (wraps at 260)
     return serve_in_thread(create_app(fake_generator(num_slots=4, max_seq_len=64, max_queue=64, start=start),
                                       close_generator=True))

@@ -1,4 +1,4 @@
-"""The embedded opt-tiny model (embedded.py) and the tokenizer helper (tokenizer.py)."""
+"""The embedded opt-tiny model (model/embedded.py) and the tokenizer helper (text/tokenizer.py)."""
 import filecmp
 import json
 import os
@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from opt_serving import embedded
+from opt_serving.model import embedded
 from opt_serving.config import OPT_CONFIGS, OPTConfig, TINY_VOCAB_SIZE
 from opt_serving.model.weights import load_numpy_folder
-from opt_serving.tokenizer import install_tokenizer, load_tokenizer
+from opt_serving.text.tokenizer import install_tokenizer, load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 OPT_ASSETS = REPO / ".." / "shared" / "opt-assets"
@@ -102,7 +102,7 @@ def test_half_written_folder_is_replaced(tmp_path):
 
 def test_env_var_and_racing_processes(tmp_path):
     env = dict(os.environ, OPT_SERVING_CACHE=str(tmp_path))
-    code = "from opt_serving.embedded import ensure_embedded_model as e; print(e())"
+    code = "from opt_serving.model.embedded import ensure_embedded_model as e; print(e())"
     procs = [subprocess.Popen([sys.executable, "-c", code], env=env, cwd=REPO,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]

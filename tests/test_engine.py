@@ -8,7 +8,7 @@ import torch
 import transformers
 
 from opt_serving.config import OPTConfig
-from opt_serving.engine import MAX_TOP_LOGPROBS, Engine, EngineClosed, OPTSlots, QueueFull, SlotSettings
+from opt_serving.engine.scheduler import MAX_TOP_LOGPROBS, Engine, EngineClosed, OPTSlots, QueueFull, SlotSettings
 from opt_serving.backend.cpu import head
 from opt_serving.model import weights
 from opt_serving.runner.types import JOIN_PROMPTS
@@ -146,7 +146,7 @@ def test_unscored_requests_get_the_same_tokens_and_no_logprobs(engine, hf):
 @pytest.mark.skipif(not head.supported(), reason="no screened greedy head on this CPU")
 def test_a_step_skips_the_logits_only_when_every_active_row_is_plainly_greedy(model):
     import jax.numpy as jnp
-    from opt_serving import sampling
+    from opt_serving.backend import sampling
     from opt_serving.model import opt
     if jax.default_backend() != "cpu":
         pytest.skip("the screened greedy head is a CPU kernel, and this module's model is on the default device")
@@ -492,7 +492,7 @@ def test_a_burst_of_requests_is_prefilled_together_and_matches_hf(model8, hf, mo
 
 def test_a_failed_batched_prefill_is_retried_one_by_one():
     """Only the request that breaks prefill fails; the others it was batched with are served."""
-    from opt_serving.fake_engine import FakeSlots
+    from opt_serving.engine.fake import FakeSlots
 
     class Fussy(FakeSlots):
         batched_prefill = True
@@ -516,7 +516,7 @@ def test_a_failed_batched_prefill_is_retried_one_by_one():
 
 def test_a_finished_request_has_left_its_slot_when_its_last_token_arrives():
     """A client that scrapes /metrics (or the stats) on its final token sees the slot free, not still running."""
-    from opt_serving.fake_engine import FakeSlots
+    from opt_serving.engine.fake import FakeSlots
     seen = []
 
     class Watch(Collect):
@@ -560,9 +560,9 @@ def test_queue_full_too_long_and_close(model):
 
 def test_load_generator_matches_hf_greedy():
     # the whole path the service and the batch tool take: folder -> tokenizer + engine -> text
-    from opt_serving.embedded import ensure_embedded_model
-    from opt_serving.generator import SamplingParams
-    from opt_serving.loading import load_generator
+    from opt_serving.model.embedded import ensure_embedded_model
+    from opt_serving.text.generator import SamplingParams
+    from opt_serving.text.loading import load_generator
     from opt_serving.model.wrapper import get_model
     folder = ensure_embedded_model()
     gen = load_generator("jax/opt-tiny", folder, max_batch_size=2, max_seq_len=16)  # one bucket
@@ -808,11 +808,12 @@ def test_the_prefill_chunk_option_reaches_the_engine(monkeypatch):
     """load_engine / load_generator (`opt-serving batch --prefill-chunk`, ServeArgs.prefill_chunk) set it:
     256 by default, 0 for whole prefills; a slot model without chunked prefill gets whole ones."""
     import argparse
-    from opt_serving import batch, loading
-    from opt_serving.embedded import ensure_embedded_model
+    from opt_serving import batch
+    from opt_serving.text import loading
+    from opt_serving.model.embedded import ensure_embedded_model
     from opt_serving.service import deployment
     from opt_serving.service.deployment import ServeArgs, build_generator
-    from opt_serving.fake_engine import FakeSlots
+    from opt_serving.engine.fake import FakeSlots
     folder = ensure_embedded_model()
     for chunk, want in ((None, 256), (0, None), (64, 64)):
         kw = {} if chunk is None else {"prefill_chunk": chunk}
@@ -835,8 +836,9 @@ def test_the_prefix_caching_option_reaches_the_slot_model(monkeypatch):
     """Prefix caching is on by default (load_engine, `serve`, `batch`, ServeArgs) and `--no-prefix-caching`
     (prefix_caching=False) turns it off: the slot model then has no prefix cache and its stages no pool."""
     import argparse
-    from opt_serving import batch, loading
-    from opt_serving.embedded import ensure_embedded_model
+    from opt_serving import batch
+    from opt_serving.text import loading
+    from opt_serving.model.embedded import ensure_embedded_model
     from opt_serving.cli import build_parser
     from opt_serving.service.cli import serve_args_from
     from opt_serving.service import deployment
@@ -975,7 +977,7 @@ def test_a_slot_model_with_only_the_required_methods_is_served_and_never_asked_f
     decode steps a call and a batch of prompts asked of the engine, one that declares no ability is served
     through prefill / insert / step / free alone (its undeclared methods raise NotImplementedError if called),
     and one missing a required method cannot be made."""
-    from opt_serving.engine import Prefix, SlotModel, StepResult, TokenInfo
+    from opt_serving.engine.scheduler import Prefix, SlotModel, StepResult, TokenInfo
 
     class Plain(SlotModel):
         """Each token is the last one + 1."""

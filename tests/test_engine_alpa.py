@@ -17,10 +17,10 @@ CHILD = textwrap.dedent("""
     import numpy as np, jax
     from opt_serving.testing.ray_cluster import no_foreign_clusters
     no_foreign_clusters()  # alpa/ plans for this process's devices, never for a Ray running on the machine
-    from opt_serving.loading import load_engine
-    from opt_serving.generator import Generator, SamplingParams
+    from opt_serving.text.loading import load_engine
+    from opt_serving.text.generator import Generator, SamplingParams
     from opt_serving.model.wrapper import get_model
-    from opt_serving.tokenizer import load_tokenizer
+    from opt_serving.text.tokenizer import load_tokenizer
 
     path = sys.argv[1]
     engine = load_engine("alpa/opt-tiny", path, num_slots=3, max_seq_len=64, tensor_parallel=2)
@@ -39,7 +39,7 @@ CHILD = textwrap.dedent("""
     served = [c[0].token_ids for c in gen.complete_many(
         prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))]
     # structured output on the sharded params: greedy (the screened head's masks) and sampled
-    from opt_serving.structured import StructuredOutput
+    from opt_serving.text.structured import StructuredOutput
     rx = StructuredOutput.of("regex", "[a-z]{2,6}[.]", "guided_regex")
     constrained = [c[0].text for t in (0, 1.0) for c in gen.complete_many(
         prompts, SamplingParams(max_tokens=12, temperature=t, seed=2, structured=rx))]
@@ -59,7 +59,7 @@ CHILD = textwrap.dedent("""
 
 
 def test_engine_serves_a_tensor_parallel_alpa_model(tmp_path):
-    from opt_serving.embedded import ensure_embedded_model
+    from opt_serving.model.embedded import ensure_embedded_model
     path = ensure_embedded_model()
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
            "JAX_PLATFORMS": "cpu"}

@@ -6,10 +6,11 @@ import threading
 import pytest
 from fastapi.testclient import TestClient
 
-from opt_serving.engine import Engine, EngineClosed, SlotSettings
-from opt_serving.generator import Generator
+from opt_serving.engine.scheduler import Engine, EngineClosed, SlotSettings
+from opt_serving.text.generator import Generator
 from opt_serving.service.app import create_app
-from opt_serving.fake_engine import FakeBeamModel, FakeSlots, GatedSlots, byte_tokenizer
+from opt_serving.engine.fake import FakeBeamModel, FakeSlots, GatedSlots
+from opt_serving.text.fake import byte_tokenizer
 
 
 class Clock:

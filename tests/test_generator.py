@@ -1,6 +1,6 @@
 """The text-level generator over the fake engine, whose outputs are worked out by hand.
 
-Fake model (opt_serving/fake_engine.py): greedy continues with `last + 1`; the top alternatives after
+Fake model (opt_serving/engine/fake.py): greedy continues with `last + 1`; the top alternatives after
 `t` are t+1..t+5 with logprobs -ln2, -2ln2, ...; sampling takes `last + 1 + (seed + k) % 3` for the k-th token.
 Byte tokenizer: byte b is id 4 + b, so "a" is 101 and greedy after "a" spells "bcdef...".
 """
@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from opt_serving.engine import Engine, QueueFull
-from opt_serving.completion import Detokenizer
-from opt_serving.generator import Completion, Generator, SamplingParams
-from opt_serving.fake_engine import (GatedSlots, byte_tokenizer, fake_generator,
-                                              fake_logprob)
+from opt_serving.engine.scheduler import Engine, QueueFull
+from opt_serving.text.completion import Detokenizer
+from opt_serving.text.generator import Completion, Generator, SamplingParams
+from opt_serving.engine.fake import GatedSlots, fake_logprob
+from opt_serving.text.fake import byte_tokenizer, fake_generator
 
 LN2 = math.log(2)
 greedy = lambda **kw: SamplingParams(temperature=0.0, **kw)
@@ -271,7 +271,7 @@ class BlockingBeamModel:
     """A fake beam model that holds every search until `release` is set and records overlapping calls."""
 
     def __init__(self):
-        from opt_serving.fake_engine import FakeBeamModel
+        from opt_serving.engine.fake import FakeBeamModel
         self.inner, self.release = FakeBeamModel(), threading.Event()
         self.started, self.running, self.most_at_once = threading.Semaphore(0), 0, 0
         self.lock = threading.Lock()
@@ -307,7 +307,7 @@ def test_beam_search_gives_the_most_likely_continuation(gen):
 
 
 def test_beam_searches_run_one_at_a_time_in_a_bounded_queue():
-    from opt_serving.fake_engine import fake_engine
+    from opt_serving.engine.fake import fake_engine
     model = BlockingBeamModel()
     gen = Generator(fake_engine(max_queue=2), byte_tokenizer(), model=model)
     try:
@@ -334,7 +334,7 @@ def _wait_done(gen, timeout=30.0):
 
 
 def test_a_cancelled_running_beam_search_stops_before_its_next_step():
-    from opt_serving.fake_engine import FakeBeamModel, fake_engine
+    from opt_serving.engine.fake import FakeBeamModel, fake_engine
     model = FakeBeamModel().hold(2)
     gen = Generator(fake_engine(max_seq_len=256), byte_tokenizer(), model=model)
     try:
@@ -358,7 +358,7 @@ def test_beam_searches_are_bounded_by_a_budget_of_beam_tokens():
     """num_beams x (prompt + max_tokens), summed over a request's prompts: over what is left, QueueFull
     (429) while others hold it; over the whole budget, a 400 naming it (a retry could never fit)."""
     from opt_serving.errors import InvalidRequest
-    from opt_serving.fake_engine import FakeBeamModel, fake_engine
+    from opt_serving.engine.fake import FakeBeamModel, fake_engine
     model = FakeBeamModel().hold(0)
     gen = Generator(fake_engine(max_queue=16), byte_tokenizer(), model=model, beam_budget=100)
     try:
@@ -383,8 +383,8 @@ def test_beam_searches_are_bounded_by_a_budget_of_beam_tokens():
 
 
 def test_closing_the_generator_stops_a_running_beam_search_and_tells_its_caller():
-    from opt_serving.engine import EngineClosed
-    from opt_serving.fake_engine import FakeBeamModel, fake_engine
+    from opt_serving.engine.scheduler import EngineClosed
+    from opt_serving.engine.fake import FakeBeamModel, fake_engine
     model = FakeBeamModel().hold(1)
     gen = Generator(fake_engine(max_seq_len=256), byte_tokenizer(), model=model)
 
@@ -404,7 +404,7 @@ def test_closing_the_generator_stops_a_running_beam_search_and_tells_its_caller(
 
 
 def test_beam_search_needs_a_model():
-    from opt_serving.fake_engine import fake_engine
+    from opt_serving.engine.fake import fake_engine
     gen = Generator(fake_engine(), byte_tokenizer())  # FakeSlots has no parameters to search with
     try:
         with pytest.raises(ValueError, match="beam search"):

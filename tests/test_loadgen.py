@@ -45,7 +45,7 @@ def delta(before: dict, after: dict) -> dict:
 def test_aiperf_counts_what_the_server_and_our_client_count(tmp_path):
     from opt_serving.service.app import create_app
     from opt_serving.service.testserver import serve_in_thread
-    from opt_serving.fake_engine import byte_tokenizer, fake_generator
+    from opt_serving.text.fake import byte_tokenizer, fake_generator
 
     tokdir = str(tmp_path / "tokenizer")
     byte_tokenizer().save_pretrained(tokdir)  # AIPerf sizes its prompts with the server's own tokenizer

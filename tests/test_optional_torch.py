@@ -17,9 +17,9 @@ CHILD = """
     assert importlib.util.find_spec("torch") is None, "torch is visible"
     from starlette.testclient import TestClient
     from opt_serving.errors import MissingExtra
-    from opt_serving.loading import load_generator
+    from opt_serving.text.loading import load_generator
     from opt_serving.service.app import create_app
-    from opt_serving.embedded import ensure_embedded_model
+    from opt_serving.model.embedded import ensure_embedded_model
     gen = load_generator("jax/opt-tiny", str(ensure_embedded_model()), max_batch_size=2, max_seq_len=64,
                                    warmup=False)
     with TestClient(create_app(gen, close_generator=True)) as client:
@@ -64,8 +64,8 @@ def test_the_embedded_model_serves_without_torch_and_the_extras_say_what_to_inst
     assert out["convert_rc"] == 2 and "opt-serving convert needs torch" in out["convert_err"]
     # the same text as this process, which has torch, serves
     from starlette.testclient import TestClient
-    from opt_serving.embedded import ensure_embedded_model
-    from opt_serving.loading import load_generator
+    from opt_serving.model.embedded import ensure_embedded_model
+    from opt_serving.text.loading import load_generator
     from opt_serving.service.app import create_app
     gen = load_generator("jax/opt-tiny", str(ensure_embedded_model()), max_batch_size=2, max_seq_len=64,
                                    warmup=False)

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from opt_serving import packing
+from opt_serving.text import packing
 
 try:
     from opt_serving import _speedups as C
@@ -98,7 +98,7 @@ def test_find_stop_streaming_emits_exactly_the_text_before_the_stop(impl):
 # ---- which implementation is live ----
 
 def test_no_cext_env_selects_python_versions():
-    code = ("from opt_serving import packing as p; "
+    code = ("from opt_serving.text import packing as p; "
             "print(p.HAVE_CEXT, p.find_stop is p.PY.find_stop)")
     env = dict(os.environ, OPT_SERVING_NO_CEXT="1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,

@@ -13,7 +13,7 @@ import types
 import numpy as np
 import pytest
 
-from opt_serving.engine import Engine, SlotSettings
+from opt_serving.engine.scheduler import Engine, SlotSettings
 
 from conftest import SMALL
 
@@ -73,7 +73,7 @@ def ray_slots(folder, pp, handoff, num_slots=4, groups=2):
 
 @pytest.fixture(scope="module")
 def one_device(params):
-    from opt_serving.engine import OPTSlots
+    from opt_serving.engine.scheduler import OPTSlots
     want = run(OPTSlots(CFG, params, num_slots=4, max_seq_len=64))
     assert [len(t) for t in want] == [s.max_tokens for _, s in JOBS]
     return want

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from opt_serving.config import OPTConfig
-from opt_serving.engine import Engine, OPTSlots, SlotSettings
+from opt_serving.engine.scheduler import Engine, OPTSlots, SlotSettings
 from opt_serving.runner.prefix import BLOCK_SIZE, PrefixCache
 
 from conftest import hf_model
@@ -236,7 +236,7 @@ def test_pipeline_stages_keep_their_own_layers_blocks(params):
 def test_every_weight_format_keeps_its_cache_dtype_in_the_pool(fmt):
     """int8, bfloat16 and float32 weights (the embedded model; int8 and bfloat16 keep a bfloat16 cache as its
     bits where the CPU kernels run): the pool holds the cache's dtype and outputs equal those without it."""
-    from opt_serving.embedded import ensure_embedded_model
+    from opt_serving.model.embedded import ensure_embedded_model
     from opt_serving.model import opt
     from opt_serving.runner.load import load_slots
     from opt_serving.spec import ModelSpec

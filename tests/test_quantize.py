@@ -170,9 +170,9 @@ def test_quantize_choices_are_checked():
 @pytest.mark.slow
 def test_int8_greedy_tokens_agree_across_generate_the_engine_and_the_openai_route():
     openai = pytest.importorskip("openai")
-    from opt_serving.embedded import ensure_embedded_model
-    from opt_serving.generator import SamplingParams
-    from opt_serving.loading import load_generator
+    from opt_serving.model.embedded import ensure_embedded_model
+    from opt_serving.text.generator import SamplingParams
+    from opt_serving.text.loading import load_generator
     from opt_serving.service.app import create_app
     from opt_serving.service.testserver import serve_in_thread
     path = ensure_embedded_model()

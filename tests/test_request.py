@@ -1,4 +1,4 @@
-"""The request module (opt_serving/request.py): every limit refuses with InvalidRequest naming its field, and
+"""The request module (opt_serving/text/request.py): every limit refuses with InvalidRequest naming its field, and
 the batch runner, the generator and the engine refuse the same request with the same message."""
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 
 from opt_serving import batch as B
-from opt_serving import request as R
-from opt_serving.engine import EngineClosed, QueueFull
+from opt_serving.text import request as R
+from opt_serving.engine.scheduler import EngineClosed, QueueFull
 from opt_serving.errors import ContextLengthExceeded, InvalidRequest, Overloaded, Unavailable
-from opt_serving.generator import SamplingParams
+from opt_serving.text.generator import SamplingParams
 from opt_serving.runner.types import SlotSettings
-from opt_serving.fake_engine import fake_engine, fake_generator
+from opt_serving.engine.fake import fake_engine
+from opt_serving.text.fake import fake_generator
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +200,7 @@ def test_tokens_are_scored_only_where_the_request_needs_it(gen):
     (dict(model=None, path="w"), "give model"),
 ])
 def test_the_loader_refuses_arguments_that_do_not_go_together(kw, words):
-    from opt_serving.loading import load_generator
+    from opt_serving.text.loading import load_generator
     with pytest.raises(ValueError) as e:
         load_generator(**kw)
     assert words in str(e.value)

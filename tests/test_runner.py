@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from opt_serving.engine import Engine, SlotSettings
+from opt_serving.engine.scheduler import Engine, SlotSettings
 
 from conftest import SMALL
 
@@ -68,7 +68,7 @@ JOBS = [([2, 5, 9, 17], SlotSettings(max_tokens=6)), ([2, 40, 41], SlotSettings(
 
 def test_warm_up_on_a_cpu_keeps_the_heap_for_the_steps(params, monkeypatch):
     # once the weights are in place (not before: the load's freed float32 weights would stay in the process)
-    from opt_serving.engine import OPTSlots
+    from opt_serving.engine.scheduler import OPTSlots
     from opt_serving.runner import stage
     calls = []
     monkeypatch.setattr(stage.heap, "keep_heap", lambda: calls.append(len(calls)))
@@ -79,7 +79,7 @@ def test_warm_up_on_a_cpu_keeps_the_heap_for_the_steps(params, monkeypatch):
 
 
 def test_two_stages_and_two_groups_equal_one_device(params):
-    from opt_serving.engine import OPTSlots
+    from opt_serving.engine.scheduler import OPTSlots
     one = OPTSlots(CFG, params, num_slots=4, max_seq_len=64)
     want = [c.ids for c in run(one, JOBS)]  # six jobs, four slots: later ones wait for a free slot
     piped = two_stage_slots(params)
@@ -94,7 +94,7 @@ def test_two_stages_and_two_groups_equal_one_device(params):
 def test_a_slot_cancelled_and_refilled_while_its_group_is_in_flight_gets_no_stale_token(params):
     """Job 0 (slot 0, group 0) is cancelled while group 1's tokens are handed out, i.e. while group 0 is
     in the stages; its slot is freed then, and job 4 takes it: none of them gets another's token."""
-    from opt_serving.engine import OPTSlots
+    from opt_serving.engine.scheduler import OPTSlots
     jobs = JOBS[:5]
     want = [c.ids for c in run(OPTSlots(CFG, params, num_slots=4, max_seq_len=64), jobs)]
     piped = two_stage_slots(params)
@@ -116,7 +116,7 @@ def test_chunked_prefill_through_two_stages_gives_the_whole_prefill_tokens(param
     """Prompts longer than the chunk go through both stages a chunk at a time (one chunk per engine
     iteration) and get the one-device engine's tokens with whole prefills; the long prompts' chunked
     prefills leave no rows behind in either stage."""
-    from opt_serving.engine import OPTSlots
+    from opt_serving.engine.scheduler import OPTSlots
     long_jobs = [([2] + list(range(10, 40)), SlotSettings(max_tokens=6)),
                  ([2] + list(range(60, 81)), SlotSettings(max_tokens=5, temperature=0.9, top_p=0.8, seed=4)),
                  ([2] + list(range(90, 99)), SlotSettings(max_tokens=4, repetition_penalty=1.4))]
@@ -154,7 +154,7 @@ def ascii_tokenizer():
     """A byte-level tokenizer of SMALL's size: OPT's four specials, then the printable ASCII characters (99 ids)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    from opt_serving.token_text import byte_decoder
+    from opt_serving.text.token_text import byte_decoder
     to_char = {b: c for c, b in byte_decoder().items()}
     vocab = {s: i for i, s in enumerate(["<s>", "<pad>", "</s>", "<unk>"])}
     vocab.update({to_char[b]: 4 + b - 32 for b in range(32, 127)})
@@ -169,9 +169,9 @@ def test_structured_output_through_two_stages_and_two_groups_equals_one_device(p
     """The last stage keeps the matchers of its groups' rows: constrained requests (prefilled, joining a step,
     cancelled mid-way, refilled) give the one-device engine's tokens, and those follow their regexes."""
     import re
-    from opt_serving.engine import OPTSlots
+    from opt_serving.engine.scheduler import OPTSlots
     from opt_serving.runner.grammar import tokenizer_json
-    from opt_serving.structured import StructuredOutput, grammar_of
+    from opt_serving.text.structured import StructuredOutput, grammar_of
     tok = ascii_tokenizer()
     regexes = [r"[a-f]{3,6}", r"(yes|no)!", r"[0-9]{1,3}\.[0-9]"]  # each ends within max_tokens
     jobs = [(prompt, SlotSettings(max_tokens=9, stop_token_ids=(2,), temperature=t, seed=i,

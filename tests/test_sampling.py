@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers.generation import logits_process as lp
 
-from opt_serving import sampling
+from opt_serving.backend import sampling
 
 V = 40
 

@@ -1,4 +1,4 @@
-"""app.py over the fake engine (fake_engine.py): every expected output is worked out by hand.
+"""app.py over the fake engine (engine/fake.py): every expected output is worked out by hand.
 
 The fake model continues greedily with the next byte ("a" -> "bcdef..."), every chosen greedy token has
 logprob -ln2 and the k-th alternative -k ln2; a sampled token is `last + 1 + (seed + k) % 3`. Prompt "a" is
@@ -14,11 +14,11 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from opt_serving.engine import SlotSettings
-from opt_serving.generator import SamplingParams
+from opt_serving.engine.scheduler import SlotSettings
+from opt_serving.text.generator import SamplingParams
 from opt_serving.service.app import create_app
 from opt_serving.service.testserver import serve_in_thread
-from opt_serving.fake_engine import fake_generator
+from opt_serving.text.fake import fake_generator
 
 LN2 = math.log(2)
 
@@ -130,7 +130,7 @@ def test_token_prompts_and_list_prompts_give_one_choice_each(client):
 
 
 def _fake_sample(seed: int, last: int, k: int) -> tuple[str, float]:
-    """Text and cumulative logprob of a fake sampled completion (module docstring of fake_engine)."""
+    """Text and cumulative logprob of a fake sampled completion (module docstring of engine/fake.py)."""
     text, cum = "", 0.0
     for i in range(k):
         j = 1 + (seed + i) % 3

@@ -15,11 +15,12 @@ from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
-from opt_serving.engine import Engine  # noqa: E402
-from opt_serving.generator import Generator  # noqa: E402
+from opt_serving.engine.scheduler import Engine  # noqa: E402
+from opt_serving.text.generator import Generator  # noqa: E402
 from opt_serving.service.app import create_app  # noqa: E402
 from opt_serving.service.testserver import serve_in_thread  # noqa: E402
-from opt_serving.fake_engine import GatedSlots, byte_tokenizer  # noqa: E402
+from opt_serving.engine.fake import GatedSlots  # noqa: E402
+from opt_serving.text.fake import byte_tokenizer  # noqa: E402
 
 
 @pytest.fixture

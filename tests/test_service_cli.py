@@ -16,10 +16,10 @@ import pytest
 
 from opt_serving.cli import build_parser, main
 from opt_serving.config import get_config
-from opt_serving.embedded import ensure_embedded_model
+from opt_serving.model.embedded import ensure_embedded_model
 from opt_serving.service.deployment import build_generator
 from opt_serving.service.cli import check_args, serve_args_from
-from opt_serving.tokenizer import load_tokenizer
+from opt_serving.text.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = REPO / ".." / "shared" / "opt-assets"
@@ -121,7 +121,7 @@ def test_dummy_serve_arguments_build_a_working_generator(metaseq_dir, monkeypatc
         # the tokenizer read from the metaseq-named folder, not the embedded one
         embedded = load_tokenizer()("Hello world")["input_ids"]
         assert gen.encode("Hello world") == [embedded[0], 1000, *embedded[2:]]
-        from opt_serving.generator import SamplingParams
+        from opt_serving.text.generator import SamplingParams
         c = asyncio.run(gen.complete("Hello world", SamplingParams(temperature=0.0, max_tokens=4)))
         assert c.completion_tokens == 4 and all(0 <= t < 1024 for t in c.token_ids)
         assert (gen.engine.num_slots, gen.max_seq_len) == (2, 32)

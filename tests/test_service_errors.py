@@ -5,12 +5,12 @@ import asyncio
 import pytest
 from fastapi.testclient import TestClient
 
-from opt_serving.engine import EngineClosed, QueueFull
+from opt_serving.engine.scheduler import EngineClosed, QueueFull
 from opt_serving.errors import ContextLengthExceeded, InvalidRequest, Overloaded, Unavailable
 from opt_serving.runner.types import StageDied
 from opt_serving.service.app import create_app
 from opt_serving.service.errors import as_http_errors, to_api_error
-from opt_serving.fake_engine import fake_generator
+from opt_serving.text.fake import fake_generator
 
 # (exception, status, type, code, param, Retry-After)
 CASES = [

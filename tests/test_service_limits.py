@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from opt_serving.service.app import create_app
 from opt_serving.service.limits import DrainUnreadBody
 from opt_serving.service.testserver import serve_in_thread
-from opt_serving.fake_engine import fake_generator
+from opt_serving.text.fake import fake_generator
 
 
 @pytest.fixture
@@ -243,7 +243,7 @@ CLIENTS = {"urllib": _urllib, "http.client": _http_client, "requests": _requests
 def refusing_server():
     """The app behind uvicorn (as Serve runs it) with an API key and a 10 MB body limit, over an engine that is
     not running, its queue of one already full: every kind of early answer can be had."""
-    from opt_serving.engine import SlotSettings
+    from opt_serving.engine.scheduler import SlotSettings
     g = fake_generator(num_slots=1, max_seq_len=64, max_queue=1, start=False)
     g.engine.submit([1, 2, 3], SlotSettings(max_tokens=2), lambda out: None)  # never served: the queue is full
     with serve_in_thread(create_app(g, api_keys=["key"], max_body_bytes=10_000_000)) as url:

@@ -11,11 +11,12 @@ import time
 import httpx
 import pytest
 
-from opt_serving.engine import Engine
-from opt_serving.generator import Generator
+from opt_serving.engine.scheduler import Engine
+from opt_serving.text.generator import Generator
 from opt_serving.service.app import create_app
 from opt_serving.service.testserver import serve_in_thread
-from opt_serving.fake_engine import GatedSlots, byte_tokenizer, fake_generator
+from opt_serving.engine.fake import GatedSlots
+from opt_serving.text.fake import byte_tokenizer, fake_generator
 
 
 def wait_for(cond, what: str, timeout: float = 20.0):

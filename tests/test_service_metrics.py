@@ -7,7 +7,7 @@ from fastapi.testclient import TestClient
 
 from opt_serving.service.app import create_app
 from opt_serving.service.metrics import ServiceMetrics
-from opt_serving.fake_engine import fake_generator
+from opt_serving.text.fake import fake_generator
 
 
 def value(text: str, sample: str) -> float:
@@ -64,7 +64,7 @@ def test_batch_buckets_are_fixed_by_the_slot_count():
 
 def test_requests_per_step_histogram_from_the_engine():
     import asyncio
-    from opt_serving.generator import SamplingParams
+    from opt_serving.text.generator import SamplingParams
     g = fake_generator(num_slots=4, max_seq_len=64, start=False)  # queue all four before the first step
 
     async def main():

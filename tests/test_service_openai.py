@@ -11,10 +11,10 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from opt_serving.generator import SamplingParams  # noqa: E402
+from opt_serving.text.generator import SamplingParams  # noqa: E402
 from opt_serving.service.app import create_app  # noqa: E402
 from opt_serving.service.testserver import serve_in_thread  # noqa: E402
-from opt_serving.fake_engine import fake_generator  # noqa: E402
+from opt_serving.text.fake import fake_generator  # noqa: E402
 
 
 @pytest.fixture(scope="module")

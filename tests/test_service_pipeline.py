@@ -17,7 +17,7 @@ import time
 import pytest
 import requests
 
-from opt_serving.generator import SamplingParams
+from opt_serving.text.generator import SamplingParams
 
 pytestmark = pytest.mark.skipif(os.environ.get("OPT_SERVING_SKIP_RAY") == "1", reason="OPT_SERVING_SKIP_RAY=1")
 
@@ -32,7 +32,7 @@ SAMPLED = dict(max_tokens=8, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True
 
 @pytest.fixture(scope="module")
 def folder():
-    from opt_serving.embedded import ensure_embedded_model
+    from opt_serving.model.embedded import ensure_embedded_model
     return ensure_embedded_model()
 
 
@@ -43,7 +43,7 @@ def reference(folder):
 
 def engine_reference(folder, **kw):
     """The jax/ engine's completions (one device, this process)."""
-    from opt_serving.loading import load_generator
+    from opt_serving.text.loading import load_generator
     import asyncio
     gen = load_generator("jax/opt-tiny", folder, max_batch_size=8, max_seq_len=64, **kw)
 

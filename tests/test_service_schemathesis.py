@@ -9,7 +9,7 @@ from schemathesis.checks import not_a_server_error  # noqa: E402
 from schemathesis.generation import GenerationMode  # noqa: E402
 
 from opt_serving.service.app import create_app  # noqa: E402
-from opt_serving.fake_engine import fake_generator  # noqa: E402
+from opt_serving.text.fake import fake_generator  # noqa: E402
 
 GENERATOR = fake_generator(num_slots=4, max_seq_len=64, max_queue=64)
 schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(GENERATOR))

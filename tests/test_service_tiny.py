@@ -11,8 +11,8 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from opt_serving.generator import SamplingParams  # noqa: E402
-from opt_serving.loading import load_generator  # noqa: E402
+from opt_serving.text.generator import SamplingParams  # noqa: E402
+from opt_serving.text.loading import load_generator  # noqa: E402
 from opt_serving.service.app import create_app  # noqa: E402
 from opt_serving.service.testserver import serve_in_thread  # noqa: E402
 
@@ -22,9 +22,9 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def tiny():
     try:
-        from opt_serving.embedded import ensure_embedded_model
+        from opt_serving.model.embedded import ensure_embedded_model
     except ImportError:
-        pytest.skip("opt_serving.embedded not available yet")
+        pytest.skip("opt_serving.model.embedded not available yet")
     path = ensure_embedded_model()
     g = load_generator("jax/opt-tiny", str(path), max_batch_size=16, max_seq_len=64, max_queue=64)
     with serve_in_thread(create_app(g)) as url:

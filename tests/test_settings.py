@@ -35,7 +35,7 @@ def test_the_switches_read_outside_the_backend():
 
 
 def test_the_readers_follow_the_settings(monkeypatch, tmp_path):
-    from opt_serving import embedded
+    from opt_serving.model import embedded
     from opt_serving.backend.cpu import heap
     monkeypatch.setenv("OPT_SERVING_CACHE", str(tmp_path))
     assert embedded.default_cache_dir() == tmp_path

@@ -7,8 +7,8 @@ import re
 import pytest
 
 from opt_serving.errors import InvalidRequest
-from opt_serving.generator import SamplingParams
-from opt_serving.structured import StructuredOutput, check_grammar, grammar_of
+from opt_serving.text.generator import SamplingParams
+from opt_serving.text.structured import StructuredOutput, check_grammar, grammar_of
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -140,8 +140,8 @@ def test_constrained_steps_in_one_call_equal_single_steps(opt_vocab_server):
     """The server's engine takes four steps a call (a constrained group's one at a time, each with its masks); an
     engine over the same weights taking one step a call gives the same tokens. Prompts longer than a decode step's
     block are prefilled, the others join a step: both start their matchers."""
-    from opt_serving.engine import Engine
-    from opt_serving.generator import Generator
+    from opt_serving.engine.scheduler import Engine
+    from opt_serving.text.generator import Generator
     from opt_serving.runner.load import local_slots
     g = opt_vocab_server[0]
     stage = g.engine.model.stages.stages[0]
@@ -192,7 +192,7 @@ def test_a_schema_llguidance_cannot_follow_is_a_400_naming_the_problem(opt_vocab
 
 
 def test_an_engine_that_cannot_mask_refuses_structured_output():
-    from opt_serving.fake_engine import fake_generator
+    from opt_serving.text.fake import fake_generator
     g = fake_generator()
     try:
         with pytest.raises(InvalidRequest, match="structured output is not available with opt-fake"):

@@ -1,12 +1,12 @@
-"""opt_serving/tokenizer.py: tokenizer folders under either naming, and the tokenizer random weights get."""
+"""opt_serving/text/tokenizer.py: tokenizer folders under either naming, and the tokenizer random weights get."""
 import functools
 import shutil
 from pathlib import Path
 
 import pytest
 
-from opt_serving.embedded import ensure_embedded_model
-from opt_serving.tokenizer import has_tokenizer, load_tokenizer, text_decoder, tokenizer_for_dummy
+from opt_serving.model.embedded import ensure_embedded_model
+from opt_serving.text.tokenizer import has_tokenizer, load_tokenizer, text_decoder, tokenizer_for_dummy
 
 ASSETS = Path(__file__).resolve().parents[1] / ".." / "shared" / "opt-assets"
 PROMPTS = ["Hello world", "Paris is the capital city of", " leading space, punctuation!"]
@@ -80,7 +80,7 @@ def test_text_decoder_gives_the_tokenizers_own_decode(opt_tokenizer):
 
 def test_text_decoder_keeps_a_tokenizer_classes_own_decode():
     """A tokenizer class that decodes its own way is called through its decode."""
-    from opt_serving.fake_engine import byte_tokenizer
+    from opt_serving.text.fake import byte_tokenizer
     base = byte_tokenizer()
 
     class Shouting(type(base)):

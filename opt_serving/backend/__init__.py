@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from opt_serving import sampling
+from opt_serving.backend import sampling
 from opt_serving.backend.cpu import _lib, attention, head, products
 from opt_serving.settings import Settings
 

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 from opt_serving.checkpoint.formats import CheckpointError
-from opt_serving.tokenizer import OPT_TOKENIZER_CONFIG
+from opt_serving.text.tokenizer import OPT_TOKENIZER_CONFIG
 
 _SOURCES = {"vocab.json": ("vocab.json", "gpt2-vocab.json"),
             "merges.txt": ("merges.txt", "gpt2-merges.txt")}

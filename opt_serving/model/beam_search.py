@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from opt_serving import sampling
+from opt_serving.backend import sampling
 from opt_serving.backend import Backend
 from opt_serving.model import kv_cache, opt
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from opt_serving import sampling
+from opt_serving.backend import sampling
 from opt_serving.backend import Backend
 from opt_serving.config import OPTConfig
 from opt_serving.model import beam_search, kv_cache, layout, opt

@@ -16,14 +16,14 @@ import time
 import urllib.error
 import urllib.request
 
-from opt_serving.admission import DECODE_STEPS, PREFILL_BUDGET, PREFILL_CHUNK
+from opt_serving.engine.admission import DECODE_STEPS, PREFILL_BUDGET, PREFILL_CHUNK
 from opt_serving.config import get_config
 from opt_serving.parallel import ray_address
 from opt_serving.parallel.planner import NoFeasiblePlan
 from opt_serving.service.deployment import ServeArgs, build_app, check_model_args
 from opt_serving.service.ports import free_port
 from opt_serving.settings import Settings
-from opt_serving.tokenizer import load_tokenizer
+from opt_serving.text.tokenizer import load_tokenizer
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -10,10 +10,10 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt
 
 from opt_serving import jax_env
-from opt_serving.admission import DECODE_STEPS, PREFILL_CHUNK
-from opt_serving.fake_engine import fake_generator
-from opt_serving.loading import check_model_args as check_model_names
-from opt_serving.loading import load_generator
+from opt_serving.engine.admission import DECODE_STEPS, PREFILL_CHUNK
+from opt_serving.text.fake import fake_generator
+from opt_serving.text.loading import check_model_args as check_model_names
+from opt_serving.text.loading import load_generator
 from opt_serving.parallel.pipeline import stage_bundles
 from opt_serving.service import protocol as P
 from opt_serving.service.app import create_app
@@ -28,7 +28,7 @@ class ServeArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # model: the named model's weights (below). fake: the hand-checkable fake engine
-    # (opt_serving/fake_engine.py), for tests and demos of the HTTP side; it takes no model arguments
+    # (opt_serving/engine/fake.py), for tests and demos of the HTTP side; it takes no model arguments
     engine: Literal["model", "fake"] = "model"
     model: Optional[str] = None          # None: the embedded tiny model
     path: Optional[str] = None

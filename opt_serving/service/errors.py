@@ -26,7 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from opt_serving.engine import EngineClosed, QueueFull
+from opt_serving.engine.scheduler import EngineClosed, QueueFull
 from opt_serving.errors import InvalidRequest, NotFound, OPTServingError, Overloaded, Unavailable
 from opt_serving.runner.types import StageDied
 from opt_serving.service import protocol as P

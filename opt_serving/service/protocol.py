@@ -19,9 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from opt_serving.errors import InvalidRequest
 # a request's limits are request.py's, whichever way it comes in; the server's own logprobs limit may be lower
-from opt_serving.request import (LEGACY_MAX_LOGPROBS, MAX_LOGPROBS, MAX_N, MAX_PROMPTS, MAX_STOP,  # noqa: F401
+from opt_serving.text.request import (LEGACY_MAX_LOGPROBS, MAX_LOGPROBS, MAX_N, MAX_PROMPTS, MAX_STOP,  # noqa: F401
                                  MAX_STOP_TOKEN_IDS, check_logit_bias)
-from opt_serving.structured import StructuredOutput
+from opt_serving.text.structured import StructuredOutput
 
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 # OpenAI's four prompt forms; the order matters: a list of ints must not be read as a list of lists.

@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from opt_serving.errors import InvalidRequest, NotFound
-from opt_serving.generator import Completion, SamplingParams
+from opt_serving.text.generator import Completion, SamplingParams
 from opt_serving.service import protocol as P
 from opt_serving.service.errors import ClientGone, as_http_errors
 from opt_serving.service.metrics import ServiceMetrics

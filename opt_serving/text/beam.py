@@ -17,11 +17,11 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from opt_serving.completion import Completion
-from opt_serving.engine import EngineClosed, QueueFull
+from opt_serving.text.completion import Completion
+from opt_serving.engine.scheduler import EngineClosed, QueueFull
 from opt_serving.errors import InvalidRequest
-from opt_serving.packing import find_stop
-from opt_serving.request import SamplingParams
+from opt_serving.text.packing import find_stop
+from opt_serving.text.request import SamplingParams
 
 
 def beam_cost(num_beams: int, prompt_tokens: int, max_tokens: int) -> int:

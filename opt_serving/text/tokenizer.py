@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from opt_serving.config import TINY_VOCAB_SIZE, get_config
-from opt_serving.embedded import ensure_embedded_model
+from opt_serving.model.embedded import ensure_embedded_model
 from opt_serving.spec import EMBEDDED_NAMES
 
 # the real OPT convention (../shared/opt-assets/README.md); the embedded model writes the same

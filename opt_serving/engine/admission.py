@@ -1,4 +1,4 @@
-"""Admission, for the engine's scheduler (engine.py): which queued requests start in an iteration, and how
+"""Admission, for the engine's scheduler (scheduler.py): which queued requests start in an iteration, and how
 their prompts are prefilled.
 
 A prompt with at most `prefill_chunk` tokens to compute (past what the slot model has cached of it,

@@ -7,13 +7,13 @@ from __future__ import annotations
 from typing import Optional, Union
 
 from opt_serving import xla_cache
-from opt_serving.admission import DECODE_STEPS, PREFILL_CHUNK
-from opt_serving.embedded import ensure_embedded_model
-from opt_serving.engine import Engine
-from opt_serving.generator import Generator
+from opt_serving.engine.admission import DECODE_STEPS, PREFILL_CHUNK
+from opt_serving.model.embedded import ensure_embedded_model
+from opt_serving.engine.scheduler import Engine
+from opt_serving.text.generator import Generator
 from opt_serving.model.weights import resolve_numpy_folder
 from opt_serving.spec import EMBEDDED, EMBEDDED_NAMES, ModelSpec
-from opt_serving.tokenizer import load_tokenizer, tokenizer_for_dummy
+from opt_serving.text.tokenizer import load_tokenizer, tokenizer_for_dummy
 
 
 def check_model_args(model: Optional[str], path=None, dummy: bool = False, tokenizer=None) -> None:

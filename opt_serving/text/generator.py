@@ -42,15 +42,15 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
-from opt_serving.beam import BeamQueue, beam_cost, run_beam
-from opt_serving.completion import Collector, Completion, Delta, DeltaStream, RequestText, best
-from opt_serving.engine import MAX_TOP_LOGPROBS, Engine, EngineRequest, QueueFull, SlotSettings
+from opt_serving.text.beam import BeamQueue, beam_cost, run_beam
+from opt_serving.text.completion import Collector, Completion, Delta, DeltaStream, RequestText, best
+from opt_serving.engine.scheduler import MAX_TOP_LOGPROBS, Engine, EngineRequest, QueueFull, SlotSettings
 from opt_serving.errors import InvalidRequest
-from opt_serving.request import (ModelLimits, Prompt, SamplingParams, check_for_model, check_n, check_prompt,
+from opt_serving.text.request import (ModelLimits, Prompt, SamplingParams, check_for_model, check_n, check_prompt,
                                  prompt_form, refuse_surely_too_long, stop_ids)
 from opt_serving.runner.grammar import ll_tokenizer, tokenizer_json
-from opt_serving.structured import StructuredOutput, check_grammar, grammar_of
-from opt_serving.token_text import TokenTexts
+from opt_serving.text.structured import StructuredOutput, check_grammar, grammar_of
+from opt_serving.text.token_text import TokenTexts
 
 # what callers import from here
 __all__ = ["Completion", "Delta", "DeltaStream", "Generator", "Prompt", "SamplingParams"]

@@ -1,4 +1,4 @@
-"""The engine's own vocabulary (engine.py re-exports it): its errors, the slot model it drives, a submitted
+"""The engine's own vocabulary (scheduler.py re-exports it): its errors, the slot model it drives, a submitted
 request's handle and the engine's counters, and the slot model's invariants a request must meet (check_prompt,
 check_bad_words: the engine checks them on every submit; request.py, the text level's checks, re-exports them)."""
 from __future__ import annotations

@@ -11,7 +11,7 @@ lines, library callers) and every check below raises `errors.InvalidRequest` nam
     too long to fit however it tokenises, refused without tokenising it;
   * `check_prompt(ids, max_tokens, vocab_size, max_seq_len)`: the tokenised prompt fits the vocabulary and the
     context (the engine calls it too: these are the slot model's invariants, so it and `check_bad_words` are
-    defined with the engine's types, engine_types.py, and re-exported here);
+    defined with the engine's types, engine/types.py, and re-exported here);
   * `check_n(n, best_of)`: how many samples a prompt asks for.
 `Generator.prepare` (and `prepare_many`, the batch runner's) runs them in that order.
 """
@@ -21,10 +21,10 @@ import dataclasses
 import numbers
 from typing import Any, Optional, Sequence, Union
 
-from opt_serving.engine_types import check_bad_words, check_prompt
+from opt_serving.engine.types import check_bad_words, check_prompt
 from opt_serving.errors import ContextLengthExceeded, InvalidRequest
 from opt_serving.runner.types import MAX_BAD_WORD_LEN, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
-from opt_serving.structured import StructuredOutput
+from opt_serving.text.structured import StructuredOutput
 
 Prompt = Union[str, Sequence[int]]
 

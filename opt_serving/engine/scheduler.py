@@ -1,7 +1,7 @@
 """Continuous batching over a fixed number of decode slots (JetStream's shape).
 
   * a slot model (`runner.slots.Slots` for every plan: one device, a tensor-parallel mesh or pipeline stages;
-    `FakeSlots` in `fake_engine.py`) owns the KV cache and the jitted steps: `prefill(tokens,
+    `FakeSlots` in `engine/fake.py`) owns the KV cache and the jitted steps: `prefill(tokens,
     settings) -> Prefix`, `insert(prefix, slot)`, `step() -> StepResult` (one decode over every slot, or, for a
     pipeline, over one micro-batch group of them: `StepResult.rows`), `free(slot)`. Sampling settings are
     per-slot arrays, so requests with different settings share a step.
@@ -25,12 +25,12 @@ import threading
 import time
 from typing import Optional, Sequence
 
-from opt_serving import admission
-from opt_serving.engine_types import (Callback, EngineClosed, EngineRequest, EngineStats, QueueFull, SlotModel,
+from opt_serving.engine import admission
+from opt_serving.engine.types import (Callback, EngineClosed, EngineRequest, EngineStats, QueueFull, SlotModel,
                                       check_bad_words, check_prompt)
 from opt_serving.runner.types import MAX_TOP_LOGPROBS, EngineOutput, Prefix, SlotSettings, StepResult, TokenInfo
 
-# the engine's vocabulary (engine_types.py, runner/types.py), re-exported for the generator and the service
+# the engine's vocabulary (engine/types.py, runner/types.py), re-exported for the generator and the service
 __all__ = ["Engine", "EngineClosed", "EngineOutput", "EngineRequest", "EngineStats", "MAX_TOP_LOGPROBS", "OPTSlots",
            "Prefix", "QueueFull", "SlotModel", "SlotSettings", "StepResult", "TokenInfo"]
 

@@ -14,10 +14,10 @@ import dataclasses
 import threading
 from typing import Any, Callable, Optional, Sequence
 
-from opt_serving.engine import EngineOutput, EngineRequest, SlotSettings, TokenInfo
-from opt_serving.packing import find_stop
-from opt_serving.request import SamplingParams
-from opt_serving.tokenizer import text_decoder
+from opt_serving.engine.scheduler import EngineOutput, EngineRequest, SlotSettings, TokenInfo
+from opt_serving.text.packing import find_stop
+from opt_serving.text.request import SamplingParams
+from opt_serving.text.tokenizer import text_decoder
 
 
 @dataclasses.dataclass

@@ -1,5 +1,6 @@
-"""`opt-serving serve --engine fake`: a fake slot model whose every output can be worked out by hand, and a
-byte-level tokenizer for it (the HTTP side served without weights, for demos, clients' tests and load tests).
+"""`opt-serving serve --engine fake`: a fake slot model whose every output can be worked out by hand (the HTTP
+side served without weights, for demos, clients' tests and load tests; text/fake.py gives it a byte-level
+tokenizer and a Generator).
 
 Same interface as `engine.OPTSlots`, driven by the real `engine.Engine` scheduler, so the service and the
 generator can be tested fast and exactly. The "model" after token `t` ranks `t+1, t+2, ..., t+5` (mod vocab)
@@ -20,8 +21,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from opt_serving.engine import Engine, Prefix, SlotModel, SlotSettings, StepResult, TokenInfo
-from opt_serving.generator import Generator
+from opt_serving.engine.scheduler import Engine, Prefix, SlotModel, SlotSettings, StepResult, TokenInfo
 
 LN2 = math.log(2.0)
 BYTE_OFFSET = 4
@@ -183,48 +183,7 @@ class FakeBeamModel:
         return np.asarray([r + [1] * (width - len(r)) for r in out], np.int64)  # padded with <pad>
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table (byte-level BPE spells " " as "\u0120")."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
-def byte_tokenizer():
-    """A transformers tokenizer over single bytes (byte-level BPE, no merges), OPT's specials and leading </s>."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<s>", "<pad>", "</s>", "<unk>"]
-    b2u = _bytes_to_unicode()
-    vocab = {s: i for i, s in enumerate(specials)}
-    vocab.update({b2u[b]: BYTE_OFFSET + b for b in range(256)})
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.add_special_tokens(specials)  # skipped when decoding text, like OPT's
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.TemplateProcessing(single="</s> $A", special_tokens=[("</s>", 2)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="</s>", eos_token="</s>",
-                                   unk_token="<unk>", pad_token="<pad>")
-
-
 def fake_engine(num_slots: int = 4, max_seq_len: int = 64, max_queue: int = 16, start: bool = True,
                 vocab_size: int = FAKE_VOCAB_SIZE, decode_steps: int = 1) -> Engine:
     return Engine(FakeSlots(num_slots, max_seq_len, vocab_size), max_queue=max_queue, start=start,
                   decode_steps=decode_steps)
-
-
-def fake_generator(num_slots: int = 4, max_seq_len: int = 64, max_queue: int = 16, start: bool = True,
-                   tokenizer=None, decode_steps: int = 1):
-    """A `Generator` over the fake engine: the byte tokenizer by default, or any tokenizer (the fake's
-    vocabulary then follows it, e.g. the real OPT one)."""
-    tokenizer = tokenizer if tokenizer is not None else byte_tokenizer()
-    engine = fake_engine(num_slots, max_seq_len, max_queue, start, vocab_size=len(tokenizer),
-                         decode_steps=decode_steps)
-    return Generator(engine, tokenizer, model_name="opt-fake", model=FakeBeamModel(len(tokenizer)))
