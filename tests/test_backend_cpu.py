@@ -13,8 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from opt_serving.backend import sampling
-from opt_serving.backend import Backend, for_params
+from opt_serving.backend import Backend, for_params, sampling
 from opt_serving.backend.cpu import _lib, attention, head, products
 from opt_serving.model import layout, opt, param_tree
 from opt_serving.settings import Settings

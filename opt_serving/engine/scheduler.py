@@ -52,8 +52,9 @@ class Engine:
         between decode steps (where the slot model can; 0 or None: every prompt whole); `prefill_budget`: the
         prompt tokens an iteration prefills, whole prompts and chunks (default admission.PREFILL_BUDGET, at least
         one prompt or chunk). `decode_steps`: decode steps taken in one call of the slot model (where it has
-        `step_many`) while no queued request could take a free slot and no prompt is being prefilled in chunks, and while that many steps take at most `decode_call_s` seconds (as the steps so far
-        went); each request gets the call's tokens in one output. Fewer calls, less of the host's work a token; a
+        `step_many`) while no queued request could take a free slot and no prompt is being prefilled in chunks,
+        and while that many steps take at most `decode_call_s` seconds (as the steps so far went); each request
+        gets the call's tokens in one output. Fewer calls, less of the host's work a token; a
         request finishing at the first of them holds its slot until the last, one arriving meanwhile waits for it."""
         if decode_steps < 1:
             raise ValueError(f"decode_steps must be at least 1, got {decode_steps}")

@@ -18,8 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
 
-from opt_serving.backend import sampling
-from opt_serving.backend import Backend
+from opt_serving.backend import Backend, sampling
 from opt_serving.model import kv_cache, opt
 
 
@@ -153,8 +152,8 @@ def search(cfg, params, ids, mask, st, max_new, k, n_return, length_penalty, ear
         cache = kv_cache.reorder(cache, parents)
         logits, cache = jax.lax.cond(
             go,
-            lambda: opt.decode_step(cfg, params, cache, last, n_real + (cur - s), cur,  # a scalar: see wrapper._sample_loop
-                                backend=backend),
+            # the write index a scalar: see wrapper._sample_loop
+            lambda: opt.decode_step(cfg, params, cache, last, n_real + (cur - s), cur, backend=backend),
             lambda: (logits, cache))
         return c, logits, cache, go, scores_buf
 

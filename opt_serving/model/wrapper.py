@@ -1,6 +1,7 @@
 """A Hugging Face style generate() for the Flax OPT (OPTModel, on one device or a tensor-parallel mesh;
-runner/generate.py's StageGeneration, over pipeline stages, shares its front, `Generation`). `get_model` (opt_serving/models.py) is reachable here, where
-notebooks have always imported it, and so are `PREFIXES` (spec.py) and `resolve_numpy_folder` (weights.py).
+runner/generate.py's StageGeneration, over pipeline stages, shares its front, `Generation`). `get_model`
+(opt_serving/models.py) is reachable here, where notebooks have always imported it, and so are `PREFIXES`
+(spec.py) and `resolve_numpy_folder` (weights.py).
 
 generate() mirrors transformers 5.23 (`_sample` and the vectorised `_beam_search`, in beam_search.py)
 so tokens match HF's; the whole decoding loop is one jitted `lax.while_loop`,
@@ -16,8 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from opt_serving.backend import sampling
-from opt_serving.backend import Backend
+from opt_serving.backend import Backend, sampling
 from opt_serving.config import OPTConfig
 from opt_serving.model import beam_search, kv_cache, layout, opt
 from opt_serving.model.weights import resolve_numpy_folder  # noqa: F401 (notebooks import it from here)
@@ -310,7 +310,7 @@ def _sample_loop(cfg, params, ids, mask, st, max_new, new_bucket, pad, output_sc
         # one write index for all rows (a scalar): an in-place slice update, where a per-row
         # scatter makes XLA copy the loop-carried cache every step
         h, cache = opt.decode_step(cfg, params, cache, tok, n_real + i - 1, s + i - 1,
-                               read_len=s + i, return_hidden=True, backend=backend)
+                                   read_len=s + i, return_hidden=True, backend=backend)
         tok, state, unfinished, scores_buf = pick(h, state, unfinished, scores_buf, i)
         return i + 1, tok, cache, state, unfinished, scores_buf
 

@@ -18,8 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from opt_serving.backend import sampling
-from opt_serving.backend import choose
+from opt_serving.backend import choose, sampling
 from opt_serving.config import OPTConfig
 from opt_serving.model import beam_search, wrapper
 

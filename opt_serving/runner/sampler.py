@@ -15,8 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from opt_serving.backend import sampling
-from opt_serving.backend import Backend
+from opt_serving.backend import Backend, sampling
 from opt_serving.runner.grammar import Matchers
 from opt_serving.runner.types import (MAX_BAD_WORD_LEN, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS,
                                       SlotSettings)

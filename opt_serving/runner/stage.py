@@ -166,7 +166,8 @@ class StageSlots:
             pass -> k batch-1 caches and the hidden states [k, n, D] (final ones on the last stage)."""
             k, n = mask.shape  # [k, n]: n a prefill width, the cache a coarser size (cache_bucket)
             cache = self._new_cache(k, cache_bucket(n, self.max_seq_len))
-            h, cache = opt.prefill_step(cfg, params, cache, x, mask, return_hidden=True, stage=stage, backend=backend)
+            h, cache = opt.prefill_step(cfg, params, cache, x, mask, return_hidden=True, stage=stage,
+                                        backend=backend)
             return split_rows(cache, k), h
 
         def chunk(params, cache, x, start, mask):
@@ -175,21 +176,22 @@ class StageSlots:
 
         def step(params, cache, x, pos, read_len):
             # the newest token (or its hidden state) goes in at its own position
-            return opt.decode_step(cfg, params, cache, x, pos, pos, read_len=read_len, return_hidden=True, stage=stage,
-                               backend=backend)
+            return opt.decode_step(cfg, params, cache, x, pos, pos, read_len=read_len, return_hidden=True,
+                                   stage=stage, backend=backend)
 
         def step_joining(params, cache, x, pos, read_len, block, last, last_rows):
             # as `step`, with prompts joining free rows in the same pass (opt.decode_joining_step); the last stage
             # hands the sampler each joining row's hidden state at its prompt's last token
             h, cache = opt.decode_joining_step(cfg, params, cache, x, pos, pos, read_len, block, stage=stage,
-                                           backend=backend)
+                                               backend=backend)
             if stage.last:  # [B + T, D] -> [B, D]
                 b = pos.shape[0]
                 h = h[:b].at[last_rows].set(h[b + last], mode="drop")
             return h, cache
 
         def seq_prefill(params, cache, x, mask, all_logits):
-            return opt.prefill_step(cfg, params, cache, x, mask, all_logits=all_logits, stage=stage, backend=backend)
+            return opt.prefill_step(cfg, params, cache, x, mask, all_logits=all_logits, stage=stage,
+                                    backend=backend)
 
         def seq_decode(params, cache, x, positions, write_index):
             return opt.decode_step(cfg, params, cache, x, positions, write_index, stage=stage, backend=backend)

@@ -57,6 +57,7 @@ def wait_for_line(proc: subprocess.Popen, text: str, timeout: float) -> list[str
 
 
 _readers: "weakref.WeakKeyDictionary[subprocess.Popen, queue.Queue]" = weakref.WeakKeyDictionary()
+_readers_lock = threading.Lock()
 
 
 def _lines(proc: subprocess.Popen) -> queue.Queue:
@@ -76,9 +77,6 @@ def _lines(proc: subprocess.Popen) -> queue.Queue:
                 q.put(None)
             threading.Thread(target=read, name=f"output of {proc.pid}", daemon=True).start()
         return q
-
-
-_readers_lock = threading.Lock()
 
 
 def processes_under(root: int, marker: str | None = None) -> list[psutil.Process]:
