@@ -21,7 +21,7 @@ def test_killing_the_replica_and_the_controller_under_load_fails_requests_cleanl
     with cli_server(["--num-cpus", "2", "--drain-timeout", "2"]) as server:
         targets = {"replica": lambda: server.pids(REPLICA), "controller": lambda: server.pids(CONTROLLER)}
         report = asyncio.run(chaos.run_chaos(server.url, targets, duration_s=60, clients=16,
-                                             kill_order=["replica", "controller"], min_kills=2,
+                                             kill_order=["replica", "controller"], min_kills=2, max_kills=2,
                                              recover_limit_s=RECOVER_LIMIT_S))
     print("\n" + "\n".join(report.lines()))
     assert [k.target for k in report.kills] == ["replica", "controller"]

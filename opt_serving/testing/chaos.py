@@ -93,6 +93,7 @@ class Load:
         self.rng = random.Random(seed)
         self.outcomes: list[Outcome] = []
         self._stop = asyncio.Event()
+        self._ended = asyncio.Condition()  # notified as each request ends
 
     async def run(self) -> None:
         limits = httpx.Limits(max_connections=self.clients + 4)
@@ -103,6 +104,17 @@ class Load:
     def stop(self) -> None:
         self._stop.set()
 
+    async def wait_completed_after(self, t: float, timeout: float) -> bool:
+        """Until a request sent at `t` or later has completed (or `timeout` passes) -> whether one has."""
+        def seen():
+            return any(o.kind == COMPLETED and o.start >= t for o in self.outcomes)
+        async with self._ended:
+            try:
+                await asyncio.wait_for(self._ended.wait_for(seen), timeout)
+            except TimeoutError:
+                pass
+            return seen()
+
     async def _client(self, client: httpx.AsyncClient) -> None:
         while not self._stop.is_set():
             start = time.monotonic()
@@ -111,7 +123,9 @@ class Load:
                     kind, tokens = await self._one(client)
             except TimeoutError:
                 kind, tokens = HUNG, 0
-            self.outcomes.append(Outcome(start, time.monotonic(), kind, tokens))
+            async with self._ended:
+                self.outcomes.append(Outcome(start, time.monotonic(), kind, tokens))
+                self._ended.notify_all()
             if kind != COMPLETED:  # do not spin on a refused connection
                 await asyncio.sleep(0.5)
 
@@ -183,13 +197,15 @@ async def wait_replaced(find: Callable[[], list[int]], kill: Kill, limit_s: floa
 async def run_chaos(url: str, targets: dict[str, Callable[[], list[int]]], duration_s: float,
                     interval_s: tuple[float, float] = (10.0, 20.0), clients: int = 16,
                     recover_limit_s: float = 240.0, seed: int = 0, log: Callable[[str], None] = print,
-                    kill_order: Optional[Sequence[str]] = None, min_kills: int = 0) -> ChaosReport:
+                    kill_order: Optional[Sequence[str]] = None, min_kills: int = 0,
+                    max_kills: Optional[int] = None) -> ChaosReport:
     """Load the server at `url` with `clients` streaming clients for `duration_s`, killing (SIGKILL) one
     process of a random kind every `interval_s` (each kill waits for the previous one's recovery).
     `targets`: kind -> a function listing its live pids. `kill_order`: kinds to kill in this order
     (cycled), instead of at random. `min_kills`: go on past `duration_s` until this many kills were made
-    (a slow recovery can push a kill past the end). Returns when the last kill has recovered and every
-    request has ended."""
+    (a slow recovery can push a kill past the end); `max_kills`: stop killing after this many, however soon the
+    recoveries come. Returns when the last kill has recovered, a client's request
+    sent after that has completed (or `recover_limit_s` has passed), and every request has ended."""
     rng = random.Random(seed)
     load = Load(url, clients=clients, seed=seed)
     t0 = time.monotonic()
@@ -197,7 +213,8 @@ async def run_chaos(url: str, targets: dict[str, Callable[[], list[int]]], durat
     loader = asyncio.create_task(load.run())
     try:
         next_at = t0 + rng.uniform(*interval_s)
-        while next_at < t0 + duration_s or len(report.kills) < min_kills:
+        while ((next_at < t0 + duration_s or len(report.kills) < min_kills)
+               and (max_kills is None or len(report.kills) < max_kills)):
             await asyncio.sleep(max(next_at - time.monotonic(), 0))
             kill = await _kill_one(targets, rng, kill_order, len(report.kills))
             if kill is None:
@@ -213,6 +230,11 @@ async def run_chaos(url: str, targets: dict[str, Callable[[], list[int]]], durat
                 break  # did not recover: nothing more to learn from further kills
             next_at = max(kill.at + rng.uniform(*interval_s), time.monotonic())
         await asyncio.sleep(max(t0 + duration_s - time.monotonic(), 0))
+        last = report.kills[-1] if report.kills else None
+        if last is not None and last.served_again_s is not None:
+            # the clients, not only the probe, are served again after the last recovery, even one that came
+            # past `duration_s` (a kill `min_kills` asked for after a slow recovery)
+            await load.wait_completed_after(last.at + last.served_again_s, recover_limit_s)
     finally:
         load.stop()
         await loader
