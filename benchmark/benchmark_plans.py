@@ -99,8 +99,8 @@ def main() -> int:
                 out, state["cache"] = model.decode(state["cache"], tok, pos, idx)
                 out.block_until_ready()
         else:
-            from opt_serving.runner.generate import StageGeneration
-            pipe = StageGeneration(cfg, RayStages(cfg, plan, None, seed=0), plan)  # the same random weights
+            from opt_serving.runner.generate import Generation
+            pipe = Generation(cfg, RayStages(cfg, plan, None, seed=0), plan)  # the same random weights
             pipes.append(pipe)
             key = pipe._open(1, L)
             pipe.stages.get(pipe._chain("prefill", key, ids, mask, False))

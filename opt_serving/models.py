@@ -15,6 +15,7 @@ from pathlib import Path
 from opt_serving.model import loader
 from opt_serving.model import quantize as quantization
 from opt_serving.parallel import backend as parallel
+from opt_serving.runner.generate import Generation
 from opt_serving.spec import PREFIXES, TORCH, ModelSpec
 
 __all__ = ["PREFIXES", "get_model"]
@@ -39,4 +40,4 @@ def get_model(model_name: str, path: str | Path | None = None, dtype="auto",
             raise ValueError(f"{model_name}: quantize={quantize!r} applies to jax/ and alpa/ models (facebook/ is "
                              "Hugging Face's PyTorch model, the reference)")
         return loader.reference_model(spec, dtype)
-    return loader.local_model(spec, dtype, progress=kwargs.get("progress", False))
+    return Generation.of(loader.local_model(spec, dtype, progress=kwargs.get("progress", False)))

@@ -71,11 +71,11 @@ def test_the_runtime_layout_built_a_layer_at_a_time_computes_what_the_whole_tree
     save_numpy_folder(tmp_path, CFG, params_to_arrays(CFG, params))
     streamed = get_model("jax/opt-tiny", tmp_path)
     at_once = OPTModel(CFG, params)
-    assert streamed.backend == at_once.backend
+    assert streamed.model.backend == at_once.backend
     np.testing.assert_array_equal(np.asarray(streamed(IDS, MASK)), np.asarray(at_once(IDS, MASK)))
     _same(streamed.params, params)
     dummy = get_model("jax/opt-tiny", dummy=True, seed=5)
-    _same(layout.checkpoint_params(dummy.config, dummy.backend, dummy.fused_params),
+    _same(layout.checkpoint_params(dummy.config, dummy.model.backend, dummy.model.fused_params),
           param_tree.init_params(dummy.config, seed=5))
 
 

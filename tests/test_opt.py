@@ -7,6 +7,7 @@ import torch
 
 from opt_serving.backend import Backend
 from opt_serving.model import kv_cache, layout, opt, param_tree, weights, wrapper
+from opt_serving.runner.generate import Generation
 
 from conftest import TINY as PRE_LN, TINY_POST_LN as POST_LN, hf_model, on_cpu
 
@@ -142,7 +143,7 @@ def test_half_precision_close_to_float32(dtype):
     diff = np.abs(l32 - l16).max()
     agree = (l32.argmax(-1) == l16.argmax(-1)).mean()
     # free-running greedy decoding: the share of generated tokens that agree
-    m32, m16 = wrapper.OPTModel(cfg, p32), wrapper.OPTModel(cfg, p16)
+    m32, m16 = (Generation.of(wrapper.OPTModel(cfg, p)) for p in (p32, p16))
     g32 = m32.generate(seq[:4, :8], max_new_tokens=16, eos_token_id=None)[:, 8:]
     g16 = m16.generate(seq[:4, :8], max_new_tokens=16, eos_token_id=None)[:, 8:]
     gen_agree = (g32 == g16).mean()

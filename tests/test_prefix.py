@@ -218,8 +218,8 @@ def test_pipeline_stages_keep_their_own_layers_blocks(params):
     same block numbers: the one-device tokens without a cache, prefixes reused."""
     from opt_serving.model import param_tree
     from opt_serving.parallel.pipeline import stage_specs
-    from opt_serving.runner.slots import LocalStages, Slots
-    from opt_serving.runner.stage import StageSlots
+    from opt_serving.runner.slots import Slots
+    from opt_serving.runner.stage import LocalStages, StageSlots
     jobs = shared_prefix_jobs(seed=2, n=4)
     want = one_by_one(OPTSlots(CFG, params, num_slots=4, max_seq_len=MAX_SEQ), jobs, 16)
     stages = [StageSlots(CFG, param_tree.stage_params(params, s), s, 2, 2, MAX_SEQ, prefix_blocks=8)

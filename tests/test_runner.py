@@ -35,8 +35,8 @@ def params():
 def two_stage_slots(params, num_slots=4, groups=2):
     from opt_serving.model import param_tree
     from opt_serving.parallel.pipeline import stage_specs
-    from opt_serving.runner.slots import LocalStages, Slots
-    from opt_serving.runner.stage import StageSlots
+    from opt_serving.runner.slots import Slots
+    from opt_serving.runner.stage import LocalStages, StageSlots
     stages = [StageSlots(CFG, param_tree.stage_params(params, s), s, num_slots // groups, groups, 64)
               for s in stage_specs(CFG, 2)]
     return Slots(CFG, LocalStages(stages), num_slots, groups, 64)

@@ -1,6 +1,6 @@
 """runner/generate.py: generate() as a host loop over the runner's stages, here two stages in this process (the
 same StageSlots a Ray stage actor holds; tests/test_parallel_backend.py runs it over Ray stage actors). Greedy,
-sampled and beam-searched tokens, and the processed scores, equal the one-device model's compiled loop."""
+sampled and beam-searched tokens, and the processed scores, equal those of one whole-model stage's compiled loop."""
 import numpy as np
 import pytest
 
@@ -19,13 +19,12 @@ CASES = [dict(max_new_tokens=6),
 def models():
     from opt_serving.model import param_tree, wrapper
     from opt_serving.parallel.pipeline import stage_specs
-    from opt_serving.runner.generate import StageGeneration
-    from opt_serving.runner.slots import LocalStages
-    from opt_serving.runner.stage import StageSlots
+    from opt_serving.runner.generate import Generation
+    from opt_serving.runner.stage import LocalStages, StageSlots
     params = param_tree.init_params(CFG, seed=3, std=0.3)
     stages = LocalStages([StageSlots(CFG, param_tree.stage_params(params, s), s, 1, 1, 64)
                           for s in stage_specs(CFG, 2)])
-    return wrapper.OPTModel(CFG, params), StageGeneration(CFG, stages, micro_batches=2)
+    return Generation.of(wrapper.OPTModel(CFG, params)), Generation(CFG, stages, micro_batches=2)
 
 
 @pytest.mark.parametrize("kw", CASES, ids=["greedy", "scores", "sampled", "beams"])

@@ -7,7 +7,8 @@ import torch
 import transformers
 
 from opt_serving.config import get_config
-from opt_serving.model import weights, wrapper
+from opt_serving.model import sample, weights, wrapper
+from opt_serving.runner.generate import Generation
 
 from conftest import TINY, on_cpu
 
@@ -23,7 +24,7 @@ def models():
         for p in hf.parameters():
             if p.dim() > 1:
                 p.mul_(8.0)
-    ours = wrapper.OPTModel(CFG, weights.params_from_hf_state_dict(CFG, hf.state_dict()))
+    ours = Generation.of(wrapper.OPTModel(CFG, weights.params_from_hf_state_dict(CFG, hf.state_dict())))
     rng = np.random.RandomState(0)
     ids = rng.randint(3, CFG.vocab_size, (3, 7))
     mask = np.ones_like(ids)
@@ -156,10 +157,10 @@ def test_dummy_model_has_the_named_shapes():
 def test_nearby_lengths_share_one_compiled_loop(models):
     hf, ours, ids, mask, eos, _ = models
     ours.generate(ids, attention_mask=mask, max_new_tokens=NEW, eos_token_id=eos)
-    compiled = wrapper._sample_loop._cache_size()
+    compiled = sample.search._cache_size()
     longer, longer_mask = ids[:, 1:], mask[:, 1:]  # 6 tokens: the same 8-wide bucket as 7
     out = ours.generate(longer, attention_mask=longer_mask, max_new_tokens=NEW + 3, eos_token_id=eos)
-    assert wrapper._sample_loop._cache_size() == compiled
+    assert sample.search._cache_size() == compiled
     with torch.no_grad():
         ref = hf.generate(longer, attention_mask=longer_mask, max_new_tokens=NEW + 3, do_sample=False,
                           eos_token_id=eos)
@@ -167,9 +168,9 @@ def test_nearby_lengths_share_one_compiled_loop(models):
 
 
 def test_decode_windows():
-    assert wrapper.decode_windows(8, 72) == [16, 32, 64, 72]
-    assert wrapper.decode_windows(16, 24) == [24]          # the prompt's first decode entry is 16
-    assert wrapper.decode_windows(40, 104) == [64, 104]
+    assert sample.decode_windows(8, 72) == [16, 32, 64, 72]
+    assert sample.decode_windows(16, 24) == [24]          # the prompt's first decode entry is 16
+    assert sample.decode_windows(40, 104) == [64, 104]
 
 
 @pytest.mark.parametrize("kernels", [True, False], ids=["cpu_kernels", "plain_xla"])
@@ -181,13 +182,14 @@ def test_long_generation_matches_hf(models, kernels, monkeypatch):
     hf, ours, ids, mask, _, _ = models
     if not kernels:
         monkeypatch.setenv("OPT_SERVING_ONEDNN", "0")
-        ours = wrapper.OPTModel(CFG, ours.params)
-        assert ours.backend == Backend.xla() and "kernel" in ours.fused_params["layers_0"]["fc1"]
+        ours = Generation.of(wrapper.OPTModel(CFG, ours.params))
+        assert ours.model.backend == Backend.xla() and "kernel" in ours.model.fused_params["layers_0"]["fc1"]
     elif _lib.load() is None:
         pytest.skip("opt_serving/_cpu_kernels.so not built")
     else:  # greedy steps take the screened argmax where this CPU has it, never making the logits
-        ours = wrapper.OPTModel(CFG, on_cpu(ours.params))  # the kernels' device, wherever JAX's default is
-        assert ours.backend.products and ours.backend.attention and ours.backend.greedy_head == head.supported()
+        ours = Generation.of(wrapper.OPTModel(CFG, on_cpu(ours.params)))  # the kernels' device, wherever JAX's is
+        backend = ours.model.backend
+        assert backend.products and backend.attention and backend.greedy_head == head.supported()
     with torch.no_grad():
         ref = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=40, eos_token_id=None)
     out = ours.generate(ids, attention_mask=mask, max_new_tokens=40, eos_token_id=None)
@@ -203,7 +205,7 @@ def test_any_name_works_with_a_folder_that_has_a_config(tmp_path):
         m = wrapper.get_model(name, path=tmp_path)
         assert m.config == CFG
         ids = np.array([[2, 5, 9]])
-        ref = wrapper.OPTModel(CFG, params)
+        ref = Generation.of(wrapper.OPTModel(CFG, params))
         np.testing.assert_array_equal(np.asarray(m.generate(ids, max_new_tokens=4)),
                                       np.asarray(ref.generate(ids, max_new_tokens=4)))
     with pytest.raises(ValueError, match="any name works with a folder that has a config.json, and .*nowhere has none"):

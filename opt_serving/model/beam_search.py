@@ -152,7 +152,7 @@ def search(cfg, params, ids, mask, st, max_new, k, n_return, length_penalty, ear
         cache = kv_cache.reorder(cache, parents)
         logits, cache = jax.lax.cond(
             go,
-            # the write index a scalar: see wrapper._sample_loop
+            # the write index a scalar: see sample.search
             lambda: opt.decode_step(cfg, params, cache, last, n_real + (cur - s), cur, backend=backend),
             lambda: (logits, cache))
         return c, logits, cache, go, scores_buf

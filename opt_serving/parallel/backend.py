@@ -10,11 +10,11 @@ device may hold (CPU nodes, GPU kinds Ray does not name), so a model too big for
 pp > 1 from the planner itself. Explicit degrees override the planner; any left out is still chosen
 by it. One call builds one replica: data parallelism is more replicas (e.g. Ray Serve deployments).
 
-This module plans and builds; it defines no model of its own. With pp = 1 the model is jax/'s
-`wrapper.OPTModel` over params sharded on a tp mesh (sharding.py: tensor parallelism is a layout of the params,
-and generate() is the same jitted loop, which GSPMD partitions). With pp > 1 it is runner/generate.py's
-`StageGeneration` over the stage actors (pipeline.RayStages): the same `wrapper.Generation` front as a host
-loop over the stages the engine steps.
+This module plans and builds; it defines no model of its own. Either way generate() is runner/generate.py's
+`Generation`, over the stages the engine steps. With pp = 1 its one stage, in this process, holds jax/'s
+`wrapper.OPTModel` params sharded on a tp mesh (sharding.py: tensor parallelism is a layout of the params, and
+generate() is the same compiled loop, which GSPMD partitions). With pp > 1 its stages are the stage actors
+(pipeline.RayStages), and generate() is a host loop over them.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from opt_serving.parallel.cluster import Cluster, parse_bytes
 from opt_serving.parallel.pipeline import RayStages
 from opt_serving.parallel.planner import Plan, search
 from opt_serving.parallel.sharding import make_mesh, sharded_parts
-from opt_serving.runner.generate import StageGeneration
+from opt_serving.runner.generate import Generation
 from opt_serving.spec import ModelSpec
 
 
@@ -136,10 +136,10 @@ def get_alpa_model(spec: ModelSpec, dtype="auto", batch_size: int = 1, max_seq_l
     seed, quantize = spec.weights.seed or 0, spec.quantize
     plan, cfg, folder = plan_model(spec, dtype, device_memory, batch_size, max_seq_len, cluster)
     if plan.pp == 1:
-        return tensor_parallel_model(cfg, plan, folder, dtype, seed, quantize)
+        return Generation.of(tensor_parallel_model(cfg, plan, folder, dtype, seed, quantize))
     # this process only drives the stages (each holds its GPUs' share): no device memory taken ahead of need
     jax_env.apply(jax_env.route_only())
     connect_ray()
     stages = RayStages(cfg, plan, folder, dtype=jnp.dtype(loader.model_dtype(dtype)).name, seed=seed,
                        quantize=quantize, handoff=handoff)
-    return StageGeneration(cfg, stages, plan, micro_batches)
+    return Generation(cfg, stages, plan, micro_batches)

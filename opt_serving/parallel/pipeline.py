@@ -4,7 +4,7 @@ A stage actor holds its contiguous slice of layers (the model's own modules, `op
 `StageSpec`), the KV cache of every decode slot for those layers, and, on the last stage, the LM head
 and the sampling state. It runs the tensor-parallel jitted steps of its layers over its own node's
 devices (tp GPUs, or on a CPU tp host devices it makes itself through XLA_FLAGS). The driver
-(`runner.slots.Slots`, or `runner.generate.StageGeneration.generate`) chains calls: stage i's output ref is
+(`runner.slots.Slots`, or `runner.generate.Generation.generate`) chains calls: stage i's output ref is
 stage i+1's argument, so hidden states move between stages through Ray's object store without
 coming back to the driver, and several micro-batches are in the stages at once. Or (`handoff`,
 `choose_handoff`) every call goes through one Ray Compiled Graph compiled per pipeline (handoff.py), the

@@ -18,8 +18,8 @@ from opt_serving.model import loader, opt
 from opt_serving.parallel import backend as parallel
 from opt_serving.parallel.pipeline import RayStages
 from opt_serving.runner.prefix import default_blocks
-from opt_serving.runner.slots import LocalStages, Slots
-from opt_serving.runner.stage import StageSlots
+from opt_serving.runner.slots import Slots
+from opt_serving.runner.stage import LocalStages, StageSlots
 from opt_serving.spec import ModelSpec
 
 log = logging.getLogger(__name__)

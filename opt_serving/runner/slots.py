@@ -35,16 +35,15 @@ from __future__ import annotations
 
 import collections
 import itertools
-from typing import Any, Optional, Protocol, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
 from opt_serving.model import kv_cache
-from opt_serving.model.wrapper import OPTModel
-from opt_serving.runner.generate import StageGeneration
+from opt_serving.runner.generate import Generation
 from opt_serving.runner.prefix import BLOCK_SIZE, PrefixCache
-from opt_serving.runner.stage import (cache_bucket, chunk_width, chunk_widths, job_size, job_sizes, prefill_bucket,
-                                      prefill_buckets)
+from opt_serving.runner.stage import (LocalStages, Stages, cache_bucket, chunk_width, chunk_widths, job_size,
+                                      job_sizes, prefill_bucket, prefill_buckets)
 from opt_serving.runner.types import (JOIN_BLOCKS, JOIN_PROMPT_TOKENS, JOIN_PROMPTS, MAX_TOP_LOGPROBS, SlotModel,
                                       PREFILL_BATCH_TOKENS, JoinBlock, PartialPrefill, Prefix, SlotSettings,
                                       StepResult, TokenInfo)
@@ -52,37 +51,6 @@ from opt_serving.runner.types import (JOIN_BLOCKS, JOIN_PROMPT_TOKENS, JOIN_PROM
 # the chunk a prompt's part past its cached prefix is computed in where the engine prefills it whole (the
 # engine's own prefill_chunk otherwise)
 HIT_CHUNK = 256
-
-
-class Stages(Protocol):
-    """How the driver reaches the stages. `call` returns a future (or, in process, the value itself);
-    a future may be passed as an argument of the next stage's call; `get` waits for futures."""
-    n: int
-
-    def call(self, i: int, method: str, *args) -> Any: ...
-    def get(self, futures) -> Any: ...
-    def check_health(self) -> None: ...
-    def close(self) -> None: ...
-
-
-class LocalStages:
-    """Stages in this process: calls run at once."""
-
-    def __init__(self, stages: Sequence):
-        self.stages = list(stages)
-        self.n = len(self.stages)
-
-    def call(self, i: int, method: str, *args):
-        return getattr(self.stages[i], method)(*args)
-
-    def get(self, futures):
-        return futures
-
-    def check_health(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 class Slots(SlotModel):
@@ -569,11 +537,9 @@ class Slots(SlotModel):
         return self.stages.stages[0].params
 
     def generation_model(self):
-        """A `wrapper.Generation` (HF-style generate(), beam search) over the same weights, no second copy:
-        an OPTModel in this process, or a StageGeneration over the same stage actors."""
-        if isinstance(self.stages, LocalStages):
-            return OPTModel(self.cfg, self.params, self.stages.stages[0].backend)
-        return StageGeneration(self.cfg, self.stages, self.plan)
+        """A `runner.generate.Generation` (HF-style generate(), beam search) over the same stages, no second copy of
+        the weights: one compiled loop on a stage in this process, a host loop over a pipeline's actors."""
+        return Generation(self.cfg, self.stages, self.plan)
 
     def check_health(self) -> None:
         self.stages.check_health()

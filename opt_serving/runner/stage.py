@@ -19,15 +19,16 @@ hidden states. The other stages hand their hidden states on.
 from __future__ import annotations
 
 import functools
-from typing import Optional, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from opt_serving import xla_cache
 from opt_serving.backend import Backend
 from opt_serving.backend.cpu import heap
-from opt_serving.model import kv_cache, layout, opt
+from opt_serving.model import beam_search, kv_cache, layout, opt, sample
 from opt_serving.model import quantize as quantization
 from opt_serving.runner.prefix import BLOCK_SIZE as PREFIX_BLOCK
 from opt_serving.runner.sampler import Sampler, split_rows
@@ -402,3 +403,49 @@ class StageSlots:
 
     def seq_close(self, key) -> None:
         self.seqs.pop(key, None)
+
+    # ---- a whole generate() as one compiled loop, on a stage that is the whole model ----
+    def seq_generate(self, ids, mask, settings, max_new: int, new_bucket: int, pad: int, output_scores: bool):
+        """Greedy or sampled rows (left-padded ids, mask [B, S]; sampling.make_settings' `settings`) -> (history
+        [B, S + new_bucket], steps taken, processed scores [new_bucket, B, V] or [0, ...]): model/sample.py."""
+        return sample.search(self.cfg, self.params, jnp.asarray(ids), jnp.asarray(mask), settings,
+                             jnp.int32(max_new), new_bucket, pad, output_scores, self.backend)
+
+    def seq_beam_search(self, ids, mask, settings, max_new: int, k: int, n_return: int, length_penalty: float,
+                        early_stop: bool, eos: int, pad: int, output_scores: bool, token=None):
+        """Beam search over prompts repeated k times (rows [B*K]) -> model/beam_search.py's `search` result.
+        `token`: beam_search.stoppable's, asked before every step (a stage in the asking process only)."""
+        return beam_search.search(self.cfg, self.params, jnp.asarray(ids), jnp.asarray(mask), settings, max_new, k,
+                                  n_return, length_penalty, early_stop, eos, pad, output_scores, self.backend,
+                                  None if token is None else jnp.int32(token))
+
+
+class Stages(Protocol):
+    """How the driver reaches the stages. `call` returns a future (or, in process, the value itself);
+    a future may be passed as an argument of the next stage's call; `get` waits for futures."""
+    n: int
+
+    def call(self, i: int, method: str, *args) -> Any: ...
+    def get(self, futures) -> Any: ...
+    def check_health(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class LocalStages:
+    """Stages in this process: calls run at once."""
+
+    def __init__(self, stages: Sequence):
+        self.stages = list(stages)
+        self.n = len(self.stages)
+
+    def call(self, i: int, method: str, *args):
+        return getattr(self.stages[i], method)(*args)
+
+    def get(self, futures):
+        return futures
+
+    def check_health(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

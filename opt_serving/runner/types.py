@@ -160,7 +160,9 @@ STAGE_CALLS = {"prefill": True, "prefill_chunk": True, "decode": True, "decode_s
                "insert": False, "store_prefix": False, "drop": False, "free": False, "use_tokenizer": False,
                "begin_warmup": False, "end_warmup": False, "cache_windows": False, "ready": False,
                # whole-sequence caches: generate() over a pipeline (runner/generate.py)
-               "seq_open": False, "seq_prefill": True, "seq_decode": True, "seq_reorder": False, "seq_close": False}
+               "seq_open": False, "seq_prefill": True, "seq_decode": True, "seq_reorder": False, "seq_close": False,
+               # a whole generate() in one compiled loop, on a stage that is the whole model (never an actor's)
+               "seq_generate": True, "seq_beam_search": True}
 
 
 class SlotModel(abc.ABC):

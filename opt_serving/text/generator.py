@@ -61,8 +61,8 @@ class Generator:
 
     def __init__(self, engine: Engine, tokenizer, max_seq_len: Optional[int] = None,
                  model_name: str = "opt", model=None, beam_budget: Optional[int] = None):
-        """`model`: what `beam()` calls `generate(num_beams=...)` on; by default an `OPTModel` over the
-        engine's own parameters (no second copy of the weights), when the engine's slot model has them.
+        """`model`: what `beam()` calls `generate(num_beams=...)` on; by default a `runner.generate.Generation`
+        over the engine's own stages (no second copy of the weights), when the engine's slot model has them.
         `beam_budget`: beam tokens (num_beams x (prompt + max_tokens)) that searches running and waiting may
         hold together (beam.py); default: what the engine's decode slots hold, num_slots x max_seq_len."""
         self.engine = engine
