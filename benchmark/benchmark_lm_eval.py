@@ -88,14 +88,13 @@ def make_tokenizer(folder: Path, assets: Path) -> None:
 
 
 def start_server(args, prefix_caching: bool, log: Path) -> harness.Server:
-    cmd = [sys.executable, "-m", "opt_serving", "serve", "--model", args.model, "--port", str(args.port),
-           "--max-batch-size", str(args.max_batch_size), "--max-seq-len", str(args.max_seq_len),
-           "--ray-address", "local", "--dtype", args.dtype]
-    cmd += ["--dummy"] if args.dummy else ["--path", args.path]
-    cmd += ["--tokenizer", args.tokenizer] if args.tokenizer else []
-    cmd += [] if prefix_caching else ["--no-prefix-caching"]
+    argv = ["--model", args.model, "--max-batch-size", str(args.max_batch_size), "--max-seq-len",
+            str(args.max_seq_len), "--dtype", args.dtype]
+    argv += ["--dummy"] if args.dummy else ["--path", args.path]
+    argv += ["--tokenizer", args.tokenizer] if args.tokenizer else []
+    argv += [] if prefix_caching else ["--no-prefix-caching"]
     name = f"opt-serving serve ({'with' if prefix_caching else 'without'} the prefix cache)"
-    return harness.start(cmd, "opt-serving: serving", name=name, log=log, timeout=args.start_timeout)
+    return harness.serve(argv, port=args.port, name=name, log=log, timeout=args.start_timeout)
 
 
 def server_metric(port: int, name: str) -> float:
