@@ -6,7 +6,8 @@ Usage (lm-eval lives in a venv of its own, .venv-bench: `.venv-bench/bin/pip ins
       --limit 40 --rounds 2 --json lm_eval.json
 
 The task is a local one (no dataset download): lm-eval's YAML task format over a jsonl file this script writes
-from README.md's sentences, seeded: each document is a sentence with its last words cut off, the true ending among
+from benchmark/data/lm_eval_corpus.txt (plain English sentences, one a line, fixed so that the task never changes
+with the project's text), seeded: each document is a sentence with its last words cut off, the true ending among
 three others, preceded by the same five solved examples (`num_fewshot: 5`, `sampler: first_n`, as MMLU's few-shot
 prompts are). lm-eval scores each of a document's four endings with one request (echo, logprobs, max_tokens 1):
 the documents share their few-shot prefix and a document's four requests their context, which is what a prefix
@@ -34,18 +35,17 @@ import harness  # noqa: E402
 from common import machine_description, now, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+CORPUS = Path(__file__).resolve().parent / "data" / "lm_eval_corpus.txt"
 TASK = "opt_serving_mc"
 
 
-def make_task(folder: Path, seed: int = 0, docs: int = 400) -> None:
+def make_task(folder: Path, seed: int = 0) -> None:
     """The task's jsonl (train: the five few-shot examples; test: the documents) and its YAML, in `folder`."""
-    text = re.sub(r"[`*|#\[\]()]", " ", (ROOT / "README.md").read_text())
-    sentences = [s.split() for s in re.split(r"(?<=[.!?])\s+", text)]
-    sentences = [s for s in sentences if 14 <= len(s) <= 40]
+    sentences = [line.split() for line in CORPUS.read_text().splitlines() if line.strip()]
     rng = np.random.default_rng(seed)
     rng.shuffle(sentences)
     rows = []
-    for i, words in enumerate(sentences[:docs + 5]):
+    for i, words in enumerate(sentences):
         cut = int(rng.integers(3, 7))
         others = [sentences[int(j)][-cut:] for j in rng.choice(len(sentences), 3, replace=False) if int(j) != i][:3]
         endings = [" ".join(words[-cut:])] + [" ".join(o) for o in others]
@@ -88,14 +88,13 @@ def make_tokenizer(folder: Path, assets: Path) -> None:
 
 
 def start_server(args, prefix_caching: bool, log: Path) -> harness.Server:
-    cmd = [sys.executable, "-m", "opt_serving", "serve", "--model", args.model, "--port", str(args.port),
-           "--max-batch-size", str(args.max_batch_size), "--max-seq-len", str(args.max_seq_len),
-           "--ray-address", "local", "--dtype", args.dtype]
-    cmd += ["--dummy"] if args.dummy else ["--path", args.path]
-    cmd += ["--tokenizer", args.tokenizer] if args.tokenizer else []
-    cmd += [] if prefix_caching else ["--no-prefix-caching"]
+    argv = ["--model", args.model, "--max-batch-size", str(args.max_batch_size), "--max-seq-len",
+            str(args.max_seq_len), "--dtype", args.dtype]
+    argv += ["--dummy"] if args.dummy else ["--path", args.path]
+    argv += ["--tokenizer", args.tokenizer] if args.tokenizer else []
+    argv += [] if prefix_caching else ["--no-prefix-caching"]
     name = f"opt-serving serve ({'with' if prefix_caching else 'without'} the prefix cache)"
-    return harness.start(cmd, "opt-serving: serving", name=name, log=log, timeout=args.start_timeout)
+    return harness.serve(argv, port=args.port, name=name, log=log, timeout=args.start_timeout)
 
 
 def server_metric(port: int, name: str) -> float:
@@ -138,7 +137,8 @@ def main() -> None:
     p.add_argument("--max-batch-size", type=int, default=16)
     p.add_argument("--max-seq-len", type=int, default=1024)
     p.add_argument("--port", type=int, default=18700)
-    p.add_argument("--limit", type=int, default=40, help="documents (four requests each)")
+    p.add_argument("--limit", type=int, default=40,
+                   help="documents (four requests each; at most the corpus's lines less five)")
     p.add_argument("--rounds", type=int, default=2, help="each round: with the prefix cache, then without")
     p.add_argument("--lm-eval", default=str(ROOT / ".venv-bench" / "bin" / "lm_eval"))
     p.add_argument("--start-timeout", type=float, default=600)

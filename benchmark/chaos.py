@@ -26,8 +26,10 @@ import time
 
 import psutil
 
-from opt_serving.testing import chaos
-from opt_serving.testing.cli_server import CONTROLLER, PROXY, REPLICA, STAGE, cli_server, processes_under
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `harness` when run from anywhere
+import harness  # noqa: E402
+from opt_serving.testing import chaos  # noqa: E402
+from opt_serving.testing.cli_server import processes_under  # noqa: E402
 
 ERROR_BOUND_S = 60.0
 
@@ -46,25 +48,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def targets_under(root: int, kinds: list[str], seen: set) -> dict:
-    markers = {"replica": REPLICA, "stage": STAGE, "proxy": PROXY, "controller": CONTROLLER}
-
-    def finder(marker):
-        def find() -> list[int]:
-            procs = processes_under(root, marker)
-            seen.update(procs)
-            return [p.pid for p in procs]
-        return find
-    return {k: finder(markers[k]) for k in kinds}
-
-
 def run_embedded(a, kinds) -> tuple[chaos.ChaosReport, list]:
     ingress = ["--ingress", a.ingress] if a.ingress != "auto" else []
-    log = open(a.log, "w") if a.log else None
-    with cli_server(["--num-cpus", "2", "--drain-timeout", "2", *ingress], output=log) as server:
+    with harness.serve(["--num-cpus", "2", "--drain-timeout", "2", *ingress], log=a.log) as server:
         print(f"opt-serving serve (embedded model, ingress {a.ingress}) up after {server.start_s:.1f} s", flush=True)
-        report = asyncio.run(chaos.run_chaos(server.url, targets_under(server.proc.pid, kinds, server.seen),
-                                             a.minutes * 60, clients=a.clients, seed=a.seed))
+        report = asyncio.run(chaos.run_chaos(server.url, chaos.targets(server.processes, kinds), a.minutes * 60,
+                                             clients=a.clients, seed=a.seed))
     return report, [f"process {pid} {cmd}" for pid, cmd in server.left_over]
 
 
@@ -79,6 +68,12 @@ def run_pp2(a, kinds) -> tuple[chaos.ChaosReport, list]:
     folder = ensure_embedded_model()
     seen: set = set()
     left: list = []
+
+    def under_here(marker: str) -> list[psutil.Process]:  # (noted, to be waited for at the end)
+        procs = processes_under(os.getpid(), marker)
+        seen.update(procs)
+        return procs
+
     t0 = time.monotonic()
     with simulated_cluster(nodes=2, cpus_per_node=2):
         port = free_port()
@@ -87,7 +82,7 @@ def run_pp2(a, kinds) -> tuple[chaos.ChaosReport, list]:
                          max_seq_len=160)
         serve.run(build_app(args), name="opt", route_prefix="/")
         print(f"alpa/opt-tiny pp=2 on two simulated nodes up after {time.monotonic() - t0:.1f} s", flush=True)
-        report = asyncio.run(chaos.run_chaos(f"http://127.0.0.1:{port}", targets_under(os.getpid(), kinds, seen),
+        report = asyncio.run(chaos.run_chaos(f"http://127.0.0.1:{port}", chaos.targets(under_here, kinds),
                                              a.minutes * 60, clients=a.clients, seed=a.seed))
         seen.update(processes_under(os.getpid()))
         groups = ray.util.placement_group_table()
@@ -123,4 +118,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(harness.script(main))

@@ -255,10 +255,7 @@ def measured(run, url: str) -> dict:
 
 def start_server(argv: list[str], port: int, timeout: float = 600, cpus: set[int] | None = None) -> harness.Server:
     """`opt-serving serve` in a subprocess (a private local Ray, stopped by SIGINT on exit)."""
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "opt_serving", "serve", *argv, "--port", str(port), "--ray-address", "local"]
-    return harness.start(cmd, "opt-serving: serving", name="opt-serving serve", env=env, cwd=REPO,
-                         preexec_fn=_pin(cpus), timeout=timeout, url=f"http://127.0.0.1:{port}")
+    return harness.serve(argv, port=port, preexec_fn=_pin(cpus), timeout=timeout)
 
 
 def model_name(url: str) -> str:

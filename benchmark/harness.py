@@ -3,6 +3,8 @@ ready line, stop exactly what it started, run the sides in turn for N rounds, pr
 
     with started(["vllm", "serve", ...], ready="Application startup complete", name="vllm", log=path) as server:
         ...                                       # server.lines: its last output lines; server.log: the file
+    with serve(["--engine", "fake"], log=path) as server:   # `opt-serving serve` on a Ray of its own
+        server.processes("ray::ServeReplica")     # the processes under it, by what they run
     for rnd, side in in_turn(["ours", "vllm"], rounds=2):   # ours, vllm, vllm, ours
         ...
     print_comparison([("output tokens/s", 120.0, 100.0)], ours="ours", peer="vLLM")   # a table and JSON lines
@@ -30,7 +32,9 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import psutil
 
+ROOT = Path(__file__).resolve().parents[1]
 TAIL_LINES = 40  # the output lines an error shows
+SERVING = "opt-serving: serving"  # our server's ready line
 
 
 class StartError(RuntimeError):
@@ -73,6 +77,12 @@ class Server:
         finally:
             if out is not None:
                 out.close()
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
     def tail(self, n: int = TAIL_LINES) -> str:
         return "".join(list(self.lines)[-n:])
@@ -161,6 +171,18 @@ def start(cmd: Sequence[str], ready: str, *, timeout: float = 600.0, **kwargs) -
     return Server(cmd, ready, **kwargs).wait_ready(timeout)
 
 
+def serve(argv: Sequence[str] = (), *, port: int | None = None, timeout: float = 600.0, **kwargs) -> Server:
+    """`opt-serving serve *argv --port PORT --ray-address local` from this checkout (a Ray of its own, never one
+    already running here; PORT: a free one unless given), started and waited for; `url`: where it serves. Other
+    arguments: Server's (name, log, preexec_fn). A `with` block stops it when it ends."""
+    from opt_serving.service.ports import free_port  # (here: a peer-only script may run where opt_serving is not)
+    port = port or free_port()
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "opt_serving", "serve", *argv, "--port", str(port), "--ray-address", "local"]
+    kwargs.setdefault("name", "opt-serving serve")
+    return start(cmd, SERVING, timeout=timeout, env=env, cwd=ROOT, url=f"http://127.0.0.1:{port}", **kwargs)
+
+
 @contextlib.contextmanager
 def started(cmd: Sequence[str], ready: str, *, timeout: float = 600.0, stop_timeout: float = 120.0,
             **kwargs) -> Iterator[Server]:
@@ -172,10 +194,11 @@ def started(cmd: Sequence[str], ready: str, *, timeout: float = 600.0, stop_time
         server.stop(stop_timeout)
 
 
-def script(main: Callable[[], object]) -> None:
-    """Run a script's `main`; a server that would not start ends it with the StartError's message, not a trace."""
+def script(main: Callable[[], object]) -> object:
+    """Run a script's `main` -> what it returns; a server that would not start ends it with the StartError's
+    message, not a trace."""
     try:
-        main()
+        return main()
     except StartError as e:
         raise SystemExit(f"error: {e}") from None
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import re
 import sys
@@ -31,7 +32,9 @@ import httpx
 import numpy as np
 import psutil
 
-from opt_serving.testing.cli_server import REPLICA, cli_server, processes_under
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `harness` when run from anywhere
+import harness  # noqa: E402
+from opt_serving.testing.cli_server import REPLICA  # noqa: E402
 
 WORDS = "the of and to in is was for on that with as by at from his her it an were are which this".split()
 ROUTES = {"/v1/completions": "completions", "/completions": "metaseq", "/generate": "generate"}
@@ -123,14 +126,14 @@ class Traffic:
             return r.status_code
 
 
-def sample(server, rss0: dict) -> dict:
-    replica = processes_under(server.proc.pid, REPLICA)
+def sample(server: harness.Server) -> dict:
+    replica = server.processes(REPLICA)
     out = {"replica_pid": replica[0].pid if replica else None}
     if replica:
         p = replica[0]
         out.update(rss_mb=p.memory_info().rss / 2 ** 20, fds=p.num_fds(), threads=p.num_threads())
     total = 0
-    for p in processes_under(server.proc.pid):
+    for p in server.processes():
         try:
             total += p.memory_info().rss
         except psutil.Error:
@@ -200,7 +203,7 @@ async def soak(a, server) -> list:
         while time.monotonic() - t0 < a.minutes * 60 - 1:
             await asyncio.sleep(min(a.interval, t0 + a.minutes * 60 - time.monotonic()))
             now = time.monotonic()
-            s = {"t": now - t0, **await asyncio.to_thread(sample, server, {})}
+            s = {"t": now - t0, **await asyncio.to_thread(sample, server)}
             s["all"] = latencies(traffic.answers, last, now)
             s["short"] = latencies(traffic.answers, last, now, {"short"})
             s["statuses"] = Counter(str(x[2]) for x in traffic.answers if last <= x[0] < now)
@@ -238,10 +241,9 @@ def verdict(samples) -> list[str]:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
-    log = open(a.log, "w") if a.log else None
     print(f"soak: {a.minutes} min, {a.clients} clients (pause up to {a.pause} s), sample every {a.interval} s; "
           f"opt-serving serve {' '.join(a.serve_args) or '(defaults: the embedded tiny model)'}", flush=True)
-    with cli_server(["--num-cpus", "2", *a.serve_args], output=log) as server:
+    with harness.serve(["--num-cpus", "2", *a.serve_args], log=a.log) as server:
         print(f"server up after {server.start_s:.1f} s", flush=True)
         samples, answers, metrics = asyncio.run(soak(a, server))
     hung = sum(1 for x in answers if x[2] == "hung")
@@ -257,4 +259,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(harness.script(main))

@@ -141,3 +141,18 @@ def test_serving_reports_server_errors():
         s = bench.main(["--url", url, "--num-requests", "3", "--token-ids", "300:400", "--concurrency", "2"])
     assert (s["completed"], s["failed"]) == (0, 3)
     assert s["errors"] and s["errors"][0].startswith("HTTP 400")
+
+
+def test_lm_eval_task_is_built_from_its_own_corpus(tmp_path):
+    bench = load("benchmark_lm_eval")
+    corpus = [line for line in bench.CORPUS.read_text().splitlines() if line.strip()]
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+        bench.make_task(tmp_path / d)
+    rows = {d: [json.loads(line) for f in ("train", "test") for line in (tmp_path / d / f"{f}.jsonl").open()]
+            for d in ("a", "b")}
+    assert rows["a"] == rows["b"]  # seeded: the same task every run
+    assert len(rows["a"]) == len(corpus)
+    # each document: a corpus sentence with its last words cut off, the true ending among the choices
+    assert sorted(r["context"] + " " + r["choices"][r["label"]] for r in rows["a"]) == sorted(corpus)
+    assert all(len(r["choices"]) >= 3 and len(set(r["choices"])) == len(r["choices"]) for r in rows["a"])

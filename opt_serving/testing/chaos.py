@@ -23,8 +23,17 @@ from typing import Callable, Optional, Sequence
 
 import httpx
 
+from opt_serving.testing.cli_server import CONTROLLER, PROXY, REPLICA, STAGE
+
 COMPLETED = "completed"
 HUNG = "hung"
+KINDS = {"replica": REPLICA, "stage": STAGE, "proxy": PROXY, "controller": CONTROLLER}  # what each kind runs
+
+
+def targets(find: Callable[[str], list], kinds: Sequence[str]) -> dict[str, Callable[[], list[int]]]:
+    """`run_chaos`'s targets: kind -> a function listing its live pids, from `find(marker)`: the live processes
+    whose command line starts with `marker` (a server's own, or those under this process)."""
+    return {k: (lambda marker=KINDS[k]: [p.pid for p in find(marker)]) for k in kinds}
 
 
 @dataclass
