@@ -16,7 +16,10 @@ actor) and the replica's (from /proc), and prints them beside the planner's per-
 cache, activations, runtime layout, loading overhead and the process's own base) and the issue's targets:
 each stage under 0.75x the whole model's weights at pp = 2, the replica under 0.35x, the estimate within
 20% of the measured peak. Then it deletes the app and loads the same model with `get_model("alpa/...")` in
-this process (the driver), generates from it, and prints the same figures for its stages and this process.
+this process (the driver), planned for generate() calls of --max-batch-size rows of --max-seq-len tokens; it
+generates from one prompt (the text to compare with the served one), then once at the planned size (that many
+rows, prompt and new tokens half of --max-seq-len each), and prints the same figures for its stages and this
+process.
 
 `--write` writes a random numpy folder with the project's writer (model/sources.py: save_random_folder),
 one tensor at a time, from --seed: the model --dummy draws from the same seed.
@@ -30,6 +33,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -129,7 +134,7 @@ def print_memory(title: str, plan, cfg, args, stages: list[dict], others: dict[s
     """The table: planner estimate beside the measured peaks; returns its rows."""
     from opt_serving.parallel.cluster import default_process_bytes
     whole = whole_weights(cfg, args)
-    base = default_process_bytes()
+    base = default_process_bytes(plan.use)
     rows = []
     print(f"\n{title}: {plan.name}, layers {plan.layer_split}, whole model's weights {whole / GB:.2f} GB "
           f"({args.dtype}{', int8' if args.quantize else ''})")
@@ -258,6 +263,14 @@ def main(argv=None) -> None:
             out = model.generate(ids, max_new_tokens=args.max_tokens)
             text = tok.decode(out[0, ids.shape[1]:])
             print(f"  generate: {PROMPTS[0]!r} -> {text!r}")
+            # the size planned for, so the stages hold the caches and prefill the activations the plan counts: the
+            # prompt's width and the new tokens are each rounded up to a power of two (wrapper.Generation)
+            half = 1 << (args.max_seq_len.bit_length() - 2)
+            full = np.tile(np.resize(ids[0], half), (args.max_batch_size, 1))
+            t0 = time.perf_counter()
+            model.generate(full, max_new_tokens=half)
+            print(f"  generate at the planned size: {args.max_batch_size} rows x {half} prompt + {half} new tokens "
+                  f"in {time.perf_counter() - t0:.0f} s", flush=True)
             result["get_model_text"] = text
             result["get_model"] = print_memory("get_model in this process", model.plan, cfg, args, stage_memory(),
                                                {"this process (driver)": process_memory()})

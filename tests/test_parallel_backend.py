@@ -119,7 +119,7 @@ def test_int8_tensor_parallel_multiplies_the_dequantized_weights(folder, int8_fo
 def test_planner_fills_in_left_out_degrees(folder, reference):
     from opt_serving.model.wrapper import get_model
     model = get_model("alpa/opt-tiny", folder, pipeline_parallel=1)
-    assert model.plan.pp == 1 and 8 % model.plan.tp == 0
+    assert model.plan.pp == 1 and 8 % model.plan.tp == 0 and model.plan.use == "generate"
     np.testing.assert_array_equal(model.generate(IDS, MASK, max_new_tokens=8), reference[1])
 
 

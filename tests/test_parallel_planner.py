@@ -239,3 +239,32 @@ def test_a_plan_without_room_for_the_prefix_pool_serves_without_it():
     assert _peak(*with_pool) > tight.memory_limit  # the pool would not have fitted this plan's first stage
     with pytest.raises(NoFeasiblePlan):
         search(cfg, cluster, model="opt-175b", batch_size=64, max_seq_len=2048)
+
+
+def test_a_plan_for_generate_counts_its_whole_sequence_caches():
+    """get_model's plan (use="generate") of OPT-1.3b over two 4.5 GB CPU nodes at 8 rows of 256 tokens: each stage
+    the whole-sequence caches of the 8 rows and its one idle decode slot, no prefix pool, and a micro-batch of 4
+    prompts prefilled together (the last stage with their logits); on one device no decode slot. The served plan
+    of the same size counts its 8 slots, the pool, and one prompt prefilled at a time. Other uses are refused."""
+    from opt_serving.config import get_config
+    from opt_serving.runner import prefix
+    cfg, cluster = get_config("opt-1.3b"), parse_cluster("2x1x4.5GB:cpu")
+    args = dict(model="opt-1.3b", batch_size=8, max_seq_len=256, dtype="float32")
+    gen = search(cfg, cluster, use="generate", **args).best
+    served = search(cfg, cluster, **args).best
+    assert (gen.use, gen.prefix_pool, gen.pp, gen.micro_batch_size) == ("generate", False, 2, 4)
+    assert (served.use, served.prefix_pool) == ("serve", True)
+    pool = prefix.default_blocks(8, 256) * prefix.BLOCK_SIZE
+    for st, s in zip(gen.stages, served.stages):
+        n = st.num_layers
+        assert st.kv_bytes == n * cost.kv_cache_bytes(cfg, 8 + 1, 256, "float32")
+        assert s.kv_bytes == n * (cost.kv_cache_bytes(cfg, 8, 256, "float32")
+                                  + cost.kv_cache_bytes(cfg, 1, pool, "float32"))
+        logits = cost.logits_bytes(cfg, 4) if st.has_head else 0
+        assert st.act_bytes == cost.activation_bytes(cfg, 4, 256, "float32") + logits
+        assert s.act_bytes == cost.activation_bytes(cfg, 1, 256, "float32") + logits
+        assert st.memory_bytes == st.param_bytes + max(st.load_bytes, st.kv_bytes + st.act_bytes)
+    one = search(cfg, parse_cluster("1x1x16GB:cpu"), use="generate", **args).best
+    assert one.pp == 1 and one.stages[0].kv_bytes == 24 * cost.kv_cache_bytes(cfg, 8, 256, "float32")
+    with pytest.raises(ValueError, match="use must be one of serve, generate"):
+        search(cfg, cluster, use="beam", **args)

@@ -87,10 +87,11 @@ def plan_cluster(tensor_parallel=None, pipeline_parallel=None, device_memory=Non
 
 
 def plan_model(spec: ModelSpec, dtype="float32", device_memory=None, batch_size: int = 1, max_seq_len=None,
-               cluster: Cluster | None = None):
+               cluster: Cluster | None = None, use: str = "serve"):
     """(plan, config, weights folder or None) of an alpa/ model: the planner's best plan with the spec's
-    degrees fixed (`spec.quantize="int8"`: planned for int8 weights). Raises planner.NoFeasiblePlan with
-    `opt-serving plan`'s message when nothing fits."""
+    degrees fixed (`spec.quantize="int8"`: planned for int8 weights), its caches sized for `use` (planner.search:
+    "serve", the slot runner's; "generate", get_model's). Raises planner.NoFeasiblePlan with `opt-serving plan`'s
+    message when nothing fits."""
     dtype = loader.model_dtype(dtype)
     folder = None
     if spec.weights.random:
@@ -103,7 +104,7 @@ def plan_model(spec: ModelSpec, dtype="float32", device_memory=None, batch_size:
     cluster = cluster or plan_cluster(spec.tensor_parallel, spec.pipeline_parallel, device_memory)
     plan = search(cfg, cluster, model=spec.label, batch_size=batch_size,
                   max_seq_len=max_seq_len, dtype=jnp.dtype(dtype).name, tensor_parallel=spec.tensor_parallel,
-                  pipeline_parallel=spec.pipeline_parallel, weights=spec.quantize or "float32").best
+                  pipeline_parallel=spec.pipeline_parallel, weights=spec.quantize or "float32", use=use).best
     return plan, cfg, folder
 
 
@@ -129,17 +130,19 @@ def get_alpa_model(spec: ModelSpec, dtype="auto", batch_size: int = 1, max_seq_l
                    handoff: str = "auto", **unused):
     """An alpa/ model: a plan (the spec's explicit degrees kept) for the Ray cluster, then sharded or pipelined
     (`spec.quantize="int8"`: int8 weights, each stage quantizing its own, or reading them from a quantized
-    folder; `handoff`: how pipeline stages hand hidden states on, pipeline.RayStages)."""
+    folder; `handoff`: how pipeline stages hand hidden states on, pipeline.RayStages). The plan has room for
+    generate() calls of `batch_size` rows of `max_seq_len` tokens (planner.search's use="generate")."""
     if unused:
         raise TypeError(f"get_model() got unsupported arguments: {sorted(unused)}")
     dtype = cluster_dtype(dtype)
     seed, quantize = spec.weights.seed or 0, spec.quantize
-    plan, cfg, folder = plan_model(spec, dtype, device_memory, batch_size, max_seq_len, cluster)
+    plan, cfg, folder = plan_model(spec, dtype, device_memory, batch_size, max_seq_len, cluster, use="generate")
     if plan.pp == 1:
         return Generation.of(tensor_parallel_model(cfg, plan, folder, dtype, seed, quantize))
     # this process only drives the stages (each holds its GPUs' share): no device memory taken ahead of need
     jax_env.apply(jax_env.route_only())
     connect_ray()
+    # generate() uses only the stages' whole-sequence caches; their one decode slot as short as the plan counts it
     stages = RayStages(cfg, plan, folder, dtype=jnp.dtype(loader.model_dtype(dtype)).name, seed=seed,
-                       quantize=quantize, handoff=handoff)
+                       max_seq_len=plan.max_seq_len, quantize=quantize, handoff=handoff)
     return Generation(cfg, stages, plan, micro_batches)

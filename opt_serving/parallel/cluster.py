@@ -388,12 +388,15 @@ def calibrate(devices=None, base: DeviceSpec | None = None, size: int = 1024,
     return dataclasses.replace(base, **changes)
 
 
-# A CPU stage process's own resident memory beside its params, cache and activations: the interpreter, JAX and
-# XLA, Ray's worker, the compiled steps of a warmed-up engine and the heap they keep (backend/cpu/heap.py); 0.70 and
-# 0.90 GB in the two stages of OPT-1.3b served at pp = 2 (benchmark/benchmark_pipeline_memory.py; benchmark/README.md).
-# Reported beside the planner's per-device estimate, not charged to the device's memory: on GPUs it is host memory.
-CPU_PROCESS_BYTES = 0.8e9
+# A CPU stage process's own resident memory beside its params, cache and activations, by the plan's use
+# (planner.USES): the interpreter, JAX and XLA and Ray's worker (0.23 GB before a stage loads), and what it compiles.
+# Served, the steps of a warmed-up engine and the heap they keep (backend/cpu/heap.py): 0.70 and 0.90 GB in all in the
+# two stages of OPT-1.3b at pp = 2. Through get_model, only generate()'s few whole-sequence steps: 0.31-0.34 GB in all
+# in the last stage of OPT-1.3b at pp = 2 after a generate() of 8 rows x 256 (benchmark/benchmark_pipeline_memory.py;
+# benchmark/README.md). Reported beside the planner's per-device estimate, not charged to the device's memory: on
+# GPUs it is host memory.
+CPU_PROCESS_BYTES = {"serve": 0.8e9, "generate": 0.35e9}
 
 
-def default_process_bytes() -> float:
-    return CPU_PROCESS_BYTES
+def default_process_bytes(use: str = "serve") -> float:
+    return CPU_PROCESS_BYTES[use]

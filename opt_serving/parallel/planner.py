@@ -25,6 +25,11 @@ from opt_serving.parallel.slicing import slice_layers  # noqa: F401  (re-exporte
 from opt_serving.runner import prefix
 
 
+# what a plan's stages hold caches for: "serve", the slot runner's decode slots and prefix pool (runner/slots.py: the
+# engine, `opt-serving serve`); "generate", get_model's generate() (its whole-sequence caches: runner/generate.py)
+USES = ("serve", "generate")
+
+
 class NoFeasiblePlan(ValueError):
     """Nothing fits; the message says by how much."""
 
@@ -86,6 +91,7 @@ class Plan:
     idle_devices: int
     weights: str = "float32"         # "int8": int8 weights, activations and KV cache in `dtype`
     prefix_pool: bool = True         # room for the prefix cache's pool (runner/prefix.py) beside the slots' cache
+    use: str = "serve"               # what the caches are sized for (USES)
 
     @property
     def name(self) -> str:
@@ -164,13 +170,23 @@ def _peak(params: int, kv: int, act: int, runtime: int = 0, load: int = 0) -> in
 
 def _stage_memory(cfg: OPTConfig, n: int, first: bool, last: bool, tp: int, batch: int,
                   micro: int, max_seq_len: int, prefill_batch: int, dtype: str,
-                  weights: str = "float32", cpu: bool = False, pool: bool = True) -> tuple[int, int, int, int, int]:
-    """(params, KV cache, activations, runtime layout beyond the params, loading overhead) bytes per device."""
+                  weights: str = "float32", cpu: bool = False, pool: bool = True,
+                  use: str = "serve") -> tuple[int, int, int, int, int]:
+    """(params, KV cache, activations, runtime layout beyond the params, loading overhead) bytes per device, for
+    the caches `use` keeps (USES)."""
     params = cost.stage_param_bytes(cfg, n, first, last, tp, dtype, weights)
-    # the decode slots' cache, and the prefix cache's pool beside it (runner/prefix.py; counted even where it is
-    # turned off, unless no plan has room for it: search)
-    pool = prefix.default_blocks(batch, max_seq_len) * prefix.BLOCK_SIZE if pool else 0
-    kv = n * (cost.kv_cache_bytes(cfg, batch, max_seq_len, dtype, tp) + cost.kv_cache_bytes(cfg, 1, pool, dtype, tp))
+    if use == "generate":
+        # every row's whole-sequence cache, the rows prefilled a micro-batch at a time; a pipeline stage also keeps
+        # the one decode slot its StageSlots is made with (RayStages' rows=1, at most max_seq_len entries), idle
+        rows = batch if first and last else batch + 1
+        kv = n * cost.kv_cache_bytes(cfg, rows, max_seq_len, dtype, tp)
+        prefill_batch = micro
+    else:
+        # the decode slots' cache, and the prefix cache's pool beside it (runner/prefix.py; counted even where it is
+        # turned off, unless no plan has room for it: search)
+        pool = prefix.default_blocks(batch, max_seq_len) * prefix.BLOCK_SIZE if pool else 0
+        kv = n * (cost.kv_cache_bytes(cfg, batch, max_seq_len, dtype, tp)
+                  + cost.kv_cache_bytes(cfg, 1, pool, dtype, tp))
     act = max(cost.activation_bytes(cfg, prefill_batch, max_seq_len, dtype, tp),
               cost.activation_bytes(cfg, micro, 1, dtype, tp))
     if last:
@@ -201,7 +217,7 @@ class _Tables:
 
 def _stage_tables(cfg: OPTConfig, cluster: Cluster, pp: int, tp: int, batch: int, mb: int,
                   max_seq_len: int, prefill_batch: int, dtype: str, weights: str = "float32",
-                  pool: bool = True) -> _Tables:
+                  pool: bool = True, use: str = "serve") -> _Tables:
     L = cfg.num_hidden_layers
     # stage s sits on devices [s*tp, (s+1)*tp) of replica 0; tp divides a node, so no straddling
     nodes = [cluster.node_of(s * tp) for s in range(pp)]
@@ -218,7 +234,7 @@ def _stage_tables(cfg: OPTConfig, cluster: Cluster, pp: int, tp: int, batch: int
                                                max_seq_len, dtype, pipelined=pp > 1, weights=weights)
                 t.mems[key] = _stage_memory(cfg, n, first, last, tp, batch, mb, max_seq_len,
                                             prefill_batch, dtype, weights, cpu=cluster.spec.kind == "cpu",
-                                            pool=pool)
+                                            pool=pool, use=use)
             t.cost_of[s, n] = t.times[key].total_s + h
             t.mem_of[s, n] = _peak(*t.mems[key])
     return t
@@ -263,7 +279,8 @@ def _prefill_time(cfg: OPTConfig, cluster: Cluster, stages: list[Stage], tp: int
 
 def _evaluate(cfg: OPTConfig, cluster: Cluster, model: str, dp: int, pp: int, tp: int, *,
               batch_size: int, max_seq_len: int, dtype: str, limit: float, objective: str,
-              prefill_batch: int, weights: str = "float32", pool: bool = True) -> Plan | Rejected:
+              prefill_batch: int, weights: str = "float32", pool: bool = True,
+              use: str = "serve") -> Plan | Rejected:
     problem = _degree_problem(cfg, dp, pp, tp)
     if problem is not None:
         return problem
@@ -271,7 +288,7 @@ def _evaluate(cfg: OPTConfig, cluster: Cluster, model: str, dp: int, pp: int, tp
     batch = math.ceil(batch_size / active)       # per replica
     micro = min(pp, batch) if objective == "throughput" else 1
     mb = math.ceil(batch / micro)
-    t = _stage_tables(cfg, cluster, pp, tp, batch, mb, max_seq_len, prefill_batch, dtype, weights, pool)
+    t = _stage_tables(cfg, cluster, pp, tp, batch, mb, max_seq_len, prefill_batch, dtype, weights, pool, use)
     found = slice_layers(t.cost_of, t.mem_of, limit)
     if found is None:
         return _memory_rejection(t, dp, pp, tp, limit)
@@ -288,7 +305,7 @@ def _evaluate(cfg: OPTConfig, cluster: Cluster, model: str, dp: int, pp: int, tp
     prefill = _prefill_time(cfg, cluster, stages, tp, max_seq_len, dtype)
     return Plan(model, dp, pp, tp, tuple(stages), objective, batch_size, micro, mb, max_seq_len,
                 dtype, limit, cluster.device_memory, step, throughput, prefill,
-                cluster.num_devices - dp * pp * tp, weights, pool)
+                cluster.num_devices - dp * pp * tp, weights, pool, use)
 
 
 def _divisors(n: int) -> list[int]:
@@ -297,7 +314,7 @@ def _divisors(n: int) -> list[int]:
 
 def _check_search_args(cfg: OPTConfig, cluster: Cluster, model: str, batch_size: int,
                        max_seq_len: int | None, dtype: str, headroom: float,
-                       objective: str | None, weights: str = "float32") -> tuple[int, str]:
+                       objective: str | None, weights: str = "float32", use: str = "serve") -> tuple[int, str]:
     """Reject bad arguments and models too big for the whole cluster before searching;
     returns max_seq_len and objective with their defaults filled in."""
     if batch_size < 1:
@@ -311,6 +328,8 @@ def _check_search_args(cfg: OPTConfig, cluster: Cluster, model: str, batch_size:
     objective = objective or ("latency" if batch_size == 1 else "throughput")
     if objective not in ("latency", "throughput"):
         raise ValueError(f"objective must be 'latency' or 'throughput', got {objective!r}")
+    if use not in USES:
+        raise ValueError(f"use must be one of {', '.join(USES)}, got {use!r}")
     cost.dtype_bytes(dtype)
     need = cost.weight_bytes(cfg, dtype, weights)
     if need > cluster.total_memory:
@@ -341,7 +360,8 @@ def search(cfg: OPTConfig, cluster: Cluster, *, model: str = "", batch_size: int
            max_seq_len: int | None = None, dtype: str = "float16", headroom: float = DEFAULT_HEADROOM,
            tensor_parallel: int | None = None, pipeline_parallel: int | None = None,
            data_parallel: int | None = None, objective: str | None = None,
-           prefill_batch: int = 1, weights: str = "float32", prefix_pool: bool = True) -> SearchResult:
+           prefill_batch: int = 1, weights: str = "float32", prefix_pool: bool = True,
+           use: str = "serve") -> SearchResult:
     """Every candidate plan, feasible ones best first. Raises NoFeasiblePlan when none fits.
 
     Each plan has room for the prefix cache's pool beside the slots' cache; where no plan has, the plans without
@@ -351,9 +371,15 @@ def search(cfg: OPTConfig, cluster: Cluster, *, model: str = "", batch_size: int
     of each device's memory left free for the runtime and fragmentation. `prefill_batch`:
     prompts prefilled at once (the engine prefills one request, then inserts it into a slot). `weights`:
     "int8" for int8 weights (model/quantize.py; activations and the KV cache stay `dtype`).
+
+    `use`: what the stages' caches are for. "serve": `batch_size` decode slots of `max_seq_len` and the prefix
+    cache's pool, prompts prefilled `prefill_batch` at a time. "generate": get_model's generate() calls of up to
+    `batch_size` rows of up to `max_seq_len` (the prompt's width and the new tokens, each rounded up to a power of
+    two: wrapper.Generation), each micro-batch's prompts prefilled together; no pool.
     """
     max_seq_len, objective = _check_search_args(cfg, cluster, model, batch_size, max_seq_len,
-                                                dtype, headroom, objective, weights)
+                                                dtype, headroom, objective, weights, use)
+    prefix_pool = prefix_pool and use == "serve"
     limit = cluster.device_memory * (1 - headroom)
     N, D = cluster.num_devices, cluster.devices_per_node
     tps = [tensor_parallel] if tensor_parallel else _divisors(D)
@@ -374,14 +400,15 @@ def search(cfg: OPTConfig, cluster: Cluster, *, model: str = "", batch_size: int
                 continue
             r = _evaluate(cfg, cluster, model, dp, pp, tp, batch_size=batch_size,
                           max_seq_len=max_seq_len, dtype=dtype, limit=limit,
-                          objective=objective, prefill_batch=prefill_batch, weights=weights, pool=prefix_pool)
+                          objective=objective, prefill_batch=prefill_batch, weights=weights, pool=prefix_pool,
+                          use=use)
             (plans if isinstance(r, Plan) else rejected).append(r)
     if not plans and prefix_pool:
         try:
             return search(cfg, cluster, model=model, batch_size=batch_size, max_seq_len=max_seq_len, dtype=dtype,
                           headroom=headroom, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
                           data_parallel=data_parallel, objective=objective, prefill_batch=prefill_batch,
-                          weights=weights, prefix_pool=False)
+                          weights=weights, prefix_pool=False, use=use)
         except NoFeasiblePlan:
             pass  # the reasons given with the pool counted
     if not plans:
