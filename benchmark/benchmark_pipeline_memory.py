@@ -264,7 +264,7 @@ def main(argv=None) -> None:
             text = tok.decode(out[0, ids.shape[1]:])
             print(f"  generate: {PROMPTS[0]!r} -> {text!r}")
             # the size planned for, so the stages hold the caches and prefill the activations the plan counts: the
-            # prompt's width and the new tokens are each rounded up to a power of two (wrapper.Generation)
+            # prompt's width and the new tokens are each rounded up to a power of two (runner.generate.Generation)
             half = 1 << (args.max_seq_len.bit_length() - 2)
             full = np.tile(np.resize(ids[0], half), (args.max_batch_size, 1))
             t0 = time.perf_counter()

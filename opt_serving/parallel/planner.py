@@ -375,7 +375,7 @@ def search(cfg: OPTConfig, cluster: Cluster, *, model: str = "", batch_size: int
     `use`: what the stages' caches are for. "serve": `batch_size` decode slots of `max_seq_len` and the prefix
     cache's pool, prompts prefilled `prefill_batch` at a time. "generate": get_model's generate() calls of up to
     `batch_size` rows of up to `max_seq_len` (the prompt's width and the new tokens, each rounded up to a power of
-    two: wrapper.Generation), each micro-batch's prompts prefilled together; no pool.
+    two: runner.generate.Generation), each micro-batch's prompts prefilled together; no pool.
     """
     max_seq_len, objective = _check_search_args(cfg, cluster, model, batch_size, max_seq_len,
                                                 dtype, headroom, objective, weights, use)
