@@ -22,8 +22,14 @@ the model passes through the driver or the object store.
 """
 from __future__ import annotations
 
+import gc
+import logging
 import os
+import resource
+import socket
+import sys
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -32,6 +38,9 @@ from opt_serving import jax_env
 from opt_serving.config import OPTConfig
 from opt_serving.parallel.handoff import FIRE_AND_FORGET
 from opt_serving.runner.types import STAGE_CALLS, StageDied
+
+# JAX, the model and Ray are imported in the functions that use them: a stage actor sets its devices (XLA_FLAGS,
+# jax_env) before JAX loads in its process, and a machine without Ray (benchmark/gpu_check.py's) imports this module
 
 STAGE_NAME_PREFIX = "opt-serving-stage-"
 
@@ -110,7 +119,6 @@ def stage_param_names(cfg: OPTConfig, spec) -> set[str]:
 
 
 def _node_name() -> str:
-    import socket
     import ray
     if not ray.is_initialized():  # get_runtime_context() would start a Ray of its own
         return socket.gethostname()
@@ -125,7 +133,6 @@ class StageActor:
 
     def __init__(self, cfg, spec, source, dtype, tp, rows, groups, max_seq_len, name="", quantize=None,
                  prefix_blocks=0):
-        import time
 
         import jax
 
@@ -157,19 +164,16 @@ class StageActor:
         return {"stage": self.name, "pid": os.getpid(), **process_memory(), "loaded": self._loaded}
 
     def reset_stats(self) -> None:
-        import time
         self._since, self._busy, self._calls = time.perf_counter(), 0.0, 0
 
     def stats(self) -> dict:
         """Seconds spent in prefill and decode calls since reset_stats, against the wall clock: the
         stage's busy fraction (1 - its share of the pipeline bubble)."""
-        import time
         wall = time.perf_counter() - self._since
         return {"stage": self.name, "busy_s": self._busy, "wall_s": wall, "calls": self._calls,
                 "busy_fraction": self._busy / wall if wall else 0.0}
 
     def _timed(self, fn, *args):
-        import time
         t0 = time.perf_counter()
         out = _host(fn(*args))  # synchronous: the result is on the host when the call ends
         self._busy += time.perf_counter() - t0
@@ -219,8 +223,6 @@ def process_memory() -> dict:
                 if key in fields:
                     out[fields[key]] = int(value.split()[0]) * 1024
     except OSError:  # not Linux: the peak from getrusage (kilobytes on Linux, bytes on macOS)
-        import resource
-        import sys
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         out["peak_rss"] = peak if sys.platform == "darwin" else peak * 1024
     return out
@@ -315,7 +317,6 @@ class RayStages:
 
     def _start_handoff(self, handoff: str, gpus: bool) -> tuple[str, str]:
         """Compile the stages' graph where `handoff` asks for it (choose_handoff) -> (the hand-off used, why)."""
-        import logging
         log = logging.getLogger(__name__)
         choice, why = choose_handoff(handoff, len({w["node"] for w in self.where()}), gpus)
         if choice == "cgraph":
@@ -453,8 +454,6 @@ def _wait_or_make_room(pg, timeout_s: float) -> None:
     while `m` still holds the old one: when the cluster has no room, a dropped pipeline still awaiting
     collection is collected, then the older pipelines this process placed are closed, oldest first (using
     one afterwards raises StageDied saying so), before waiting the full timeout."""
-    import gc
-    import logging
     import ray
     try:
         return ray.get(pg.ready(), timeout=5)
@@ -499,7 +498,6 @@ class _Echo:
 def measure_handoff_latency(repeat: int = 30, nbytes: int = 4096) -> float:
     """Seconds one stage-to-stage hand-off costs through Ray (actor call + object ref), for
     calibrating the cost model's `handoff_latency_s`. Needs ray.init() first."""
-    import time
     import ray
     a, b = ray.remote(num_cpus=0)(_Echo).remote(), ray.remote(num_cpus=0)(_Echo).remote()
     x = np.zeros(nbytes // 4, np.float32)
