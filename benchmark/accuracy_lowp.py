@@ -60,6 +60,7 @@ def main(argv=None) -> dict:
     from opt_serving.config import get_config
     from opt_serving.model import param_tree, quantize
     from opt_serving.model.wrapper import OPTModel
+    from opt_serving.runner.generate import Generation
     from opt_serving.text.tokenizer import load_tokenizer
 
     cfg = get_config(args.model)
@@ -67,10 +68,10 @@ def main(argv=None) -> dict:
     ids = np.asarray(tok((ROOT / "README.md").read_text())["input_ids"][: args.tokens], np.int32)
     p32 = param_tree.init_params(cfg, args.seed, std=args.std)
     p32["embed_tokens"]["embedding"] = p32["embed_tokens"]["embedding"] * (args.embed_std / args.std)
-    models = {"float32": OPTModel(cfg, p32)}
+    models = {"float32": Generation.of(OPTModel(cfg, p32))}
     for fmt in args.formats.split(","):
-        models[fmt] = (OPTModel(cfg, quantize.quantize_params(p32), weights="int8") if fmt == "int8"
-                       else OPTModel(cfg, p32, weights=fmt))
+        models[fmt] = Generation.of(OPTModel(cfg, quantize.quantize_params(p32), weights="int8") if fmt == "int8"
+                                    else OPTModel(cfg, p32, weights=fmt))
     rng = np.random.default_rng(args.seed)
     starts = rng.integers(0, len(ids) - args.prompt_len, args.prompts)
     prompts = np.stack([ids[s:s + args.prompt_len] for s in starts])

@@ -178,6 +178,7 @@ def section_tiny(run: Run) -> None:
     import torch
     from opt_serving.config import OPT_CONFIGS
     from opt_serving.model import wrapper
+    from opt_serving.runner.generate import Generation
     from opt_serving.runner.load import local_slots
     from opt_serving.engine.scheduler import Engine, SlotSettings
     dev = torch_device()
@@ -186,7 +187,7 @@ def section_tiny(run: Run) -> None:
     rng = np.random.default_rng(0)
     for name, cfg in shapes.items():
         hf = hf_model(cfg, 0, torch.float32, dev, peaked=8.0)
-        ours = wrapper.OPTModel(cfg, params_from_torch(cfg, hf, "float32"))
+        ours = Generation.of(wrapper.OPTModel(cfg, params_from_torch(cfg, hf, "float32")))
         ids = rng.integers(4, cfg.vocab_size, (3, 12)).astype(np.int32)
         mask = np.ones_like(ids)
         mask[1, :3] = mask[2, :7] = 0  # left-padded prompts of three lengths
@@ -266,6 +267,7 @@ def section_model(run: Run) -> None:
     import torch
     from opt_serving.config import get_config
     from opt_serving.model import wrapper
+    from opt_serving.runner.generate import Generation
     a = run.args
     size, dtype = a.size, a.dtype
     cfg = get_config(size)
@@ -297,7 +299,7 @@ def section_model(run: Run) -> None:
     theirs = torch_logits()
 
     t0 = time.perf_counter()
-    ours = wrapper.OPTModel(cfg, params_from_torch(cfg, hf, dtype))
+    ours = Generation.of(wrapper.OPTModel(cfg, params_from_torch(cfg, hf, dtype)))
     jax.block_until_ready(ours.fused_params)
     run.write(**base, check="jax_load_s", value=round(time.perf_counter() - t0, 2),
               param_bytes=tree_bytes(ours.fused_params), memory=jax_memory())
