@@ -38,8 +38,7 @@ class GenerateOutput:
 
 
 def prepare_inputs(cfg: OPTConfig, input_ids, attention_mask, max_length, max_new_tokens):
-    """generate()'s inputs checked and as int32 numpy: (ids [B, S], mask [B, S], max_new_tokens, is_torch).
-    Shared by every backend's generate(), so they accept and refuse the same things."""
+    """generate()'s inputs checked and as int32 numpy: (ids [B, S], mask [B, S], max_new_tokens, is_torch)."""
     is_torch = type(input_ids).__module__.startswith("torch")
     ids = np.asarray(input_ids.cpu().numpy() if is_torch else input_ids, np.int32)
     if ids.ndim == 1:
