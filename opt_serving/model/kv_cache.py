@@ -65,6 +65,15 @@ def bucket_length(n: int, limit: int, min_bucket: int = MIN_BUCKET) -> int:
     return min(b, limit)
 
 
+def windows(limit: int, smallest: int = MIN_BUCKET) -> list[int]:
+    """The sizes a cache grows through, a window at a time: `smallest` (a power of two), doubling, then `limit`.
+    A decode step's cost is reading its cache, so a short sequence should not read a cache sized for the longest."""
+    out = [min(smallest, limit)]
+    while out[-1] < limit:
+        out.append(min(out[-1] * 2, limit))
+    return out
+
+
 def _insert(decode_cache: dict, prefill_cache: dict, slot) -> dict:
     p_len = cache_max_len(prefill_cache)
     d_len = cache_max_len(decode_cache)

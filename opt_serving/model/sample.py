@@ -38,14 +38,9 @@ def pick_tokens(logits, state, st, unfinished, pad, argmax=sampling.argmax):
 
 
 def decode_windows(prompt_len: int, total: int) -> list[int]:
-    """The cache sizes a generation of `total` positions runs through: powers of two from the
-    first that holds the prompt, then `total`. A decode step's cost is reading its cache, so
-    rows 20 tokens long should not read a cache sized for 72."""
-    first = kv_cache.bucket_length(prompt_len + 1, total)
-    windows = [first]
-    while windows[-1] < total:
-        windows.append(min(windows[-1] * 2, total))
-    return windows
+    """The cache sizes a generation of `total` positions runs through (kv_cache.windows): powers of two from the
+    first that holds the prompt and its first new token, then `total`."""
+    return kv_cache.windows(total, kv_cache.bucket_length(prompt_len + 1, total))
 
 
 @partial(jax.jit, static_argnums=(0, 6, 7, 8, 9))

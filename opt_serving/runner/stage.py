@@ -57,10 +57,9 @@ KERNEL_MIN_WINDOW = 256
 
 
 def cache_windows(max_seq_len: int, smallest: int = kv_cache.MIN_BUCKET) -> list[int]:
-    """The cache sizes a group's cache steps through: powers of two from `smallest` (16), then max_seq_len."""
-    L = max_seq_len
-    return sorted({kv_cache.bucket_length(n, L, smallest) for n in [1] + [2 ** i for i in range(4, 16)] + [L]
-                   if n <= L})
+    """The cache sizes a group's cache steps through (kv_cache.windows): powers of two from `smallest` (16), then
+    max_seq_len."""
+    return kv_cache.windows(max_seq_len, smallest)
 
 
 @functools.lru_cache(maxsize=None)  # read for every prompt admitted (prefill_bucket)
