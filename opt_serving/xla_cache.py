@@ -8,6 +8,11 @@ program, JAX, XLA flags and device kind (the cache key), so a hit runs what a co
 
 OPT_SERVING_COMPILE_CACHE: the folder (default: $XDG_CACHE_HOME/opt_serving/xla, else
 ~/.cache/opt_serving/xla); "0" (or "off") turns the cache off. A user's own jax_compilation_cache_dir wins.
+
+A pipeline stage's actor uses the cache only where OPT_SERVING_COMPILE_CACHE names it (`enable(default=False)`):
+a model is pipelined because memory is short, and a stage's programs loaded from the cache held several times the
+memory of the same programs compiled in the process (XLA:CPU's loaded executables; benchmark/README.md, "A model
+too big for one node"), for a warm-up a third shorter at OPT-1.3b.
 """
 from __future__ import annotations
 
@@ -28,10 +33,11 @@ def default_dir() -> Path:
     return Path(base) / "opt_serving" / "xla"
 
 
-def enable() -> Optional[Path]:
+def enable(default: bool = True) -> Optional[Path]:
     """Point JAX's persistent compilation cache at OPT_SERVING_COMPILE_CACHE's folder (see the module
     docstring) -> the folder in use, None where off. Call before the first compile; later, it resets JAX's
-    view of the cache so the next compile uses it."""
+    view of the cache so the next compile uses it. `default`: where OPT_SERVING_COMPILE_CACHE is not set, use
+    the default folder (True) or no cache (False: a pipeline stage's actor)."""
     import jax
     from jax._src import compilation_cache  # reset_cache: the cache is looked at once, at the first compile
 
@@ -39,7 +45,7 @@ def enable() -> Optional[Path]:
     if current:  # the user's (or an earlier call's): kept
         return Path(current)
     value = Settings.from_env().compile_cache
-    if value is None:
+    if value is None or (not default and not Settings.compile_cache_given()):
         return None
     folder = Path(value).expanduser() if value else default_dir()
     try:

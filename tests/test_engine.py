@@ -534,9 +534,10 @@ def test_warmup_compiled_every_shape(engine, model):
     stage = model.stages.stages[0]
     s = stage.sampler
     compiled = (stage._prefill, s._first, s._split_rows, s._choose, s._insert, s._free, s._choose_joining,
-                stage._insert_cache, stage._resize, stage._step, stage._step_joining, stage._free)
+                s._scores_block, stage._insert_cache, stage._resize, stage._step, stage._step_joining, stage._free)
     sizes = [f._cache_size() for f in compiled]
-    jobs = [([2] + [7] * (n - 1), SlotSettings(max_tokens=MAX_SEQ - n, temperature=0.5, top_p=0.9, seed=n))
+    jobs = [([2] + [7] * (n - 1), SlotSettings(max_tokens=MAX_SEQ - n, temperature=0.5, top_p=0.9, seed=n,
+                                               prompt_logprobs=n in (17, 3)))
             for n in (1, 15, 16, 17, 31, 3, 9)]
     run_all(engine, jobs)
     assert [f._cache_size() for f in compiled] == sizes
@@ -793,7 +794,7 @@ def test_warmup_compiles_the_chunked_prefill(model):
     e = Engine(model, start=False, prefill_chunk=8)
     e.warmup()
     compiled = (stage._prefill, stage._chunk, s._first, s._chunked_first, s._split_rows, s._choose, s._insert,
-                s._free, stage._insert_cache, stage._resize, stage._step, stage._free)
+                s._free, s._scores_block, stage._insert_cache, stage._resize, stage._step, stage._free)
     sizes = [f._cache_size() for f in compiled]
     e.start()
     try:

@@ -16,7 +16,8 @@ CHILD = textwrap.dedent("""
             counts["hits"] += 1
     monitoring.register_event_listener(on)
     from opt_serving import xla_cache
-    folder = xla_cache.enable()
+    import os
+    folder = xla_cache.enable(default=os.environ.get("CHILD_STAGE") != "1")
     for n in (3, 5, 7):
         jax.jit(lambda x: jnp.tanh(x) * n + jnp.arange(n, dtype=x.dtype).sum())(jnp.ones(n)).block_until_ready()
     print(json.dumps({"folder": None if folder is None else str(folder), **counts,
@@ -46,6 +47,17 @@ def test_the_cache_lives_under_the_users_cache_folder_unless_turned_off(tmp_path
     off = _start(OPT_SERVING_COMPILE_CACHE="0", XDG_CACHE_HOME=str(tmp_path / "other"))
     assert off["folder"] is None and off["dir"] in (None, "") and off["hits"] == 0
     assert not (tmp_path / "other").exists()
+
+
+def test_a_pipeline_stage_uses_the_cache_only_where_it_is_named(tmp_path):
+    """A stage actor (enable(default=False)) compiles its steps unless OPT_SERVING_COMPILE_CACHE names a cache:
+    loaded from the cache, a stage's programs held more memory (xla_cache.py)."""
+    unnamed = _start(OPT_SERVING_COMPILE_CACHE=None, XDG_CACHE_HOME=str(tmp_path / "home"), CHILD_STAGE="1")
+    assert unnamed["folder"] is None and unnamed["dir"] in (None, "")
+    assert not (tmp_path / "home").exists()
+    folder = tmp_path / "named"
+    named = [_start(OPT_SERVING_COMPILE_CACHE=str(folder), CHILD_STAGE="1") for _ in range(2)]
+    assert named[0]["folder"] == named[1]["dir"] == str(folder) and named[1]["hits"] >= 3
 
 
 def test_a_corrupt_cache_entry_is_compiled_again(tmp_path):

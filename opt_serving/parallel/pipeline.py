@@ -137,7 +137,9 @@ class StageActor:
         import jax
 
         from opt_serving import xla_cache
-        xla_cache.enable()  # a restarted stage loads its steps instead of compiling them
+        # a stage compiles its steps unless OPT_SERVING_COMPILE_CACHE names a cache: loaded from one they hold more
+        # memory, which a pipeline is short of (xla_cache.py)
+        xla_cache.enable(default=False)
         self.name = name
         from opt_serving.runner.stage import StageSlots
         mesh = None

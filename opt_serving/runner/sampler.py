@@ -22,6 +22,11 @@ from opt_serving.runner.types import (MAX_BAD_WORD_LEN, MAX_BAD_WORDS, MAX_LOGIT
 from opt_serving.model import opt
 
 
+# positions a prompt-score call computes (Sampler.prompt_scores): its logits [P, V] float32 are 26 MB at OPT's
+# vocabulary; the head's weights are read once a block, a few percent of its products at P = 128
+SCORE_BLOCK = 128
+
+
 def settings_rows(rows: Sequence[SlotSettings], batch: int) -> sampling.Settings:
     """`sampling.Settings` of `batch` rows: these requests' settings, then defaults."""
     rows = list(rows) + [SlotSettings()] * (batch - len(rows))
@@ -122,24 +127,13 @@ class Sampler:
         self.grammar = Matchers(groups, V)  # structured output's matchers
         self._no_masks: dict[int, tuple] = {}  # rows -> no_masks(rows), on the device once
 
-        def first(params, h, ids, mask, lengths, want_prompt, state_rows):
+        def first(h, ids, mask, lengths, state_rows):
             """k right-padded prompts' final hidden states h [k, n, D] -> their sampling state padded to
-            `state_rows` rows, the last positions' hidden states [state_rows, D], and the prompt scores of
-            rows that `want_prompt` (zeros otherwise): each next token's logprob and rank (vLLM's: 1 + the
-            tokens above it), the top alternatives."""
+            `state_rows` rows and the last positions' hidden states [state_rows, D] (their prompt scores, when
+            asked, are `prompt_scores`')."""
             k, n = ids.shape
             last = jnp.zeros((state_rows, h.shape[-1]), h.dtype).at[:k].set(h[jnp.arange(k), lengths - 1])
-
-            def prompt_scores():  # position i predicts token i+1; the full logits only when asked
-                plp, ptop, ptop_lp = raw_scores(opt.lm_logits(params, h, backend))  # [k, n, V], [k, n, K] x 2
-                lp = jnp.take_along_axis(plp, jnp.roll(ids, -1, axis=1)[..., None], axis=-1)[..., 0]  # [k, n]
-                return lp, jnp.sum(plp >= lp[..., None], axis=-1, dtype=jnp.int32), ptop, ptop_lp
-
-            none = lambda: (jnp.zeros((k, n), jnp.float32), jnp.zeros((k, n), jnp.int32),  # noqa: E731
-                            jnp.zeros((k, n, MAX_TOP_LOGPROBS), jnp.int32),
-                            jnp.zeros((k, n, MAX_TOP_LOGPROBS), jnp.float32))
-            return (prompt_state(ids, mask, lengths, state_rows, L, V), last,
-                    jax.lax.cond(jnp.any(want_prompt), prompt_scores, none))
+            return prompt_state(ids, mask, lengths, state_rows, L, V), last
 
         def choose(params, h, state, settings, active, want_scores, want_top, allowed=None):
             """One token per row from the final hidden states h [B, D], scored when `want_scores`, appended
@@ -180,17 +174,17 @@ class Sampler:
             state, out = choose(params, h, state, settings, active, want_scores, want_top, allowed)
             return state, settings, active, out
 
-        def chunk_scores(params, h, next_ids):
-            """A chunk's prompt scores, as `first` makes a whole prompt's: h [1, C, D] its final hidden states,
-            next_ids [1, C] the token after each position -> that token's logprob and rank [1, C], the top
-            alternatives (ids, logprobs [1, C, K])."""
-            plp, ptop, ptop_lp = raw_scores(opt.lm_logits(params, h, backend))
-            lp = jnp.take_along_axis(plp, next_ids[..., None], axis=-1)[..., 0]
-            return lp, jnp.sum(plp >= lp[..., None], axis=-1, dtype=jnp.int32), ptop, ptop_lp
+        def scores_block(params, h, next_ids):
+            """SCORE_BLOCK positions' prompt scores: h [P, D] their final hidden states, next_ids [P] the token
+            after each -> that token's logprob and rank (vLLM's: 1 + the tokens above it) [P], the top
+            alternatives (ids, logprobs [P, K])."""
+            plp, ptop, ptop_lp = raw_scores(opt.lm_logits(params, h, backend))  # [P, V], [P, K] x 2
+            lp = jnp.take_along_axis(plp, next_ids[:, None], axis=-1)[:, 0]
+            return lp, jnp.sum(plp >= lp[:, None], axis=-1, dtype=jnp.int32), ptop, ptop_lp
 
         self.choose_rows = choose  # traced inside the stage's decode steps taken in one call (StageSlots)
-        self._chunk_scores = jax.jit(chunk_scores)
-        self._first = jax.jit(first, static_argnums=(6,))
+        self._scores_block = jax.jit(scores_block)
+        self._first = jax.jit(first, static_argnums=(4,))
         self._choose_joining = jax.jit(choose_joining, donate_argnums=(2, 3, 4))
         self._chunked_first = jax.jit(functools.partial(chunked_first, history_len=L, vocab=V))
         self._choose = jax.jit(choose, donate_argnums=(2,))
@@ -202,10 +196,13 @@ class Sampler:
                 settings: Sequence[SlotSettings], state_rows: int):
         """Choose the first token of each prompt in a prefill pass and keep its sampling row under its
         handle -> (tokens, logprobs, top ids, top logprobs) [k], and prompt scores (or None)."""
-        k = len(settings)
-        want_prompt = np.array([s.prompt_logprobs for s in settings] + [False] * (ids.shape[0] - k))
-        state, last, scores = self._first(params, h, ids, mask, lengths, want_prompt, state_rows)
-        prompt = tuple(np.asarray(a) for a in scores) if want_prompt.any() else None
+        state, last = self._first(h, ids, mask, lengths, state_rows)
+        wanted = np.flatnonzero([s.prompt_logprobs for s in settings])
+        prompt = None
+        if len(wanted):  # position i scores token i + 1 (the last position's is not used)
+            next_ids = np.roll(np.asarray(ids), -1, axis=1)
+            prompt = self.prompt_scores(params, np.asarray(h)[wanted], next_ids[wanted], rows=wanted,
+                                        batch=ids.shape[0])
         return self._first_tokens(params, handles, state, last, settings, state_rows), prompt
 
     def prefill_chunked(self, params, handle: int, h, at: int, ids, mask, lengths, settings: SlotSettings):
@@ -218,7 +215,32 @@ class Sampler:
     def chunk_scores(self, params, h, next_ids):
         """The prompt scores of a chunk's positions (h [1, C, D]; next_ids [1, C]: each position's next token)
         -> logprobs [C], ranks [C], top ids [C, K], top logprobs [C, K], as numpy."""
-        return tuple(np.asarray(a)[0] for a in self._chunk_scores(params, h, next_ids))
+        return tuple(a[0] for a in self.prompt_scores(params, np.asarray(h), np.asarray(next_ids)))
+
+    def prompt_scores(self, params, h, next_ids, rows=None, batch: Optional[int] = None):
+        """Prompt scores of k rows of positions (h [k, n, D] numpy, next_ids [k, n]: the token after each) ->
+        each next token's logprob and rank [k, n], the top alternatives (ids, logprobs [k, n, K]), as numpy;
+        with `rows`, the k rows are those rows of `batch` (the others' scores zeros). SCORE_BLOCK positions a
+        call, through one compiled program whatever the prompt's width: a whole pass's logits ([k, n, V]
+        float32: 100 MB at 512 positions of OPT's vocabulary, and as much again for their log-softmax) are
+        never made, and no width compiles a head of its own."""
+        k, n, d = h.shape
+        flat, ids = h.reshape(k * n, d), np.asarray(next_ids, np.int32).reshape(k * n)
+        blocks = []
+        for i in range(0, k * n, SCORE_BLOCK):
+            hb = np.zeros((SCORE_BLOCK, d), flat.dtype)
+            ib = np.zeros(SCORE_BLOCK, np.int32)
+            m = min(SCORE_BLOCK, k * n - i)
+            hb[:m], ib[:m] = flat[i:i + m], ids[i:i + m]
+            blocks.append(self._scores_block(params, hb, ib))  # dispatched; read together below
+        parts = [np.concatenate([np.asarray(b[j]) for b in blocks])[:k * n] for j in range(4)]
+        out = tuple(a.reshape((k, n) + a.shape[1:]) for a in parts)
+        if rows is None:
+            return out
+        full = tuple(np.zeros((batch,) + a.shape[1:], a.dtype) for a in out)
+        for f, a in zip(full, out):
+            f[rows] = a
+        return full
 
     def _first_tokens(self, params, handles, state, last, settings: Sequence[SlotSettings], state_rows: int):
         """Choose the first tokens from the prompts' last hidden states and keep each sampling row (and each

@@ -488,6 +488,9 @@ class Slots(SlotModel):
             self.free(0)
         for prefix in prefixes:
             self.discard(prefix)
+        # prompt scores (echo with logprobs) go a block of positions at a time through one program, whatever the
+        # width (Sampler.prompt_scores): one scored prompt compiles it
+        self.discard(self._warm_prefill(self.buckets[0] - 1, scored=True))
         if prefill_chunk or self.prefix is not None:
             self._warm_jobs(self.hit_chunk)
         if self.prefix is not None:
@@ -495,11 +498,11 @@ class Slots(SlotModel):
         self._to_all("end_warmup")
         self.stages.get(self.stages.call(0, "ready"))
 
-    def _warm_prefill(self, n: int) -> Prefix:
-        """A prompt of n tokens prefilled whole, as a prefix-cache miss."""
+    def _warm_prefill(self, n: int, scored: bool = False) -> Prefix:
+        """A prompt of n tokens prefilled whole, as a prefix-cache miss (`scored`: with its prompt scores)."""
         if self.prefix is not None:
             self.prefix.clear()
-        return self.prefill([self.cfg.bos_token_id] * n, SlotSettings())
+        return self.prefill([self.cfg.bos_token_id] * n, SlotSettings(prompt_logprobs=scored))
 
     def _warm_jobs(self, chunk: int) -> None:
         """Compile what prompts prefilled in chunks of `chunk` run, and those after a cached prefix: into the
