@@ -541,6 +541,8 @@ def test_warmup_compiled_every_shape(engine, model):
             for n in (1, 15, 16, 17, 31, 3, 9)]
     run_all(engine, jobs)
     assert [f._cache_size() for f in compiled] == sizes
+    # the sampler's side of a joining step and the prompt scores: one program whatever the block or the width
+    assert len(model.join_blocks) > 1 and s._choose_joining._cache_size() == s._scores_block._cache_size() == 1
 
 
 def test_queue_full_too_long_and_close(model):

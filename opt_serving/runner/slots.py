@@ -340,7 +340,9 @@ class Slots(SlotModel):
         at_rows, entries = np.full(t, rows, np.int32), np.zeros(t, np.int32)
         seg = np.full(t, JOIN_PROMPTS, np.int32)
         last, last_rows = np.zeros(JOIN_PROMPTS, np.int32), np.full(JOIN_PROMPTS, rows, np.int32)
-        prompts, mask = np.zeros((JOIN_PROMPTS, t), np.int32), np.zeros((JOIN_PROMPTS, t), np.int32)
+        # the sampler's view is as wide as the longest prompt that joins, whatever the block: one program for all
+        w = self.join_prompt_tokens
+        prompts, mask = np.zeros((JOIN_PROMPTS, w), np.int32), np.zeros((JOIN_PROMPTS, w), np.int32)
         lengths = np.zeros(JOIN_PROMPTS, np.int32)
         at = 0
         for j, (slot, tokens, _) in enumerate(joins):
@@ -456,8 +458,11 @@ class Slots(SlotModel):
         if prefill_chunk:
             self.hit_chunk = prefill_chunk
         self._to_all("begin_warmup")
-        # b - 1 prompt tokens fill prefill bucket b; each a prefix-cache miss, so its blocks are stored
-        prefixes = [self._warm_prefill(b - 1) for b in self.buckets]
+        # b - 1 prompt tokens fill prefill bucket b; each a prefix-cache miss, so its blocks are stored. Each is let
+        # go at once: a stage holding every width's prefilled cache for the inserts below held a third of its KV
+        # cache more at its peak (OPT-1.3b, 8 slots x 256); the inserts prefill a prompt of each cache size again
+        for b in self.buckets:
+            self.discard(self._warm_prefill(b - 1))
         stored = [b for b in self.buckets if b > BLOCK_SIZE]
         if self.prefix is not None and stored:  # the first store again, into the pool as the stores leave it
             self.discard(self._warm_prefill(stored[0] - 1))
@@ -466,10 +471,13 @@ class Slots(SlotModel):
         # smaller one would only run its steps again in the stages' smallest
         windows = sorted(set().union(*self.stages.get([self.stages.call(i, "cache_windows")
                                                        for i in range(self.stages.n)])))
+        widths: dict[int, int] = {}  # every cache size a prefill makes -> the smallest prefill width making it
+        for b in self.buckets:
+            widths.setdefault(cache_bucket(b, self.max_seq_len), b)
         for w in windows:  # growing: each window's inserts, then its step
-            fits = [prefix for b, prefix in zip(self.buckets, prefixes) if cache_bucket(b, self.max_seq_len) <= w]
-            for prefix in fits[-1:] + fits:  # the largest first grows the cache to w: then each goes into w
-                self.insert(prefix, 0, keep=True)
+            fits = [b for c, b in sorted(widths.items()) if c <= w]
+            for b in fits[-1:] + fits:  # the largest first grows the cache to w: then each goes into w
+                self.insert(self._warm_prefill(b - 1), 0)
             self._lengths[0] = w  # the step reads the whole window
             self.step()
             if decode_steps > 1:  # the steps fill the window
@@ -486,8 +494,6 @@ class Slots(SlotModel):
                 for slot in some:
                     self.free(slot)
             self.free(0)
-        for prefix in prefixes:
-            self.discard(prefix)
         # prompt scores (echo with logprobs) go a block of positions at a time through one program, whatever the
         # width (Sampler.prompt_scores): one scored prompt compiles it
         self.discard(self._warm_prefill(self.buckets[0] - 1, scored=True))

@@ -117,8 +117,8 @@ class JoinBlock:
     seg: np.ndarray          # int32 [T] its prompt (padding: J)
     last: np.ndarray         # int32 [J] each prompt's last token in the block (0 for no prompt)
     last_rows: np.ndarray    # int32 [J] each prompt's row (the group's rows for no prompt)
-    prompts: np.ndarray      # int32 [J, T] each prompt, right-padded (pads 0)
-    mask: np.ndarray         # int32 [J, T] its real tokens
+    prompts: np.ndarray      # int32 [J, W] each prompt, right-padded (pads 0) to W, the longest that may join
+    mask: np.ndarray         # int32 [J, W] its real tokens
     lengths: np.ndarray      # int32 [J]
     settings: tuple          # the prompts' SlotSettings
 
