@@ -458,11 +458,20 @@ class Slots(SlotModel):
         if prefill_chunk:
             self.hit_chunk = prefill_chunk
         self._to_all("begin_warmup")
-        # b - 1 prompt tokens fill prefill bucket b; each a prefix-cache miss, so its blocks are stored. Each is let
-        # go at once: a stage holding every width's prefilled cache for the inserts below held a third of its KV
-        # cache more at its peak (OPT-1.3b, 8 slots x 256); the inserts prefill a prompt of each cache size again
+        # b - 1 prompt tokens fill prefill bucket b; each a prefix-cache miss, so its blocks are stored. The inserts
+        # below need a prefilled prompt of every cache size: one stage keeps the first of each size (no prefill
+        # again); a pipeline's stages, whose memory is short, let each go at once and prefill one again for its
+        # inserts (holding them all was a third of a stage's KV cache more at its peak, OPT-1.3b at 8 x 256)
+        hold = self.stages.n == 1
+        widths: dict[int, int] = {}  # every cache size a prefill makes -> the smallest prefill width making it
+        held: dict[int, Prefix] = {}
         for b in self.buckets:
-            self.discard(self._warm_prefill(b - 1))
+            c, prefix = cache_bucket(b, self.max_seq_len), self._warm_prefill(b - 1)
+            widths.setdefault(c, b)
+            if hold and c not in held:
+                held[c] = prefix
+            else:
+                self.discard(prefix)
         stored = [b for b in self.buckets if b > BLOCK_SIZE]
         if self.prefix is not None and stored:  # the first store again, into the pool as the stores leave it
             self.discard(self._warm_prefill(stored[0] - 1))
@@ -471,13 +480,13 @@ class Slots(SlotModel):
         # smaller one would only run its steps again in the stages' smallest
         windows = sorted(set().union(*self.stages.get([self.stages.call(i, "cache_windows")
                                                        for i in range(self.stages.n)])))
-        widths: dict[int, int] = {}  # every cache size a prefill makes -> the smallest prefill width making it
-        for b in self.buckets:
-            widths.setdefault(cache_bucket(b, self.max_seq_len), b)
         for w in windows:  # growing: each window's inserts, then its step
-            fits = [b for c, b in sorted(widths.items()) if c <= w]
-            for b in fits[-1:] + fits:  # the largest first grows the cache to w: then each goes into w
-                self.insert(self._warm_prefill(b - 1), 0)
+            fits = [c for c in sorted(widths) if c <= w]
+            for c in fits[-1:] + fits:  # the largest first grows the cache to w: then each goes into w
+                if hold:
+                    self.insert(held[c], 0, keep=True)
+                else:
+                    self.insert(self._warm_prefill(widths[c] - 1), 0)
             self._lengths[0] = w  # the step reads the whole window
             self.step()
             if decode_steps > 1:  # the steps fill the window
@@ -494,6 +503,8 @@ class Slots(SlotModel):
                 for slot in some:
                     self.free(slot)
             self.free(0)
+        for prefix in held.values():
+            self.discard(prefix)
         # prompt scores (echo with logprobs) go a block of positions at a time through one program, whatever the
         # width (Sampler.prompt_scores): one scored prompt compiles it
         self.discard(self._warm_prefill(self.buckets[0] - 1, scored=True))
