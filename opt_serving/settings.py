@@ -61,11 +61,6 @@ class Settings:
     pin_threads: bool = True
     avx512: bool = True
 
-    @staticmethod
-    def compile_cache_given(env: Mapping[str, str] = os.environ) -> bool:
-        """Does OPT_SERVING_COMPILE_CACHE say where (or whether) to keep compiled steps?"""
-        return bool(env.get(PREFIX + "COMPILE_CACHE", "").strip())
-
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> "Settings":
         threads = env.get(PREFIX + "CPU_THREADS")

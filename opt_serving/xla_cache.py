@@ -45,7 +45,7 @@ def enable(default: bool = True) -> Optional[Path]:
     if current:  # the user's (or an earlier call's): kept
         return Path(current)
     value = Settings.from_env().compile_cache
-    if value is None or (not default and not Settings.compile_cache_given()):
+    if value is None or (value == "" and not default):  # off, or not named where the default is no cache
         return None
     folder = Path(value).expanduser() if value else default_dir()
     try:
