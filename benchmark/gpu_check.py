@@ -180,7 +180,7 @@ def section_tiny(run: Run) -> None:
     from opt_serving.model import wrapper
     from opt_serving.runner.generate import Generation
     from opt_serving.runner.load import local_slots
-    from opt_serving.engine.scheduler import Engine, SlotSettings
+    from opt_serving.engine.scheduler import Engine
     dev = torch_device()
     tiny = OPT_CONFIGS["tiny"]
     shapes = {"tiny": tiny, "tiny-post-ln": tiny.replace(word_embed_proj_dim=64, do_layer_norm_before=False)}
@@ -357,11 +357,16 @@ def section_model(run: Run) -> None:
                     break
                 run.check(10, f"engine batch {b} warm-up")
             warm_s = time.perf_counter() - t0
+            before = engine.stats()
             rates = [engine_rate(engine, b, p, n, cfg.vocab_size, rng) for _ in range(a.engine_reps)]
+            after = engine.stats()
+            # how the timed runs were stepped: steps a call, prefill passes, and a decode step's wall time
+            # (the engine's moving average) beside generate()'s, to tell the host's share from the device's
+            counts = {k: getattr(after, k) - getattr(before, k) for k in ("steps", "step_calls", "prefills", "joined")}
             run.write(**base, check="engine_tokens_per_s", batch=b, value=round(max(rates), 1),
                       runs=[round(r, 1) for r in rates], compiles_in_timed=compiles.take()[0],
                       warm_runs_s=round(warm_s, 1), warm_compiles=warm_compiles, prompt_len=p, new_tokens=n,
-                      slots=max(batches))
+                      slots=max(batches), step_ms=round(engine._step_s * 1e3, 2), **counts)
         stage = slots.stages.stages[0]
         full = jax.eval_shape(lambda: stage._new_cache(max(batches), stage.windows[-1]))  # the largest window's
         run.write(**base, check="memory", engine_cache_bytes=tree_bytes(full), param_bytes=tree_bytes(ours.fused_params),

@@ -469,6 +469,37 @@ def test_a_burst_of_short_prompts_joins_one_step_in_a_large_block_and_matches_hf
         assert (c.ids, c.finish) == (hf_greedy(hf, p, 5), "length")
 
 
+def test_on_a_gpu_sixteen_full_prompts_join_one_step_in_a_block_longer_than_the_context(monkeypatch):
+    """Where the stages run on a GPU (a step there is bound by its launches, not its products), the blocks go
+    on to 512 tokens: 16 prompts of the longest that joins (32) start in one step, in a block longer than the
+    whole context (64), and the two past that count join the next. Every one continues as HF's greedy."""
+    from opt_serving.runner.stage import StageSlots
+    monkeypatch.setattr(StageSlots, "platform", lambda self: "gpu")
+    torch.manual_seed(2)
+    hf = transformers.OPTForCausalLM(transformers.OPTConfig(**{**LONG_CFG.to_hf_dict(), "init_std": 0.3})).eval()
+    model = OPTSlots(LONG_CFG, weights.params_from_hf_state_dict(LONG_CFG, hf.state_dict()), num_slots=20,
+                     max_seq_len=64)
+    assert model.join_blocks == (8, 16, 32, 64, 128, 256, 512) and model.join_prompt_tokens == 32
+    model.warmup()
+    passes, blocks, real_block = CountPasses(model, monkeypatch), [], model._block
+    monkeypatch.setattr(model, "_block", lambda joins: (blocks.append((len(joins), len(real_block(joins).ids))),
+                                                        real_block(joins))[1])
+    rng = np.random.default_rng(5)
+    prompts = [[2] + rng.integers(4, LONG_CFG.vocab_size, 31).tolist() for _ in range(18)]
+    cols = run_queued(model, [(p, SlotSettings(max_tokens=4)) for p in prompts])
+    assert blocks == [(16, 512), (2, 64)]
+    assert passes.sizes == []
+    for p, c in zip(prompts, cols):
+        assert (c.ids, c.finish) == (hf_greedy(hf, p, 4), "length")
+
+
+def test_on_a_cpu_the_blocks_stop_at_128_tokens_and_below_the_context(model8):
+    """The same slot model on this CPU keeps the blocks a CPU's products want (JOIN_BLOCKS), each shorter
+    than the context: a cache of 32 takes blocks of 8 and 16."""
+    assert model8.stages.stages[0].platform() == "cpu"
+    assert (MAX_SEQ, model8.join_blocks) == (32, (8, 16))
+
+
 def test_a_burst_of_requests_is_prefilled_together_and_matches_hf(model8, hf, monkeypatch):
     passes = CountPasses(model8, monkeypatch)
     blocks, real_block = [], model8._block

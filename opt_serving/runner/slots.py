@@ -12,8 +12,8 @@ engine hands those out, the other groups are in the stages. With one group it is
 step. A slot freed or refilled while its group is in flight gets no token from that flight.
 
 Joining (`join`): a short prompt takes a free slot in its group's next decode step. Its tokens ride in that
-step's products beside the decode rows (a `JoinBlock` of 8, 16 or 32 tokens, up to four prompts; its k/v go
-straight into the slot's cache row, opt.decode_joining_step), and the step chooses its first token as it chooses
+step's products beside the decode rows (a `JoinBlock` of 8 to 128 tokens, 512 on a GPU, up to 16 prompts; its
+k/v go straight into the slot's cache row, opt.decode_joining_step), and the step chooses its first token as it chooses
 the others'. A prefill pass of its own would read every weight again for a handful of tokens, about the cost
 of a decode step. Longer prompts, prompts whose scores are asked for, and those a full block leaves over are
 prefilled (`prefill_batch`) and inserted.
@@ -44,13 +44,24 @@ from opt_serving.runner.generate import Generation
 from opt_serving.runner.prefix import BLOCK_SIZE, PrefixCache
 from opt_serving.runner.stage import (LocalStages, Stages, cache_bucket, chunk_width, chunk_widths, job_size,
                                       job_sizes, prefill_bucket, prefill_buckets)
-from opt_serving.runner.types import (JOIN_BLOCKS, JOIN_PROMPT_TOKENS, JOIN_PROMPTS, MAX_TOP_LOGPROBS, SlotModel,
-                                      PREFILL_BATCH_TOKENS, JoinBlock, PartialPrefill, Prefix, SlotSettings,
+from opt_serving.runner.types import (ACCELERATOR_JOIN_BLOCKS, JOIN_BLOCKS, JOIN_PROMPT_TOKENS, JOIN_PROMPTS,
+                                      MAX_TOP_LOGPROBS, PREFILL_BATCH_TOKENS, SlotModel, JoinBlock, PartialPrefill, Prefix, SlotSettings,
                                       StepResult, TokenInfo)
 
 # the chunk a prompt's part past its cached prefix is computed in where the engine prefills it whole (the
 # engine's own prefill_chunk otherwise)
 HIT_CHUNK = 256
+
+
+def join_blocks(platform: str, max_seq_len: int, room: int) -> tuple[int, ...]:
+    """The block sizes a step's joining prompts go in, on stages on `platform` ("cpu", "gpu", ...), at most
+    `room` tokens (the prompts a step takes, each of the longest that joins): on a CPU JOIN_BLOCKS, each shorter
+    than the context; elsewhere ACCELERATOR_JOIN_BLOCKS."""
+    if platform == "cpu":
+        blocks = tuple(b for b in JOIN_BLOCKS if b < max_seq_len and b <= room)
+    else:
+        blocks = tuple(b for b in ACCELERATOR_JOIN_BLOCKS if b <= room)
+    return blocks or (min(max_seq_len - 1, room),)
 
 
 class Slots(SlotModel):
@@ -88,8 +99,7 @@ class Slots(SlotModel):
         # that prompts in the group's rows besides one can fill (warm-up fills each with them)
         self.join_prompt_tokens = min(JOIN_PROMPT_TOKENS, self.max_seq_len - 1)  # the longest prompt that joins
         room = max(1, min(JOIN_PROMPTS, num_slots // groups - 1)) * self.join_prompt_tokens
-        self.join_blocks = tuple(b for b in JOIN_BLOCKS if b < self.max_seq_len and b <= room) or (
-            min(self.max_seq_len - 1, room),)
+        self.join_blocks = join_blocks(stages.get(stages.call(stages.n - 1, "platform")), self.max_seq_len, room)
         self.join_tokens = self.join_blocks[-1]  # the most prompt tokens a step takes
         self._joins: list[list] = [[] for _ in range(groups)]  # per group: (slot, tokens, settings) for its next step
         self.prefix = PrefixCache(prefix_blocks) if prefix_blocks else None

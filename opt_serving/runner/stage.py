@@ -154,6 +154,7 @@ class StageSlots:
         # zeros are not, and jit compiles each apart
         devices = {d for leaf in jax.tree_util.tree_leaves(params) if hasattr(leaf, "sharding")
                    for d in leaf.sharding.device_set}
+        self._devices = devices
         self._device = next(iter(devices)) if len(devices) == 1 else None
         self._on_cpu = bool(devices) and all(d.platform == "cpu" for d in devices)
         self._warming = False  # from begin_warmup to end_warmup (_settles)
@@ -341,6 +342,10 @@ class StageSlots:
     def cache_windows(self) -> list[int]:
         """The cache sizes this stage's groups step through (warm-up compiles each)."""
         return list(self.windows)
+
+    def platform(self) -> str:
+        """Where this stage's weights lie: "cpu", "gpu", ... (the slot model sizes its joining blocks by it)."""
+        return "cpu" if self._on_cpu or not self._devices else next(iter(self._devices)).platform
 
     def _fit_cache(self, group: int, need: int, shrink: bool) -> None:
         """Resize a group's cache to the smallest window holding `need` entries, one window at a time (so

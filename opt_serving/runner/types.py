@@ -27,6 +27,11 @@ PREFILL_BATCH_TOKENS = 32
 # prefilled two a pass, a pass each ~10 ms with every stream waiting (benchmark/README.md). Not larger: the
 # block's attention is one dense [T, T] product per head, most of it masked.
 JOIN_BLOCKS, JOIN_PROMPTS, JOIN_PROMPT_TOKENS = (8, 16, 32, 64, 128), 16, 32
+# On a GPU a decode step of a model this size is bound by its kernels' launches, not its products: a block of
+# JOIN_PROMPTS full prompts costs hardly more than one of four, so a wave of prompts joins in a quarter of the
+# steps (benchmark/README.md, "One NVIDIA H200"); and a block may be longer than the context, each of its
+# prompts fitting one.
+ACCELERATOR_JOIN_BLOCKS = JOIN_BLOCKS + (256, JOIN_PROMPTS * JOIN_PROMPT_TOKENS)
 # bad words live in fixed-shape per-slot arrays so the decode step compiles once
 MAX_BAD_WORDS, MAX_BAD_WORD_LEN = 8, 8
 # and so do logit_bias entries (token id, bias), at most this many a request
@@ -158,7 +163,7 @@ class StageDied(Unavailable):
 # (parallel/pipeline.py) is generated from this table, so the two cannot drift apart.
 STAGE_CALLS = {"prefill": True, "prefill_chunk": True, "decode": True, "decode_steps": True,
                "insert": False, "store_prefix": False, "drop": False, "free": False, "use_tokenizer": False,
-               "begin_warmup": False, "end_warmup": False, "cache_windows": False, "ready": False,
+               "begin_warmup": False, "end_warmup": False, "cache_windows": False, "platform": False, "ready": False,
                # whole-sequence caches: generate() over a pipeline (runner/generate.py)
                "seq_open": False, "seq_prefill": True, "seq_decode": True, "seq_reorder": False, "seq_close": False,
                # a whole generate() in one compiled loop, on a stage that is the whole model (never an actor's)
