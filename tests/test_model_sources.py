@@ -31,7 +31,7 @@ def test_in_8_device_subprocess():
     if MULTI:
         pytest.skip("already the child")
     out = rerun_with_8_devices(__file__)
-    assert "6 passed, 1 skipped" in out, out[-2000:]
+    assert "7 passed, 1 skipped" in out, out[-2000:]
 
 
 def test_each_tensor_has_its_own_numbers_from_the_seed():
@@ -47,6 +47,48 @@ def test_each_tensor_has_its_own_numbers_from_the_seed():
     assert 0.015 < q.std() < 0.025  # normal(0, 0.02)
     assert not np.asarray(a["layers_0"]["fc1"]["bias"]).any()
     np.testing.assert_array_equal(np.asarray(a["layers_0"]["final_layer_norm"]["ln"]["scale"]), 1)
+
+
+def _file_mappings(nbytes: int) -> list[int]:
+    """Resident kB of each mapping of this process of a deleted file of `nbytes` (rounded up to pages)."""
+    size = -(-nbytes // 4096) * 4096
+    out, lines = [], open("/proc/self/smaps").read().splitlines()
+    for i, line in enumerate(lines):
+        if line.endswith("(deleted)"):
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            rss = next(int(x.split()[1]) for x in lines[i + 1:i + 8] if x.startswith("Rss:"))
+            if hi - lo == size:
+                out.append(rss)
+    return out
+
+
+def test_a_drawn_embedding_on_a_cpu_is_a_mapped_file_read_only_where_looked_up():
+    """An embedding drawn for one CPU device is drawn into a file with no name and mapped, as a folder's file
+    is: the device's array is the mapping (none of it resident), a lookup of two rows brings in only the pages
+    that hold them, and it holds the numbers the in-memory draw gives. A matrix under FILE_BACKED_BYTES (the
+    positions) is drawn into memory."""
+    import gc
+    import jax.numpy as jnp
+    from opt_serving.model import sources
+    name, shape = "decoder.embed_tokens.weight", (16384, 1024)  # 64 MiB in float32
+    nbytes = shape[0] * shape[1] * 4
+    assert nbytes >= sources.FILE_BACKED_BYTES > 2050 * 1024 * 4
+    before = len(_file_mappings(nbytes))
+    x = sources.RandomSource(7).place(name, shape, None, jnp.float32)
+    positions = sources.RandomSource(7).place("decoder.embed_positions.weight", (2050, 1024), None, jnp.float32)
+    assert len(_file_mappings(2050 * 1024 * 4)) == 0
+    assert _file_mappings(nbytes)[before:] == [0]
+    rows = np.asarray(jnp.take(x, jnp.array([3, 5000]), axis=0))
+    # kB: two rows of 4 kB, in the pages (or the page cache's folios, up to 2 MiB) that hold them
+    assert 0 < _file_mappings(nbytes)[before] * 1024 <= nbytes // 8
+    drawn = sources.Drawn(sources.tensor_key(7, name), shape, sources.DUMMY_STD)
+    np.testing.assert_array_equal(rows, np.concatenate([drawn[3:4, :], drawn[5000:5001, :]]))
+    np.testing.assert_array_equal(np.asarray(x), drawn[:, :])
+    np.testing.assert_array_equal(np.asarray(positions), sources.Drawn(
+        sources.tensor_key(7, "decoder.embed_positions.weight"), (2050, 1024), sources.DUMMY_STD)[:, :])
+    del x, rows
+    gc.collect()
+    assert len(_file_mappings(nbytes)) == before  # the file goes with the array
 
 
 @pytest.mark.parametrize("cfg", [CFG, TINY_POST_LN], ids=["pre-ln", "post-ln projected"])

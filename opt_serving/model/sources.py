@@ -7,7 +7,8 @@ A source gives each checkpoint tensor (metaseq key, torch `[out, in]` layout) pl
   block of 32 columns from a key of its own (`Drawn`): a weight's numbers are a function of (seed, name, row,
   column) alone, so any subset of the model (a pipeline stage's layers, a tensor-parallel device's slice)
   draws the same numbers the whole model has, each device drawing only its own slice, a bounded chunk at a
-  time. The same seed gives the same model whatever the plan.
+  time. The same seed gives the same model whatever the plan. An embedding for one CPU device is drawn into a
+  temporary file and mapped (`file_backed`), so that, as from a folder, only the rows looked up are read in.
 
 `tree_parts` walks a model (or the subset `names`) in checkpoint order and yields its Flax tree a top-level
 group at a time (the tensors outside the layers, then one layer after another), so a caller can put each
@@ -17,7 +18,9 @@ process then holds its runtime params plus one layer, never its share twice.
 from __future__ import annotations
 
 import functools
+import mmap
 import os
+import tempfile
 import zlib
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional
@@ -89,6 +92,8 @@ class RandomSource:
         if constant is not None:
             return put(np.full(flax_shape, constant, np_dtype), sharding, dtype)
         drawn = Drawn(tensor_key(self.seed, name), shape, self.std, np_dtype)
+        if not transpose and drawn.nbytes >= FILE_BACKED_BYTES and _one_cpu(sharding):
+            return put(file_backed(drawn), sharding, dtype)
 
         def piece(idx):  # idx: the device's slice of the Flax-layout array
             rows, cols = (idx[1], idx[0]) if transpose else (idx[0], idx[1])
@@ -135,6 +140,33 @@ COLUMN_BLOCK = 32
 CHUNK_ELEMENTS = 1 << 20  # drawn per call
 
 
+# A drawn matrix kept as it is drawn (not transposed: the embeddings), of at least this many bytes, going to one
+# CPU device, is drawn into a temporary file and memory-mapped, as a folder's file is: XLA's CPU client aliases
+# the mapping, so only the pages read are resident (a pipeline's first stage looks up a few rows of the embedding
+# a step; drawn into memory, all of OPT-1.3b's 0.41 GB float32 embedding was, where a folder's was not).
+FILE_BACKED_BYTES = 16 << 20
+
+
+def file_backed(drawn: "Drawn") -> np.ndarray:
+    """The whole matrix, drawn a chunk of rows at a time into a file with no name (TMPDIR's, gone once the
+    mapping is) and mapped read-only: written through the file, not the mapping, so none of it is this process's
+    memory until read."""
+    rows = max(1, CHUNK_ELEMENTS // drawn.shape[1])
+    with tempfile.TemporaryFile() as f:  # (the mapping keeps its own handle on the file)
+        for r in range(0, drawn.shape[0], rows):
+            f.write(drawn[r:r + rows, :].tobytes())
+        f.flush()
+        mapped = mmap.mmap(f.fileno(), drawn.nbytes, prot=mmap.PROT_READ)
+    mapped.madvise(mmap.MADV_RANDOM)  # rows are looked up here and there: no read-ahead around each
+    return np.frombuffer(mapped, drawn.dtype).reshape(drawn.shape)
+
+
+def _one_cpu(sharding) -> bool:
+    """Does `sharding` (None: the default device) put the whole array on one CPU device?"""
+    devices = [jax.devices()[0]] if sharding is None else list(sharding.device_set)
+    return len(devices) == 1 and devices[0].platform == "cpu"
+
+
 class Drawn:
     """A random matrix by rows and columns (see COLUMN_BLOCK), drawn only where indexed: `drawn[rows, cols]`
     (slices, step 1) -> numpy [rows, cols] in `dtype`. Indexing by a slice of rows alone takes whole rows (as
@@ -144,6 +176,10 @@ class Drawn:
         if len(shape) != 2:
             raise ValueError(f"random matrices are 2-D, got shape {shape}")
         self.key, self.shape, self.std, self.dtype = key, tuple(shape), float(std), np.dtype(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self.shape[1] * self.dtype.itemsize
 
     def __getitem__(self, idx) -> np.ndarray:
         rows, cols = idx if isinstance(idx, tuple) else (idx, slice(None))
