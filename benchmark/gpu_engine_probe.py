@@ -185,6 +185,7 @@ def admission(a, cfg, ours, write, left, rng) -> int:
     from opt_serving.runner.slots import join_blocks
     from opt_serving.runner.types import JOIN_PROMPTS
     batches = [int(x) for x in a.batches.split(",")]
+    new = min(64, a.max_seq_len - 33)  # new tokens a request (64, as gpu_check.py, where the context holds them)
     slots = local_slots(cfg, ours.fused_params, num_slots=a.slots, max_seq_len=a.max_seq_len, backend=ours.backend)
     engine = Engine(slots, prefill_chunk=PREFILL_CHUNK, decode_steps=DECODE_STEPS)
     compiles = Compiles()
@@ -204,16 +205,17 @@ def admission(a, cfg, ours, write, left, rng) -> int:
                 compiles.take()
                 warm = []
                 for _ in range(5):
-                    engine_rate(engine, b, 32, 64, cfg.vocab_size, rng)
+                    engine_rate(engine, b, 32, new, cfg.vocab_size, rng)
                     warm.append(compiles.take())
                     if len(warm) >= 2 and not warm[-1][0] and not warm[-2][0]:
                         break
                 before = engine.stats()
-                rates = [engine_rate(engine, b, 32, 64, cfg.vocab_size, rng) for _ in range(2)]
+                rates = [engine_rate(engine, b, 32, new, cfg.vocab_size, rng) for _ in range(2)]
                 after = engine.stats()
                 counts = {f"engine_{k}": getattr(after, k) - getattr(before, k)
                           for k in ("steps", "step_calls", "prefills", "joined")}
-                write(check="engine_tokens_per_s", variant=name, batch=b, join_blocks=list(slots.join_blocks), value=round(max(rates), 1),
+                write(check="engine_tokens_per_s", variant=name, batch=b, new_tokens=new,
+                      join_blocks=list(slots.join_blocks), value=round(max(rates), 1),
                       runs=[round(r, 1) for r in rates], compiles_in_timed=compiles.take()[0], warm_compiles=warm,
                       step_ms=round(engine._step_s * 1e3, 2), **counts)
     finally:

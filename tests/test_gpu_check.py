@@ -44,8 +44,9 @@ def test_the_engine_probe_takes_a_step_apart_and_compares_admissions_on_the_cpu(
     from opt_serving.runner.slots import join_blocks
     out = tmp_path / "probe.jsonl"
     probe = [os.environ.get("PYTHON", _python()), str(ROOT / "benchmark" / "gpu_engine_probe.py"), "--size", "tiny",
-             "--max-seq-len", "128", "--out", str(out)]
-    for more in (["--slots", "8", "--active", "8", "--reps", "3"], ["--admission", "--slots", "16", "--batches", "16"]):
+             "--max-seq-len", "64", "--out", str(out)]
+    for more in (["--slots", "4", "--active", "4", "--reps", "2", "--prompt-len", "40"],
+                 ["--admission", "--slots", "16", "--batches", "16"]):
         r = subprocess.run(probe + more, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -53,8 +54,8 @@ def test_the_engine_probe_takes_a_step_apart_and_compares_admissions_on_the_cpu(
     assert len(steps) == 5 and all(ms > 0 for ms in steps.values()), steps
     runs = {row["variant"]: row for row in rows if row.get("check") == "engine_tokens_per_s"}
     cpu, gpu, none = runs["a CPU's join blocks"], runs["a GPU's join blocks"], runs["no joining"]
-    assert cpu["join_blocks"] == list(join_blocks("cpu", 128, 15 * 32)) and max(cpu["join_blocks"]) < 128
-    assert max(gpu["join_blocks"]) > 128
+    assert cpu["join_blocks"] == list(join_blocks("cpu", 64, 15 * 32)) and max(cpu["join_blocks"]) < 64
+    assert max(gpu["join_blocks"]) > 64
     assert cpu["engine_joined"] == cpu["engine_prefills"] == gpu["engine_joined"] == 32  # two runs of 16
     assert gpu["engine_steps"] < cpu["engine_steps"]
     assert none["engine_joined"] == 0 and none["engine_prefills"] == 32
