@@ -37,21 +37,18 @@ def test_the_gpu_check_passes_on_the_cpu(tmp_path):
     assert "our engine" in r.stdout and "tiny float16" in r.stdout  # the report's table
 
 
-def test_the_engine_probe_takes_a_step_apart_and_compares_admissions_on_the_cpu(tmp_path):
-    """benchmark/gpu_engine_probe.py, rehearsed at its smallest: every way of timing a decode step gives a time, and
-    the admission runs take the blocks they name: a CPU's shorter than the context, a GPU's longer (fewer steps
-    for the same prompts, every prompt joining), none with joining off (every prompt prefilled)."""
+def test_the_engine_probe_compares_admissions_on_the_cpu(tmp_path):
+    """benchmark/gpu_engine_probe.py --admission, rehearsed at its smallest: the runs take the blocks they name, a
+    CPU's shorter than the context, a GPU's longer (fewer steps for the same prompts, every prompt joining), none
+    with joining off (every prompt prefilled)."""
     from opt_serving.runner.slots import join_blocks
     out = tmp_path / "probe.jsonl"
     probe = [os.environ.get("PYTHON", _python()), str(ROOT / "benchmark" / "gpu_engine_probe.py"), "--size", "tiny",
              "--max-seq-len", "64", "--out", str(out)]
-    for more in (["--slots", "4", "--active", "4", "--reps", "2", "--prompt-len", "40"],
-                 ["--admission", "--slots", "16", "--batches", "16"]):
-        r = subprocess.run(probe + more, capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    r = subprocess.run(probe + ["--admission", "--slots", "16", "--batches", "16"], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    steps = {row["check"]: row["ms"] for row in rows if "ms" in row}
-    assert len(steps) == 5 and all(ms > 0 for ms in steps.values()), steps
     runs = {row["variant"]: row for row in rows if row.get("check") == "engine_tokens_per_s"}
     cpu, gpu, none = runs["a CPU's join blocks"], runs["a GPU's join blocks"], runs["no joining"]
     assert cpu["join_blocks"] == list(join_blocks("cpu", 64, 15 * 32)) and max(cpu["join_blocks"]) < 64
