@@ -260,6 +260,12 @@ def engine_rate(engine, batch: int, prompt_len: int, n: int, vocab: int, rng) ->
     return batch * n / dt
 
 
+def engine_counts(before, after, prefix: str = "") -> dict:
+    """What the engine did between two of its stats(): decode steps, the calls that took them, prefills, and of
+    those the prompts that joined a step."""
+    return {prefix + k: getattr(after, k) - getattr(before, k) for k in ("steps", "step_calls", "prefills", "joined")}
+
+
 def section_model(run: Run) -> None:
     """One size in one dtype: logits, then tokens/s of HF generate(), our engine and our generate(), then
     memory (the order keeps what matters most ahead of the deadline)."""
@@ -359,10 +365,9 @@ def section_model(run: Run) -> None:
             warm_s = time.perf_counter() - t0
             before = engine.stats()
             rates = [engine_rate(engine, b, p, n, cfg.vocab_size, rng) for _ in range(a.engine_reps)]
-            after = engine.stats()
             # how the timed runs were stepped: steps a call, prefill passes, and a decode step's wall time
             # (the engine's moving average) beside generate()'s, to tell the host's share from the device's
-            counts = {k: getattr(after, k) - getattr(before, k) for k in ("steps", "step_calls", "prefills", "joined")}
+            counts = engine_counts(before, engine.stats())
             run.write(**base, check="engine_tokens_per_s", batch=b, value=round(max(rates), 1),
                       runs=[round(r, 1) for r in rates], compiles_in_timed=compiles.take()[0],
                       warm_runs_s=round(warm_s, 1), warm_compiles=warm_compiles, prompt_len=p, new_tokens=n,

@@ -178,7 +178,7 @@ def main(argv=None) -> int:
 
 
 def admission(a, cfg, ours, write, left, rng) -> int:
-    from gpu_check import Compiles, engine_rate
+    from gpu_check import Compiles, engine_counts, engine_rate
     from opt_serving.engine.admission import DECODE_STEPS, PREFILL_CHUNK
     from opt_serving.engine.scheduler import Engine
     from opt_serving.runner.load import local_slots
@@ -211,9 +211,7 @@ def admission(a, cfg, ours, write, left, rng) -> int:
                         break
                 before = engine.stats()
                 rates = [engine_rate(engine, b, 32, new, cfg.vocab_size, rng) for _ in range(2)]
-                after = engine.stats()
-                counts = {f"engine_{k}": getattr(after, k) - getattr(before, k)
-                          for k in ("steps", "step_calls", "prefills", "joined")}
+                counts = engine_counts(before, engine.stats(), "engine_")
                 write(check="engine_tokens_per_s", variant=name, batch=b, new_tokens=new,
                       join_blocks=list(slots.join_blocks), value=round(max(rates), 1),
                       runs=[round(r, 1) for r in rates], compiles_in_timed=compiles.take()[0], warm_compiles=warm,

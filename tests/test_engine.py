@@ -444,29 +444,37 @@ LONG_CFG = OPTConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_at
                      max_position_embeddings=160)
 
 
-def test_a_burst_of_short_prompts_joins_one_step_in_a_large_block_and_matches_hf(monkeypatch):
-    """Clients that finished together send their next requests at once: up to JOIN_PROMPTS (16) short prompts
-    start in one decode step, here 96 prompt tokens in its block of 128, with no prefill pass of their own; the
-    two past that count join the next step. Every one continues as HF's greedy."""
-    torch.manual_seed(1)
+def join_burst(monkeypatch, seed: int, max_seq_len: int, prompt_len: int, new: int):
+    """18 prompts of `prompt_len` tokens queued at once on a warmed-up slot model of 20 slots over LONG_CFG (its
+    weights HF's, from `seed`), `new` greedy tokens each; every one continues as HF's greedy -> (the slot model,
+    (prompts, block size) of each step that prompts joined, the prefill passes)."""
+    torch.manual_seed(seed)
     hf = transformers.OPTForCausalLM(transformers.OPTConfig(**{**LONG_CFG.to_hf_dict(), "init_std": 0.3})).eval()
     model = OPTSlots(LONG_CFG, weights.params_from_hf_state_dict(LONG_CFG, hf.state_dict()), num_slots=20,
-                     max_seq_len=160)
+                     max_seq_len=max_seq_len)
     model.warmup()
-    assert JOIN_PROMPTS == 16 and model.join_blocks == (8, 16, 32, 64, 128) and model.join_prompt_tokens == 32
     passes, blocks, real_block = CountPasses(model, monkeypatch), [], model._block
     def block(joins):  # records (prompts, block size)
         b = real_block(joins)
         blocks.append((len(joins), len(b.ids)))
         return b
     monkeypatch.setattr(model, "_block", block)
-    rng = np.random.default_rng(3)
-    prompts = [[2] + rng.integers(4, LONG_CFG.vocab_size, 5).tolist() for _ in range(18)]
-    cols = run_queued(model, [(p, SlotSettings(max_tokens=5)) for p in prompts])
-    assert blocks == [(16, 128), (2, 16)]
-    assert passes.sizes == []
+    rng = np.random.default_rng(seed + 2)
+    prompts = [[2] + rng.integers(4, LONG_CFG.vocab_size, prompt_len - 1).tolist() for _ in range(18)]
+    cols = run_queued(model, [(p, SlotSettings(max_tokens=new)) for p in prompts])
     for p, c in zip(prompts, cols):
-        assert (c.ids, c.finish) == (hf_greedy(hf, p, 5), "length")
+        assert (c.ids, c.finish) == (hf_greedy(hf, p, new), "length")
+    return model, blocks, passes.sizes
+
+
+def test_a_burst_of_short_prompts_joins_one_step_in_a_large_block_and_matches_hf(monkeypatch):
+    """Clients that finished together send their next requests at once: up to JOIN_PROMPTS (16) short prompts
+    start in one decode step, here 96 prompt tokens in its block of 128, with no prefill pass of their own; the
+    two past that count join the next step. Every one continues as HF's greedy."""
+    model, blocks, passes = join_burst(monkeypatch, seed=1, max_seq_len=160, prompt_len=6, new=5)
+    assert JOIN_PROMPTS == 16 and model.join_blocks == (8, 16, 32, 64, 128) and model.join_prompt_tokens == 32
+    assert blocks == [(16, 128), (2, 16)]
+    assert passes == []
 
 
 def test_on_a_gpu_sixteen_full_prompts_join_one_step_in_a_block_longer_than_the_context(monkeypatch):
@@ -475,22 +483,10 @@ def test_on_a_gpu_sixteen_full_prompts_join_one_step_in_a_block_longer_than_the_
     whole context (64), and the two past that count join the next. Every one continues as HF's greedy."""
     from opt_serving.runner.stage import StageSlots
     monkeypatch.setattr(StageSlots, "platform", lambda self: "gpu")
-    torch.manual_seed(2)
-    hf = transformers.OPTForCausalLM(transformers.OPTConfig(**{**LONG_CFG.to_hf_dict(), "init_std": 0.3})).eval()
-    model = OPTSlots(LONG_CFG, weights.params_from_hf_state_dict(LONG_CFG, hf.state_dict()), num_slots=20,
-                     max_seq_len=64)
+    model, blocks, passes = join_burst(monkeypatch, seed=2, max_seq_len=64, prompt_len=32, new=4)
     assert model.join_blocks == (8, 16, 32, 64, 128, 256, 512) and model.join_prompt_tokens == 32
-    model.warmup()
-    passes, blocks, real_block = CountPasses(model, monkeypatch), [], model._block
-    monkeypatch.setattr(model, "_block", lambda joins: (blocks.append((len(joins), len(real_block(joins).ids))),
-                                                        real_block(joins))[1])
-    rng = np.random.default_rng(5)
-    prompts = [[2] + rng.integers(4, LONG_CFG.vocab_size, 31).tolist() for _ in range(18)]
-    cols = run_queued(model, [(p, SlotSettings(max_tokens=4)) for p in prompts])
     assert blocks == [(16, 512), (2, 64)]
-    assert passes.sizes == []
-    for p, c in zip(prompts, cols):
-        assert (c.ids, c.finish) == (hf_greedy(hf, p, 4), "length")
+    assert passes == []
 
 
 def test_on_a_cpu_the_blocks_stop_at_128_tokens_and_below_the_context(model8):

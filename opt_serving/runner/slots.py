@@ -45,8 +45,8 @@ from opt_serving.runner.prefix import BLOCK_SIZE, PrefixCache
 from opt_serving.runner.stage import (LocalStages, Stages, cache_bucket, chunk_width, chunk_widths, job_size,
                                       job_sizes, prefill_bucket, prefill_buckets)
 from opt_serving.runner.types import (ACCELERATOR_JOIN_BLOCKS, JOIN_BLOCKS, JOIN_PROMPT_TOKENS, JOIN_PROMPTS,
-                                      MAX_TOP_LOGPROBS, PREFILL_BATCH_TOKENS, SlotModel, JoinBlock, PartialPrefill, Prefix, SlotSettings,
-                                      StepResult, TokenInfo)
+                                      MAX_TOP_LOGPROBS, PREFILL_BATCH_TOKENS, JoinBlock, PartialPrefill, Prefix,
+                                      SlotModel, SlotSettings, StepResult, TokenInfo)
 
 # the chunk a prompt's part past its cached prefix is computed in where the engine prefills it whole (the
 # engine's own prefill_chunk otherwise)

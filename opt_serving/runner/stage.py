@@ -345,7 +345,7 @@ class StageSlots:
 
     def platform(self) -> str:
         """Where this stage's weights lie: "cpu", "gpu", ... (the slot model sizes its joining blocks by it)."""
-        return "cpu" if self._on_cpu or not self._devices else next(iter(self._devices)).platform
+        return next(iter(self._devices)).platform if self._devices else "cpu"
 
     def _fit_cache(self, group: int, need: int, shrink: bool) -> None:
         """Resize a group's cache to the smallest window holding `need` entries, one window at a time (so
