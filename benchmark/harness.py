@@ -41,6 +41,17 @@ class StartError(RuntimeError):
     """A server exited, or did not print its ready line in time; the message names it and shows its output's end."""
 
 
+def _default_sigint_for_children() -> None:
+    """A process started with SIGINT ignored (a background job of a non-interactive shell: `nohup ... &`, a CI
+    runner) hands that on to what it starts, and a server ignoring SIGINT is stopped only by the SIGKILL
+    `stop_timeout` later (2 minutes a server). Stopping with SIGINT needs it at its default in the servers: from
+    a handler of the harness's own, exec restores the default, as a terminal's shell gives it (main thread only,
+    as Python's signal handlers are)."""
+    if (signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            and threading.current_thread() is threading.main_thread()):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 class Server:
     """A command started in its own session; its output is read on a thread (so the pipe never fills), kept in
     `lines` (the last 200) and copied to `log` if given. `url`: where it serves, for its users."""
@@ -57,6 +68,7 @@ class Server:
         self.start_s = float("nan")
         self._ready = threading.Event()
         self._t0 = time.monotonic()
+        _default_sigint_for_children()
         self.proc = subprocess.Popen(self.cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, text=True, errors="replace", start_new_session=True,
                                      preexec_fn=preexec_fn)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import signal
 import subprocess
 import sys
 import textwrap
@@ -92,6 +93,22 @@ def test_a_server_that_ignores_sigint_is_killed():
     server = harness.start(cmd, "ready", timeout=60)
     server.stop(stop_timeout=1)
     assert server.proc.returncode == -9
+
+
+def test_a_harness_run_with_sigint_ignored_stops_its_server_with_sigint():
+    # as under `nohup ... &`: the harness's own process ignores SIGINT, and its server must not inherit that
+    driver = python(f"""
+        import signal, sys
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        sys.path.insert(0, {str(BENCH)!r})
+        import harness
+        server = harness.start([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(600)"],
+                               "ready", timeout=60)
+        server.stop(stop_timeout=30)
+        print("returncode", server.proc.returncode)
+    """)
+    out = subprocess.run(driver, capture_output=True, text=True, timeout=120)
+    assert f"returncode {-signal.SIGINT}" in out.stdout, out.stdout + out.stderr  # not -9 after 30 s
 
 
 def test_a_grandchild_that_outlives_the_server_is_left_over_and_killed():
