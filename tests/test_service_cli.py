@@ -158,3 +158,27 @@ def test_lower_ray_priority_spares_replicas_idle_workers_and_a_busy_proxy():
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_a_refused_application_is_printed_with_what_serve_says_of_its_failed_deployments(monkeypatch):
+    from ray import serve
+    from ray.serve._private.common import DeploymentStatus, DeploymentStatusTrigger
+    from ray.serve.schema import ApplicationStatus, ApplicationStatusOverview, DeploymentStatusOverview, ServeStatus
+
+    from opt_serving.service import cli
+
+    def deployment(status, message):
+        return DeploymentStatusOverview(status=status, status_trigger=DeploymentStatusTrigger.REPLICA_STARTUP_FAILED,
+                                        replica_states={}, message=message)
+    app = ApplicationStatusOverview(status=ApplicationStatus.DEPLOY_FAILED, message="", last_deployed_time_s=0.0,
+                                    deployments={"OPTServer": deployment(DeploymentStatus.DEPLOY_FAILED,
+                                                                         "ValueError: the shard is missing"),
+                                                 "Router": deployment(DeploymentStatus.HEALTHY, "all well")})
+    monkeypatch.setattr(serve, "status", lambda: ServeStatus(applications={"opt": app}))
+    assert cli._deployment_messages("opt") == "\n  OPTServer: ValueError: the shard is missing"
+    assert cli._deployment_messages("someone-else") == ""
+
+    def gone():
+        raise ConnectionError("the controller died")
+    monkeypatch.setattr(serve, "status", gone)
+    assert cli._deployment_messages("opt") == ""

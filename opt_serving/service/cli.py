@@ -336,9 +336,24 @@ def _deploy(args: argparse.Namespace, serve_args, direct: bool, started_ray: boo
         return None, str(e)
     try:
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
-    except Exception as e:  # e.g. another application holds the route prefix "/"
-        return None, f"Ray Serve on the cluster at {_cluster_address()} refused the application: {e}"
+    except Exception as e:  # e.g. another application holds the route prefix "/", or a replica failed to start
+        return None, (f"Ray Serve on the cluster at {_cluster_address()} refused the application: {e}"
+                      + _deployment_messages(APP_NAME))
     return APP_NAME, None
+
+
+def _deployment_messages(name: str) -> str:
+    """What Serve says of the application's deployments that are not running (a replica's constructor's error,
+    with its traceback), to print beside Serve's one-line refusal; "" where it says nothing more."""
+    from ray import serve
+    try:
+        app = serve.status().applications.get(name)
+    except Exception:  # the controller gone with the failure: the refusal is all there is
+        return ""
+    if app is None:
+        return ""
+    said = [f"{d}: {s.message}" for d, s in app.deployments.items() if s.message and s.status != "HEALTHY"]
+    return "".join(f"\n  {m}" for m in said)
 
 
 def _cluster_address() -> str:
