@@ -183,14 +183,12 @@ def admission(a, cfg, ours, write, left, rng) -> int:
     from opt_serving.engine.scheduler import Engine
     from opt_serving.runner.load import local_slots
     from opt_serving.runner.slots import join_blocks
-    from opt_serving.runner.types import JOIN_PROMPTS
     batches = [int(x) for x in a.batches.split(",")]
     new = min(64, a.max_seq_len - 33)  # new tokens a request (64, as gpu_check.py, where the context holds them)
     slots = local_slots(cfg, ours.fused_params, num_slots=a.slots, max_seq_len=a.max_seq_len, backend=ours.backend)
     engine = Engine(slots, prefill_chunk=PREFILL_CHUNK, decode_steps=DECODE_STEPS)
     compiles = Compiles()
-    room = max(1, min(JOIN_PROMPTS, a.slots - 1)) * slots.join_prompt_tokens
-    cpu_blocks, gpu_blocks = (join_blocks(p, slots.max_seq_len, room) for p in ("cpu", "gpu"))
+    cpu_blocks, gpu_blocks = (join_blocks(p, slots.max_seq_len, slots.join_room) for p in ("cpu", "gpu"))
     variants = {"a CPU's join blocks": cpu_blocks, "a GPU's join blocks": gpu_blocks, "no joining": None}
     try:
         for name, blocks in variants.items():

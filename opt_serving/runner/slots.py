@@ -98,8 +98,9 @@ class Slots(SlotModel):
         # the block sizes a step's joining prompts go in (each prompt leaves room in the cache for a token), those
         # that prompts in the group's rows besides one can fill (warm-up fills each with them)
         self.join_prompt_tokens = min(JOIN_PROMPT_TOKENS, self.max_seq_len - 1)  # the longest prompt that joins
-        room = max(1, min(JOIN_PROMPTS, num_slots // groups - 1)) * self.join_prompt_tokens
-        self.join_blocks = join_blocks(stages.get(stages.call(stages.n - 1, "platform")), self.max_seq_len, room)
+        self.join_room = max(1, min(JOIN_PROMPTS, num_slots // groups - 1)) * self.join_prompt_tokens
+        self.join_blocks = join_blocks(stages.get(stages.call(stages.n - 1, "platform")), self.max_seq_len,
+                                       self.join_room)
         self.join_tokens = self.join_blocks[-1]  # the most prompt tokens a step takes
         self._joins: list[list] = [[] for _ in range(groups)]  # per group: (slot, tokens, settings) for its next step
         self.prefix = PrefixCache(prefix_blocks) if prefix_blocks else None
@@ -468,6 +469,14 @@ class Slots(SlotModel):
         if prefill_chunk:
             self.hit_chunk = prefill_chunk
         self._to_all("begin_warmup")
+        # first, while a stage holds the fewest compiled programs: the compiles of chunked prefills take the most
+        # memory while they run (at OPT-1.3b's stages 94-160 MB above what the stage holds), so they come before
+        # the programs of the windows' steps add to it. Prompt scores (echo with logprobs) go a block of
+        # positions at a time through one program, whatever the width (Sampler.prompt_scores): one scored prompt
+        # compiles it.
+        self.discard(self._warm_prefill(self.buckets[0] - 1, scored=True))
+        if prefill_chunk or self.prefix is not None:
+            self._warm_jobs(self.hit_chunk)
         # b - 1 prompt tokens fill prefill bucket b; each a prefix-cache miss, so its blocks are stored. The inserts
         # below need a prefilled prompt of every cache size: one stage keeps the first of each size (no prefill
         # again); a pipeline's stages, whose memory is short, let each go at once and prefill one again for its
@@ -492,11 +501,13 @@ class Slots(SlotModel):
                                                        for i in range(self.stages.n)])))
         for w in windows:  # growing: each window's inserts, then its step
             fits = [c for c in sorted(widths) if c <= w]
-            for c in fits[-1:] + fits:  # the largest first grows the cache to w: then each goes into w
-                if hold:
-                    self.insert(held[c], 0, keep=True)
-                else:
-                    self.insert(self._warm_prefill(widths[c] - 1), 0)
+            # the largest first grows the cache to w, then goes again into the cache that left (as every insert
+            # after it finds the cache: one a step made), then each smaller one; one prefill for both of its
+            largest = held[fits[-1]] if hold else self._warm_prefill(widths[fits[-1]] - 1)
+            self.insert(largest, 0, keep=True)
+            self.insert(largest, 0, keep=hold)
+            for c in fits[:-1]:
+                self.insert(held[c] if hold else self._warm_prefill(widths[c] - 1), 0, keep=hold)
             self._lengths[0] = w  # the step reads the whole window
             self.step()
             if decode_steps > 1:  # the steps fill the window
@@ -515,11 +526,6 @@ class Slots(SlotModel):
             self.free(0)
         for prefix in held.values():
             self.discard(prefix)
-        # prompt scores (echo with logprobs) go a block of positions at a time through one program, whatever the
-        # width (Sampler.prompt_scores): one scored prompt compiles it
-        self.discard(self._warm_prefill(self.buckets[0] - 1, scored=True))
-        if prefill_chunk or self.prefix is not None:
-            self._warm_jobs(self.hit_chunk)
         if self.prefix is not None:
             self.prefix.clear()  # what warm-up wrote is nobody's prefix
         self._to_all("end_warmup")
