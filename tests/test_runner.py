@@ -84,8 +84,14 @@ def test_two_stages_and_two_groups_equal_one_device(params):
     want = [c.ids for c in run(one, JOBS)]  # six jobs, four slots: later ones wait for a free slot
     piped = two_stage_slots(params)
     piped.warmup()
+    sampler = piped.stages.stages[-1].sampler
+    programs = [f._cache_size() for f in (sampler._choose, sampler._choose_joining, sampler._insert, sampler._free)]
     got = run(piped, JOBS)
     assert [c.ids for c in got] == want
+    # prompts joined both groups, and group 1's sampler arrays were as warm-up left group 0's: nothing compiled
+    assert {piped.group_of(s)[0] for s in range(4)} == {0, 1}
+    assert [f._cache_size() for f in (sampler._choose, sampler._choose_joining, sampler._insert,
+                                      sampler._free)] == programs
     assert [len(c.ids) for c in got] == [s.max_tokens for _, s in JOBS]
     # a step returns one group's slots (consecutive slots alternate groups)
     assert piped.group_of(0) == (0, 0) and piped.group_of(1) == (1, 0) and piped.group_of(2) == (0, 1)

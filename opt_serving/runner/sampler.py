@@ -192,6 +192,14 @@ class Sampler:
         self._split_rows = jax.jit(split_rows)  # a pass's sampling state and settings -> batch-1 rows
         self._free = jax.jit(lambda active, slot: active.at[slot].set(False), donate_argnums=(0,))
 
+    def settle_groups(self) -> None:
+        """After warm-up, which runs group 0 alone: every other group's arrays as group 0's left them (its rows
+        all free), committed to the device as arrays a step made are. Fresh ones are not, and jit compiles each
+        apart: the first prompt joining another group compiled the joining step's sampler again, seconds of it."""
+        for g in range(1, len(self.state)):
+            self.state[g], self.settings[g], self.active[g] = jax.tree_util.tree_map(
+                jnp.copy, (self.state[0], self.settings[0], self.active[0]))
+
     def prefill(self, params, handles: Sequence[int], h, ids, mask, lengths,
                 settings: Sequence[SlotSettings], state_rows: int):
         """Choose the first token of each prompt in a prefill pass and keep its sampling row under its

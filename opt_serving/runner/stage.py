@@ -375,6 +375,8 @@ class StageSlots:
             self.caches[g] = self._resize(self.caches[0] if g else first, self.windows[0])
             if g == 0:
                 del first  # the others are cut from group 0's new cache: the old one goes first
+        if self.sampler is not None:
+            self.sampler.settle_groups()
         self._warming = False
         xla_cache.drop_staging_caches()
         if self._on_cpu:  # the weights are in place: from now on a step's temporaries stay in the heap
