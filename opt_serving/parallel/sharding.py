@@ -62,8 +62,15 @@ def logical_axes(name: str) -> tuple[str | None, ...]:
 
 
 def spec_for(axes: tuple[str | None, ...], rules: Rules) -> P:
+    """The PartitionSpec of an array with these logical axes, without trailing Nones: P(None, None) and P() lay
+    an array out alike, but jit tells them apart, and its outputs take one or the other (the spelling of an
+    input's equal sharding, else JAX's own, trimmed). A step's cache came back as P(None, None) where an insert
+    left P(), and the next step compiled again for the other."""
     table = dict(rules)
-    return P(*(table.get(a) if a else None for a in axes))
+    spec = [table.get(a) if a else None for a in axes]
+    while spec and spec[-1] is None:
+        spec.pop()
+    return P(*spec)
 
 
 def param_spec(name: str, rules: Rules) -> P:
@@ -108,7 +115,7 @@ def param_shardings(cfg: OPTConfig, mesh: Mesh, rules: Rules = TP_RULES, weights
         if name not in quantized:
             _tree_set(tree, path, NamedSharding(mesh, spec))
             continue
-        out = spec_for(logical_axes(name), rules)[0]  # the split of the weight's output channels ([out, in])
+        out = (*spec_for(logical_axes(name), rules), None)[0]  # the split of its output channels ([out, in])
         if name == "decoder.embed_tokens.weight":  # the lookup's table as it was; the head [D, V] by vocabulary
             _tree_set(tree, path, NamedSharding(mesh, spec))
             path, spec = ("lm_head", "qkernel"), P(None, out)
