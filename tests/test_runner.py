@@ -32,6 +32,13 @@ def params():
     return param_tree.init_params(CFG, seed=3, std=0.3)  # large weights: clear argmaxes
 
 
+def served_programs(piped) -> list:
+    """The jitted functions a served pipeline's steps run: the stages' steps, inserts and frees, the sampler's."""
+    sampler = piped.stages.stages[-1].sampler
+    return ([f for s in piped.stages.stages for f in (s._step, s._step_joining, s._insert_cache, s._free)]
+            + [sampler._choose, sampler._choose_joining, sampler._insert, sampler._free])
+
+
 def two_stage_slots(params, num_slots=4, groups=2):
     from opt_serving.model import param_tree
     from opt_serving.parallel.pipeline import stage_specs
@@ -84,9 +91,7 @@ def test_two_stages_and_two_groups_equal_one_device(params):
     want = [c.ids for c in run(one, JOBS)]  # six jobs, four slots: later ones wait for a free slot
     piped = two_stage_slots(params)
     piped.warmup()
-    sampler = piped.stages.stages[-1].sampler
-    jitted = [sampler._choose, sampler._choose_joining, sampler._insert, sampler._free]
-    jitted += [f for s in piped.stages.stages for f in (s._step, s._step_joining, s._insert_cache, s._free)]
+    jitted = served_programs(piped)
     programs = [f._cache_size() for f in jitted]
     got = run(piped, JOBS)
     assert [c.ids for c in got] == want
@@ -111,9 +116,7 @@ def test_after_warm_up_prompts_joining_each_group_right_after_an_insert_compile_
         stages.append(StageSlots(CFG, stage_params, spec, 2, 2, 64, backend=backend))
     piped = Slots(CFG, LocalStages(stages), 4, 2, 64)
     piped.warmup()
-    jitted = [f for s in piped.stages.stages for f in (s._step, s._step_joining, s._insert_cache, s._free)]
-    sampler = piped.stages.stages[-1].sampler
-    jitted += [sampler._choose, sampler._choose_joining]
+    jitted = served_programs(piped)
     programs = [f._cache_size() for f in jitted]
     for slot in (0, 1):  # groups 0 and 1
         piped.insert(piped.prefill([2, 5, 6, 7], SlotSettings(max_tokens=4)), slot)

@@ -67,7 +67,12 @@ def spec_for(axes: tuple[str | None, ...], rules: Rules) -> P:
     input's equal sharding, else JAX's own, trimmed). A step's cache came back as P(None, None) where an insert
     left P(), and the next step compiled again for the other."""
     table = dict(rules)
-    spec = [table.get(a) if a else None for a in axes]
+    return trimmed(*(table.get(a) if a else None for a in axes))
+
+
+def trimmed(*spec: str | None) -> P:
+    """P(*spec) without its trailing Nones (see spec_for): every spec this module makes is spelled so."""
+    spec = list(spec)
     while spec and spec[-1] is None:
         spec.pop()
     return P(*spec)
@@ -118,9 +123,9 @@ def param_shardings(cfg: OPTConfig, mesh: Mesh, rules: Rules = TP_RULES, weights
         out = (*spec_for(logical_axes(name), rules), None)[0]  # the split of its output channels ([out, in])
         if name == "decoder.embed_tokens.weight":  # the lookup's table as it was; the head [D, V] by vocabulary
             _tree_set(tree, path, NamedSharding(mesh, spec))
-            path, spec = ("lm_head", "qkernel"), P(None, out)
+            path, spec = ("lm_head", "qkernel"), trimmed(None, out)
         _tree_set(tree, path[:-1] + ("qkernel",), NamedSharding(mesh, spec))
-        _tree_set(tree, path[:-1] + ("scale",), NamedSharding(mesh, P(out)))
+        _tree_set(tree, path[:-1] + ("scale",), NamedSharding(mesh, trimmed(out)))
     return tree
 
 

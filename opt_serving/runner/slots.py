@@ -501,8 +501,8 @@ class Slots(SlotModel):
                                                        for i in range(self.stages.n)])))
         for w in windows:  # growing: each window's inserts, then its step
             fits = [c for c in sorted(widths) if c <= w]
-            # the largest first grows the cache to w, then goes again into the cache that left (as every insert
-            # after it finds the cache: one a step made), then each smaller one; one prefill for both of its
+            # the largest first grows the cache to w, then goes in again, into the cache that insert made (as
+            # every later insert finds it: one a step made), then each smaller one; one prefill for both of its
             largest = held[fits[-1]] if hold else self._warm_prefill(widths[fits[-1]] - 1)
             self.insert(largest, 0, keep=True)
             self.insert(largest, 0, keep=hold)
