@@ -35,7 +35,7 @@ class Settings:
                  CPUs without AMX (their bfloat16 dot products run no faster than float32 FMAs), else never
     s8_vnni_rows  OPT_SERVING_S8_VNNI_ROWS: int8 products of at least that many rows run our VNNI kernel
                  (csrc/products.cc, s8_vnni: the same numbers as oneDNN's, its work handed out as the threads
-                 free up); 0 never (oneDNN's kernel). Default: 8
+                 free up); 0 never (oneDNN's kernel). Default: 1 (every int8 product it can read)
     keep_heap    OPT_SERVING_KEEP_HEAP: "0" leaves glibc's malloc thresholds as they are (backend/cpu/heap.py)
     compile_cache  OPT_SERVING_COMPILE_CACHE: the folder compiled steps are kept in between starts, "" for the
                  default one, None where "0"/"off" turned it off (xla_cache.py)

@@ -20,7 +20,7 @@
 //                              default; below -1: left as it is); returns the setting now in force
 //   opt_bf16_fma_reads(K, N)   whether bf16_fma can read a packed bfloat16 [K, N] weight here
 //   opt_s8_vnni_rows(rows)     int8 products of at least `rows` rows run s8_vnni, our VNNI kernel (0: never;
-//                              -1: the default, 8; below -1: left as it is); returns the setting now in force
+//                              -1: the default, 1; below -1: left as it is); returns the setting now in force
 //   opt_s8_vnni_reads(K, N)    whether s8_vnni can read a packed int8 [K, N] weight here
 #include "common.h"
 
@@ -269,14 +269,15 @@ void epilogue(float* y, int64_t m, int64_t n, const float* scale, const float* b
 // Layout BA16a64b4a (blocks of 64 k by 64 columns), K padded to 64: per block of 64 columns, for each group of 4 k
 // a row of 256 bytes, column j's four k adjacent: entry (k, n) at (n / 64) * K64 * 64 + (k / 4) * 256 + (n % 64) * 4
 // + k % 4; then an int32 compensation per column.
-// Runs for products of at least s8_vnni_from rows (0: never; -1: not decided yet); below 8 rows a product is bound
-// by reading the weights, which oneDNN's kernel does as well and where its even split costs little.
+// Runs for products of at least s8_vnni_from rows (0: never; -1: not decided yet), by default every one: a product
+// of a few rows is bound by reading the weights, and this kernel read them faster than oneDNN's there too (its
+// blocks handed out as the threads free up; benchmark/bench_int8_stream.py).
 std::atomic<int64_t> s8_vnni_from{-1};
 
 int64_t s8_vnni_rows() {
   int64_t rows = s8_vnni_from.load(std::memory_order_relaxed);
   if (rows < 0) {
-    rows = 8;
+    rows = 1;
     s8_vnni_from.store(rows, std::memory_order_relaxed);
   }
   return rows;
