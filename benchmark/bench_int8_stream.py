@@ -25,6 +25,22 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmark_peers, beside this file
+KERNELS = {"oneDNN": 0, "s8_vnni": 1}  # products.s8_vnni_rows: 0 never, 1 from one row up
+
+
+def in_turn(r: int, measure) -> dict:
+    """{kernel: measure()} with each kernel set in turn (oneDNN's first in even rounds, ours in odd ones), the
+    setting as it was afterwards."""
+    from opt_serving.backend.cpu import products as P
+    default = P.s8_vnni_rows()
+    try:
+        out = {}
+        for name, rows in (KERNELS.items() if r % 2 == 0 else reversed(KERNELS.items())):
+            P.s8_vnni_rows(rows)
+            out[name] = measure()
+        return out
+    finally:
+        P.s8_vnni_rows(default)
 
 
 def main(argv=None) -> int:
@@ -71,8 +87,6 @@ def main(argv=None) -> int:
         return P.matmul(x, head[0], vocab, weights="int8", scales=head[1])      # [rows, V]
 
     x = jnp.asarray(rng.random((a.rows, d), dtype=np.float32))
-    kernels = {"oneDNN": 0, "s8_vnni": 1}  # s8_vnni_rows: 0 never, 1 from one row up
-    default = P.s8_vnni_rows()
 
     def timed() -> float:
         times = []
@@ -82,24 +96,16 @@ def main(argv=None) -> int:
             times.append(time.perf_counter() - t)
         return statistics.median(times)
 
-    for rows in kernels.values():
-        P.s8_vnni_rows(rows)
-        chain(x, weights, head).block_until_ready()  # compiled once; the kernel is chosen at run time
+    in_turn(0, lambda: chain(x, weights, head).block_until_ready())  # compiled once; the kernel is chosen at run time
     print(f"{'round':>5} {'bw before':>9} {'bw after':>8} {'bound ms':>8}  "
-          + "  ".join(f"{k + ' ms':>10} {'x bound':>7}" for k in kernels))
-    try:
-        for r in range(a.rounds):
-            before = read_bandwidth_gbs(a.threads)
-            ms = {}
-            for name, rows in (kernels.items() if r % 2 == 0 else reversed(kernels.items())):
-                P.s8_vnni_rows(rows)
-                ms[name] = 1e3 * timed()
-            after = read_bandwidth_gbs(a.threads)
-            bound = 1e3 * nbytes / (max(before, after) * 1e9)  # at the faster reading: the stricter bound
-            print(f"{r:>5} {before:>9.1f} {after:>8.1f} {bound:>8.2f}  "
-                  + "  ".join(f"{ms[k]:>10.2f} {bound / ms[k]:>7.0%}" for k in kernels))
-    finally:
-        P.s8_vnni_rows(default)
+          + "  ".join(f"{k + ' ms':>10} {'x bound':>7}" for k in KERNELS))
+    for r in range(a.rounds):
+        before = read_bandwidth_gbs(a.threads)
+        ms = {k: 1e3 * t for k, t in in_turn(r, timed).items()}
+        after = read_bandwidth_gbs(a.threads)
+        bound = 1e3 * nbytes / (max(before, after) * 1e9)  # at the faster reading: the stricter bound
+        print(f"{r:>5} {before:>9.1f} {after:>8.1f} {bound:>8.2f}  "
+              + "  ".join(f"{ms[k]:>10.2f} {bound / ms[k]:>7.0%}" for k in KERNELS))
     print("(bw: GB/s read by numpy's sum on --threads threads; bound: the chain's bytes at the higher reading; "
           "x bound: how near the products run to it)")
     return 0
@@ -107,7 +113,6 @@ def main(argv=None) -> int:
 
 def generate_rounds(a) -> int:
     """The two kernels in turn under the whole model's greedy generate()."""
-    from opt_serving.backend.cpu import products as P
     from opt_serving.models import get_model
 
     t0 = time.perf_counter()
@@ -124,20 +129,12 @@ def generate_rounds(a) -> int:
             times.append(time.perf_counter() - t)
         return a.rows * 64 / min(times)
 
-    kernels = {"oneDNN": 0, "s8_vnni": 1}
-    default = P.s8_vnni_rows()
     model.generate(ids, max_new_tokens=64, min_new_tokens=64, do_sample=False)  # compiled
-    print(f"{'round':>5}  " + "  ".join(f"{k:>9}" for k in kernels) + "  s8_vnni / oneDNN")
-    try:
-        for r in range(a.rounds):
-            rate = {}
-            for name, rows in (kernels.items() if r % 2 == 0 else reversed(kernels.items())):
-                P.s8_vnni_rows(rows)
-                rate[name] = best_rate()
-            print(f"{r:>5}  " + "  ".join(f"{rate[k]:>9.1f}" for k in kernels)
-                  + f"  {rate['s8_vnni'] / rate['oneDNN']:>16.3f}")
-    finally:
-        P.s8_vnni_rows(default)
+    print(f"{'round':>5}  " + "  ".join(f"{k:>9}" for k in KERNELS) + "  s8_vnni / oneDNN")
+    for r in range(a.rounds):
+        rate = in_turn(r, best_rate)
+        print(f"{r:>5}  " + "  ".join(f"{rate[k]:>9.1f}" for k in KERNELS)
+              + f"  {rate['s8_vnni'] / rate['oneDNN']:>16.3f}")
     return 0
 
 
