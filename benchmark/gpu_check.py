@@ -280,6 +280,8 @@ def section_model(run: Run) -> None:
     dev = torch_device()
     tdt = getattr(torch, dtype)
     base = dict(section="model", size=size, dtype=dtype, device=device_name())
+    if a.quantize:
+        base["quantize"] = a.quantize
     rng = np.random.default_rng(0)
     compiles = Compiles()
 
@@ -305,7 +307,12 @@ def section_model(run: Run) -> None:
     theirs = torch_logits()
 
     t0 = time.perf_counter()
-    ours = Generation.of(wrapper.OPTModel(cfg, params_from_torch(cfg, hf, dtype)))
+    if a.quantize:  # int8 weights (the same numbers as get_model(quantize="int8")'s), activations in `dtype`
+        from opt_serving.model.quantize import quantize_params
+        ours = Generation.of(wrapper.OPTModel(cfg, quantize_params(params_from_torch(cfg, hf, dtype)),
+                                              weights=a.quantize))
+    else:
+        ours = Generation.of(wrapper.OPTModel(cfg, params_from_torch(cfg, hf, dtype)))
     jax.block_until_ready(ours.fused_params)
     run.write(**base, check="jax_load_s", value=round(time.perf_counter() - t0, 2),
               param_bytes=tree_bytes(ours.fused_params), memory=jax_memory())
@@ -323,10 +330,19 @@ def section_model(run: Run) -> None:
     def prompts(b):
         return rng.integers(4, cfg.vocab_size, (b, p)).astype(np.int32)
 
-    # Hugging Face generate() (eager, SDPA): nothing to compile, a short warm-up call
+    # Hugging Face generate() (eager, SDPA): nothing to compile, a short warm-up call. Not beside int8 weights:
+    # HF's are float, timed in the float section
+    if a.quantize:
+        hf = None
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+        batches_hf = []
+    else:
+        batches_hf = batches
     with torch.no_grad():
-        hf.generate(torch.tensor(prompts(1), device=dev), max_new_tokens=4, do_sample=False, pad_token_id=PAD)
-    for b in batches:
+        if hf is not None:
+            hf.generate(torch.tensor(prompts(1), device=dev), max_new_tokens=4, do_sample=False, pad_token_id=PAD)
+    for b in batches_hf:
         run.check(10, f"hf generate batch {b}")
         x = torch.tensor(prompts(b), device=dev)
         times = []
@@ -376,7 +392,7 @@ def section_model(run: Run) -> None:
         full = jax.eval_shape(lambda: stage._new_cache(max(batches), stage.windows[-1]))  # the largest window's
         run.write(**base, check="memory", engine_cache_bytes=tree_bytes(full), param_bytes=tree_bytes(ours.fused_params),
                   memory=jax_memory(), torch_allocated=torch.cuda.memory_allocated() if dev == "cuda" else None,
-                  **planner_estimate(cfg, size, dtype, max(batches), a.max_seq_len))
+                  **planner_estimate(cfg, size, dtype, max(batches), a.max_seq_len, a.quantize or "float32"))
     finally:
         engine.close()
     del engine, slots
@@ -402,12 +418,12 @@ def section_model(run: Run) -> None:
     run.write(**base, check="memory_end", memory=jax_memory())
 
 
-def planner_estimate(cfg, size: str, dtype: str, batch: int, max_seq_len: int) -> dict:
+def planner_estimate(cfg, size: str, dtype: str, batch: int, max_seq_len: int, weights: str = "float32") -> dict:
     """What the planner counts for one device holding the whole model (pp = tp = 1) at this batch and context."""
     from opt_serving.parallel import cluster, planner
     plan = planner.best_plan(cfg, cluster.cluster_from_jax(), model=f"jax/opt-{size}", batch_size=batch,
                              max_seq_len=max_seq_len, dtype=dtype, tensor_parallel=1, pipeline_parallel=1,
-                             data_parallel=1)
+                             data_parallel=1, weights=weights)
     st = plan.stages[0]
     return {"plan_param_bytes": st.param_bytes, "plan_kv_bytes": st.kv_bytes, "plan_act_bytes": st.act_bytes,
             "plan_memory_bytes": st.memory_bytes, "plan_limit_bytes": plan.memory_limit}
@@ -458,15 +474,15 @@ def section_report(run: Run) -> None:
     speed: dict = {}
     for r in rows:
         if r.get("section") in ("model", "compile") and r.get("check", "").endswith("tokens_per_s"):
-            speed.setdefault((r["size"], r["dtype"], r["batch"]), {})[r["check"]] = r.get("value", r.get("error"))
+            speed.setdefault((r["size"], label(r), r["batch"]), {})[r["check"]] = r.get("value", r.get("error"))
         elif r.get("check") == "logits":
-            print(f"  {r['size']:>5} {r['dtype']:<9} logits vs torch float32: jax rel {r['jax_rel_err']:.2e} "
+            print(f"  {r['size']:>5} {label(r):<9} logits vs torch float32: jax rel {r['jax_rel_err']:.2e} "
                   f"(top-1 {r['jax_top1']:.3f}), torch rel {r['torch_rel_err']:.2e} (top-1 {r['torch_top1']:.3f}), "
                   f"jax vs torch {r['jax_vs_torch']:.2e}")
         elif r.get("check") == "memory":
             gb = lambda x: f"{x / 2 ** 30:.2f}"  # noqa: E731
             m = r.get("memory", {})
-            print(f"  {r['size']:>5} {r['dtype']:<9} memory GiB: params {gb(r['param_bytes'])} (plan "
+            print(f"  {r['size']:>5} {label(r):<9} memory GiB: params {gb(r['param_bytes'])} (plan "
                   f"{gb(r['plan_param_bytes'])}), engine KV {gb(r['engine_cache_bytes'])} (plan {gb(r['plan_kv_bytes'])}),"
                   f" in use {gb(m.get('bytes_in_use', 0))}, peak {gb(m.get('peak_bytes_in_use', 0))} (plan total "
                   f"{gb(r['plan_memory_bytes'])} + act)")
@@ -482,6 +498,11 @@ def section_report(run: Run) -> None:
     stops = [r for r in rows if r.get("check") == "stopped"]
     for r in stops:
         print(f"  stopped: {r.get('what')}")
+
+
+def label(r: dict) -> str:
+    """A row's weights: its dtype, and "+int8" where the weights were int8."""
+    return r["dtype"] + (f"+{r['quantize']}" if r.get("quantize") else "")
 
 
 def fmt(x) -> str:
@@ -506,6 +527,8 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--logit-len", type=int, default=64)
     p.add_argument("--max-seq-len", type=int, default=256)
+    p.add_argument("--quantize", choices=["int8"], default=None,
+                   help="model: int8 weights (model/quantize.py) beside activations in --dtype")
     p.add_argument("--reps", type=int, default=1, help="timed runs after the first (compiling) one")
     p.add_argument("--engine-reps", type=int, default=2, help="the engine's timed runs after the first")
     args = p.parse_args(argv)
@@ -513,7 +536,8 @@ def main(argv=None) -> int:
     try:
         SECTIONS[args.section](run)
     except Deadline as e:
-        run.write(section=args.section, check="stopped", what=f"{args.section} {args.size} {args.dtype}: {e}")
+        run.write(section=args.section, check="stopped", what=f"{args.section} {args.size} {args.dtype}"
+                  f"{'+' + args.quantize if args.quantize else ''}: {e}")
         return 3
     return 0
 

@@ -10,8 +10,9 @@
 # Needs JAX (with its CUDA plugin on a GPU), Flax, torch and transformers; not Ray, FastAPI or our C extensions.
 # Settings (environment): GPU_CHECK_BUDGET_S (default 450), GPU_CHECK_SIZES, GPU_CHECK_DTYPES, GPU_CHECK_ARGS
 # (passed to every model section), GPU_CHECK_MODEL_CAP_S (default 100: the most one model section may take),
-# GPU_CHECK_TINY_CAP_S (default 90),
-# PYTHON, OUT (results folder; default /tmp/gpu_check).
+# GPU_CHECK_TINY_CAP_S (default 90; 0: no tiny section), GPU_CHECK_WEIGHTS (default "float": each size's weights in its dtype;
+# "float int8" adds int8 weights beside activations in that dtype), GPU_CHECK_COMPILE (default 1; 0: no HF
+# torch.compile section), PYTHON, OUT (results folder; default /tmp/gpu_check).
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -59,15 +60,21 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,dri
 # each model section gets at most its share of what is left, so a slow one leaves the others their turn
 MODEL_CAP=${GPU_CHECK_MODEL_CAP_S:-100}
 section 60 env
-section "${GPU_CHECK_TINY_CAP_S:-90}" tiny
+[ "${GPU_CHECK_TINY_CAP_S:-90}" = 0 ] || section "${GPU_CHECK_TINY_CAP_S:-90}" tiny
 for dtype in $DTYPES; do
   for size in $SIZES; do
-    # shellcheck disable=SC2086
-    section "$MODEL_CAP" model --size "$size" --dtype "$dtype" $ARGS
+    for weights in ${GPU_CHECK_WEIGHTS:-float}; do
+      quant=""
+      [ "$weights" = float ] || quant="--quantize $weights"
+      # shellcheck disable=SC2086
+      section "$MODEL_CAP" model --size "$size" --dtype "$dtype" $quant $ARGS
+    done
   done
 done
 first_size=${SIZES%% *}
 first_dtype=${DTYPES%% *}
-# shellcheck disable=SC2086
-section "$MODEL_CAP" compile --size "$first_size" --dtype "$first_dtype" $ARGS
+if [ "${GPU_CHECK_COMPILE:-1}" != 0 ]; then
+  # shellcheck disable=SC2086
+  section "$MODEL_CAP" compile --size "$first_size" --dtype "$first_dtype" $ARGS
+fi
 "$PY" benchmark/gpu_check.py report --out "$RESULTS"

@@ -16,6 +16,7 @@ def test_the_gpu_check_passes_on_the_cpu(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": os.environ.get("PYTHON", _python()),
            "GPU_CHECK_REHEARSAL": "1", "GPU_CHECK_SIZES": "tiny", "GPU_CHECK_DTYPES": "float16",
            "GPU_CHECK_BUDGET_S": "1100", "GPU_CHECK_MODEL_CAP_S": "500", "GPU_CHECK_TINY_CAP_S": "500",
+           "GPU_CHECK_WEIGHTS": "float int8",
            "GPU_CHECK_ARGS": "--batches 1,2 --new-tokens 4 --prompt-len 8 --logit-len 8 --max-seq-len 32 "
                              "--engine-reps 1"}
     r = subprocess.run(["bash", str(ROOT / "benchmark" / "gpu_check.sh")], env=env, capture_output=True, text=True,
@@ -27,14 +28,21 @@ def test_the_gpu_check_passes_on_the_cpu(tmp_path):
     for model in ("tiny", "tiny-post-ln"):  # the pre-LN shape and OPT-350m's
         for check in ("greedy_tokens_equal_hf", "beam_tokens_equal_hf", "engine_tokens_equal_generate"):
             assert tiny[(model, check)]["ok"] is True, (model, check)
-    logits = next(row for row in rows if row.get("check") == "logits")
-    assert logits["jax_rel_err"] < 2 * logits["torch_rel_err"] + 1e-4  # float16: ours within torch's own error
-    speeds = {(row["check"], row["batch"]): row["value"] for row in rows if row.get("check", "").endswith("_per_s")}
-    for check in ("hf_generate_tokens_per_s", "jax_generate_tokens_per_s", "engine_tokens_per_s"):
-        assert all(speeds[(check, b)] > 0 for b in (1, 2)), check
-    memory = next(row for row in rows if row.get("check") == "memory")
-    assert memory["param_bytes"] == memory["plan_param_bytes"]  # the planner counts the weights we hold
-    assert "our engine" in r.stdout and "tiny float16" in r.stdout  # the report's table
+    logits = {row.get("quantize"): row for row in rows if row.get("check") == "logits"}
+    assert logits[None]["jax_rel_err"] < 2 * logits[None]["torch_rel_err"] + 1e-4  # float16: within torch's error
+    # int8 weights beside float16 activations: a scale per output channel moves the logits by percents, not more
+    assert logits[None]["jax_rel_err"] < logits["int8"]["jax_rel_err"] < 0.1
+    speeds = {(row.get("quantize"), row["check"], row["batch"]): row["value"] for row in rows
+              if row.get("check", "").endswith("_per_s")}
+    for weights, checks in ((None, ("hf_generate_tokens_per_s", "jax_generate_tokens_per_s", "engine_tokens_per_s")),
+                            ("int8", ("jax_generate_tokens_per_s", "engine_tokens_per_s"))):
+        for check in checks:
+            assert all(speeds[(weights, check, b)] > 0 for b in (1, 2)), (weights, check)
+    memory = {row.get("quantize"): row for row in rows if row.get("check") == "memory"}
+    for row in memory.values():
+        assert row["param_bytes"] == row["plan_param_bytes"]  # the planner counts the weights we hold
+    assert memory["int8"]["param_bytes"] < memory[None]["param_bytes"]
+    assert "our engine" in r.stdout and "tiny float16 " in r.stdout and "tiny float16+int8" in r.stdout
 
 
 def test_the_engine_probe_compares_admissions_on_the_cpu(tmp_path):

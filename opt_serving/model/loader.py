@@ -71,6 +71,10 @@ def _weights_format(dtype, quantize: str | None) -> tuple[jnp.dtype, str]:
     than float32: said once, at load)."""
     if quantize:
         check_quantize_dtype(quantize, dtype)
+        if jax.default_backend() != "cpu":  # said once, at load: what int8 buys there and what it costs
+            log.info("int8 weights on %s hold about half of float16's bytes, but XLA widens them at each product: "
+                     "decode runs slower than float16 weights (benchmark/README.md, the GPU section)",
+                     jax.default_backend())
         return dtype, quantize
     if dtype != jnp.bfloat16 or jax.default_backend() != "cpu":
         return dtype, "float32"

@@ -78,11 +78,12 @@ def quantize_params(params: dict) -> dict:
     out = dict(params)
     for path in list(dense_paths(params, "kernel")):
         node = fresh_at(out, path)
-        q, scale = quantize_rows(np.asarray(node.pop("kernel"), np.float32).T)  # [out, in]
+        # [out, in], transposed where the kernel lies (a device's copy arrives in rows) and widened a block at a time
+        q, scale = quantize_rows(np.asarray(node.pop("kernel").T))
         node["qkernel"], node["scale"] = jax.device_put(np.ascontiguousarray(q.T)), jax.device_put(scale)
     if "embed_tokens" in params:
         embedding = params["embed_tokens"]["embedding"]
-        q, scale = quantize_rows(np.asarray(embedding, np.float32))
+        q, scale = quantize_rows(np.asarray(embedding))
         out["embed_tokens"] = {"embedding": jax.device_put(dequantize_rows(q, scale, embedding.dtype))}
         out["lm_head"] = {"qkernel": jax.device_put(np.ascontiguousarray(q.T)), "scale": jax.device_put(scale)}
     return out
