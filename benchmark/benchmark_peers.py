@@ -56,6 +56,7 @@ CTranslate2 is a benchmark-only dependency: nothing in opt_serving imports it.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -528,7 +529,7 @@ class Side:
         self.log.close()
 
 
-KEEP = ("runs", "seconds", "median", "cores", "others_cores", "disturbed")
+KEEP = ("runs", "seconds", "median", "cores", "others_cores", "disturbed", "bandwidth")
 
 
 def make_prompts(batch: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -556,14 +557,20 @@ def start_sides(kinds, paths, dtype, args, log_dir) -> dict:
     return sides
 
 
-def measure(sides: dict, ids, new: int, args, label: str, unit_tokens: int) -> dict:
-    """Warm-up calls per side, then `reps` rounds ABAB...; -> {kind: {"runs": [tokens/s], "out": last output}}."""
+def measure(sides: dict, ids, new: int, args, label: str, unit_tokens: int, bandwidth: bool = False) -> dict:
+    """Warm-up calls per side, then `reps` rounds ABAB...; -> {kind: {"runs": [tokens/s], "out": last output}}.
+    `bandwidth`: the read bandwidth before each round as well ({kind: {"bandwidth": [GB/s]}}), for a batch-1 row's
+    bound: it moves too much between minutes here for one reading to stand for a row's runs."""
     res = {k: {"runs": [], "seconds": [], "cores": [], "others_cores": [], "out": None} for k in sides}
     for kind, side in sides.items():
         for i in range(args.warmup):
             dt, res[kind]["out"] = side.call(ids, new)
             print(f"  {label} {side.name}: warm-up {i + 1}/{args.warmup}: {dt:.3f} s", flush=True)
+    readings = []
     for rep in range(args.reps):
+        if bandwidth:
+            readings.append(read_bandwidth_gbs(args.threads, reps=3))
+            print(f"  {label}: read bandwidth {readings[-1]:.1f} GB/s", flush=True)
         for kind, side in sides.items():
             time.sleep(args.pause)
             if args.wait_quiet is not None:
@@ -582,6 +589,7 @@ def measure(sides: dict, ids, new: int, args, label: str, unit_tokens: int) -> d
         r["disturbed"] = [x is not None and x > limit for x in r["others_cores"]]
         clean = [v for v, d in zip(r["runs"], r["disturbed"]) if not d]
         r["median"] = statistics.median(clean or r["runs"]) if r["runs"] else None
+        r["bandwidth"] = readings
     return res
 
 
@@ -699,7 +707,7 @@ def read_bandwidth_gbs(threads: int, gib: float = 1.0, reps: int = 5) -> float:
     import threading
 
     import numpy as np
-    a = np.ones(int(gib * 2**30) // 8, np.int64)
+    a = _ones(int(gib * 2**30) // 8)
     parts = np.array_split(a, threads)
     best = float("inf")
     for _ in range(reps):
@@ -711,6 +719,13 @@ def read_bandwidth_gbs(threads: int, gib: float = 1.0, reps: int = 5) -> float:
             t.join()
         best = min(best, time.perf_counter() - t0)
     return a.nbytes / best / 1e9
+
+
+@functools.cache
+def _ones(n: int):
+    """The array read_bandwidth_gbs reads, made once (its pages written, so reads measure memory)."""
+    import numpy as np
+    return np.ones(n, np.int64)
 
 
 def weight_bytes_per_token(cfg: dict, dtype: str) -> float:
@@ -726,10 +741,15 @@ def bandwidth_lines(rows: list[dict], cfg: dict, threads: int) -> list[str]:
     ones = [r for r in rows if r.get("batch") == 1]
     if not ones:
         return []
-    bw = read_bandwidth_gbs(threads)
-    out = [f"Batch 1 against reading the weights once a token at this machine's read bandwidth ({bw:.1f} GB/s, "
-           f"{threads} threads, measured now):"]
+    out = [f"Batch 1 against reading the weights once a token at this machine's read bandwidth ({threads} threads; "
+           "the median of the readings taken between the row's rounds of runs):"]
     for r in ones:
+        readings = next((r[k]["bandwidth"] for k in SIDES if r.get(k) and r[k].get("bandwidth")), None)
+        if not readings:
+            readings = [read_bandwidth_gbs(threads)]
+        bw = statistics.median(readings)
+        out.append(f"  {r['dtype']}: read bandwidth {bw:.1f} GB/s (readings "
+                   f"{', '.join(f'{x:.1f}' for x in readings)})")
         limit = bw * 1e9 / weight_bytes_per_token(cfg, r["dtype"])
         sides = ", ".join(f"{SIDES[k]} {r[k]['median']:.1f} ({r[k]['median'] / limit:.0%})"
                           for k in SIDES if r.get(k) and r[k]["median"])
@@ -774,7 +794,8 @@ def main(argv=None) -> dict:
             else:
                 for b in args.batch_sizes:
                     ids = make_prompts(b, args.prompt_len, vocab_size, args.seed)
-                    res = measure(sides, ids, args.gen_len, args, f"{dtype} batch {b}", unit_tokens=b * args.gen_len)
+                    res = measure(sides, ids, args.gen_len, args, f"{dtype} batch {b}", unit_tokens=b * args.gen_len,
+                                  bandwidth=b == 1)
                     row = {"dtype": dtype, "batch": b,
                            **{k: {kk: v[kk] for kk in KEEP} for k, v in res.items()}}
                     if "ours" in res and "ct2" in res:

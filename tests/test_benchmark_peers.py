@@ -132,3 +132,18 @@ def test_measure_interleaves_and_leaves_disturbed_calls_out(bp):
     assert res["ours"]["runs"] == [4.0, 4.0, 2.0] and res["ours"]["disturbed"] == [False, True, False]
     assert res["ours"]["median"] == 3.0  # of the two undisturbed calls
     assert res["ct2"]["runs"] == [2.0, 1.0, 2.0] and res["ct2"]["median"] == 2.0
+
+
+def test_batch_one_is_held_against_the_bandwidth_read_between_its_runs(bp, monkeypatch):
+    monkeypatch.setattr(bp, "read_bandwidth_gbs", lambda *a, **k: pytest.fail("a reading taken after the runs"))
+    cfg = {"hidden_size": 4, "ffn_dim": 8, "num_hidden_layers": 2, "vocab_size": 10}
+    per_token = bp.weight_bytes_per_token(cfg, "int8")
+    assert per_token == 2 * (4 * 4 * 4 + 2 * 4 * 8) + 10 * 4  # every layer's four matrices and the head, a byte each
+    readings = [30.0, 40.0, 35.0]  # GB/s, one before each round: the median, 35, sets the bound
+    limit = 35e9 / per_token
+    row = {"dtype": "int8", "batch": 1, "ours": {"median": 0.8 * limit, "bandwidth": readings},
+           "ct2": {"median": 0.25 * limit, "bandwidth": readings}}
+    lines = bp.bandwidth_lines([row, {"dtype": "int8", "batch": 16}], cfg, threads=2)
+    assert "read bandwidth 35.0 GB/s (readings 30.0, 40.0, 35.0)" in lines[1], lines
+    assert f"at most {limit:.1f} tokens/s" in lines[2] and "(80%)" in lines[2] and "(25%)" in lines[2], lines
+    assert len(lines) == 3  # batch 16 has no bound here
