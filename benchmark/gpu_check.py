@@ -330,19 +330,17 @@ def section_model(run: Run) -> None:
     def prompts(b):
         return rng.integers(4, cfg.vocab_size, (b, p)).astype(np.int32)
 
-    # Hugging Face generate() (eager, SDPA): nothing to compile, a short warm-up call. Not beside int8 weights:
-    # HF's are float, timed in the float section
+    # Hugging Face generate() (eager, SDPA): nothing to compile, a short warm-up call. Beside int8 weights none:
+    # HF's are float, timed in the float section, and its copy goes back to the card
+    hf_batches = batches
     if a.quantize:
-        hf = None
+        hf, hf_batches = None, []
         if dev == "cuda":
             torch.cuda.empty_cache()
-        batches_hf = []
-    else:
-        batches_hf = batches
-    with torch.no_grad():
-        if hf is not None:
+    if hf_batches:
+        with torch.no_grad():
             hf.generate(torch.tensor(prompts(1), device=dev), max_new_tokens=4, do_sample=False, pad_token_id=PAD)
-    for b in batches_hf:
+    for b in hf_batches:
         run.check(10, f"hf generate batch {b}")
         x = torch.tensor(prompts(b), device=dev)
         times = []

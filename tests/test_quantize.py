@@ -49,6 +49,24 @@ def test_rows_are_quantized_symmetrically_per_output_channel():
         quantize.quantize_rows(np.array([[1.0, np.nan]], np.float32))
 
 
+def test_rows_in_blocks_on_threads_are_the_whole_matrixs_numbers(monkeypatch):
+    """Blocks of rows quantized on the pool's threads: the same numbers as the matrix quantized at once, and a
+    bad value in any block (the last one here) named."""
+    from opt_serving.model.sources import Drawn, tensor_key
+    w = (np.random.default_rng(1).standard_normal((203, 48)) * 0.02).astype(np.float16)
+    monkeypatch.setattr(quantize, "_ELEMENTS_PER_BLOCK", 48 * 10)  # 21 blocks of 10 rows, the last of 3
+    q, scale = quantize.quantize_rows(w)
+    w32 = w.astype(np.float32)
+    want_scale = (np.abs(w32).max(1) / np.float32(127.0)).astype(np.float32)
+    assert np.array_equal(scale, want_scale)
+    assert np.array_equal(q, np.clip(np.rint(w32 / want_scale[:, None]), -127, 127).astype(np.int8))
+    drawn = Drawn(tensor_key(3, "w"), (203, 48), 0.02)  # drawn a block at a time, as a stage draws its weights
+    assert all(np.array_equal(a, b) for a, b in zip(quantize.quantize_rows(drawn), quantize.quantize_rows(drawn[:])))
+    w32[201, 5] = np.inf
+    with pytest.raises(ValueError, match="NaN or infinity"):
+        quantize.quantize_rows(w32)
+
+
 @pytest.mark.parametrize("cfg", [PRE_LN, POST_LN], ids=["pre_ln", "post_ln_350m"])
 @pytest.mark.parametrize("kernels", [True, False], ids=["packed", "xla"])
 def test_int8_logits_within_their_measured_bound(cfg, kernels):

@@ -16,6 +16,8 @@ A quantized numpy folder is Alpa's layout with each quantized weight file holdin
 """
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import json
 import os
 from pathlib import Path
@@ -26,12 +28,15 @@ import numpy as np
 from opt_serving.backend.tree import dense_paths, fresh_at
 from opt_serving.config import OPTConfig
 from opt_serving.model import weights
+from opt_serving.settings import Settings
 
 INT8 = "int8"
 CHOICES = (INT8,)
 SCALE_SUFFIX = ".scale"
 MARKER = "quantization.json"
-_ROWS_PER_CHUNK = 4096  # rows quantized at a time: a 175B embedding is never held twice in float32
+# a block of rows quantized at a time (16 MB of float32, whatever the width): a weight is never held twice in
+# float32, and a block stays in cache between its passes; the blocks go to one thread per CPU
+_ELEMENTS_PER_BLOCK = 1 << 22
 
 
 def check_choice(quantize: Optional[str]) -> Optional[str]:
@@ -50,20 +55,33 @@ def quantized_names(cfg: OPTConfig) -> list[str]:
 
 def quantize_rows(w) -> tuple[np.ndarray, np.ndarray]:
     """w [out, in] (any float dtype; anything with a shape whose row slices give arrays: a memory-mapped file, a
-    random matrix drawn as it is read) -> (int8 [out, in], float32 scale [out]), a block of rows at a time."""
+    random matrix drawn as it is read) -> (int8 [out, in], float32 scale [out]), blocks of rows at a time, on
+    every CPU this process may use (each block's rows are quantized on their own: the same numbers)."""
     if not hasattr(w, "shape"):
         w = np.asarray(w)
     q = np.empty(w.shape, np.int8)
     scale = np.empty(w.shape[0], np.float32)
-    for r0 in range(0, w.shape[0], _ROWS_PER_CHUNK):
-        block = np.asarray(w[r0:r0 + _ROWS_PER_CHUNK], np.float32)
+    rows = max(1, _ELEMENTS_PER_BLOCK // max(1, w.shape[1]))
+
+    def block_at(r0: int) -> None:
+        block = np.asarray(w[r0:r0 + rows], np.float32)
         if not np.isfinite(block).all():
             raise ValueError("cannot quantize a weight holding NaN or infinity")
         top = np.abs(block).max(axis=1)
         s = np.where(top > 0, top / 127.0, 1.0).astype(np.float32)
         q[r0:r0 + len(block)] = np.clip(np.rint(block / s[:, None]), -127, 127)
         scale[r0:r0 + len(block)] = s
+
+    for _ in _pool(os.getpid()).map(block_at, range(0, w.shape[0], rows)):  # raises the first block's error
+        pass
     return q, scale
+
+
+@functools.cache
+def _pool(pid: int) -> concurrent.futures.ThreadPoolExecutor:
+    """quantize_rows' threads (numpy lets go of the GIL over a block's passes); one pool a process, by pid: a
+    forked child has none of its parent's threads."""
+    return concurrent.futures.ThreadPoolExecutor(Settings.from_env().threads(), thread_name_prefix="quantize")
 
 
 def dequantize_rows(q, scale, dtype=np.float32) -> np.ndarray:
