@@ -215,11 +215,22 @@ def _draw_block_fn(rows: int, blocks: int, dtype: str):
     return jax.jit(draw)
 
 
+def _transposed(host) -> bool:
+    """Is `host` a numpy matrix whose transpose is contiguous (a transposed view of a file or an array)?"""
+    return (isinstance(host, np.ndarray) and host.ndim == 2 and not host.flags.c_contiguous
+            and host.T.flags.c_contiguous)
+
+
+_transpose = jax.jit(jnp.transpose)
+
+
 def put(host, sharding, dtype=None) -> jax.Array:
     """A host array (a memory-mapped view, a transposed view) on `sharding`, each device copying only its
     slice, cast to `dtype` as it is copied; None: the default device."""
     cast = np.dtype(jnp.dtype(dtype)) if dtype is not None else host.dtype
     if sharding is None:
+        if _transposed(host):  # a checkpoint's [out, in] as [in, out]: copied as it lies, turned by XLA (tiled,
+            return _transpose(jax.device_put(np.asarray(host.T, dtype=cast)))  # several times numpy's strided copy)
         return jax.device_put(np.ascontiguousarray(host, dtype=cast))
     return jax.make_array_from_callback(host.shape, sharding,
                                         lambda idx: np.ascontiguousarray(host[idx], dtype=cast))
