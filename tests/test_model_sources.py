@@ -138,3 +138,19 @@ def test_tensor_parallel_devices_draw_their_slices_of_the_one_device_draw(tp):
     model = get_model("alpa/opt-tiny", dummy=True, seed=11, tensor_parallel=tp, pipeline_parallel=1)
     one = get_model("jax/opt-tiny", dummy=True, seed=11)
     np.testing.assert_allclose(np.asarray(model(IDS, MASK)), np.asarray(one(IDS, MASK)), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [None, "float32"])
+def test_a_transposed_view_is_put_on_one_device_as_its_numbers(tmp_path, dtype):
+    """put() of a checkpoint's [out, in] matrix as [in, out] (a transposed view of a memory-mapped file, of an int8
+    array), turned on the device: the same numbers as numpy's copy, in the asked dtype."""
+    from opt_serving.model.sources import put
+    rng = np.random.default_rng(0)
+    mapped = np.lib.format.open_memmap(tmp_path / "w.npy", mode="w+", dtype=np.float16, shape=(300, 70))
+    mapped[:] = rng.standard_normal((300, 70))
+    q = rng.integers(-127, 128, (130, 90)).astype(np.int8)
+    for host in (mapped.T, q.T, q[:, :40].T):  # the last: a strided view, copied by numpy as before
+        got = put(host, None, dtype)
+        want = np.ascontiguousarray(host, dtype=np.dtype(dtype) if dtype else host.dtype)
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert np.array_equal(np.asarray(got), want)
