@@ -31,7 +31,7 @@ def test_in_8_device_subprocess():
     if MULTI:
         pytest.skip("already the child")
     out = rerun_with_8_devices(__file__)
-    assert "7 passed, 1 skipped" in out, out[-2000:]
+    assert "9 passed, 1 skipped" in out, out[-2000:]
 
 
 def test_each_tensor_has_its_own_numbers_from_the_seed():
