@@ -745,8 +745,8 @@ def bandwidth_lines(rows: list[dict], cfg: dict, threads: int) -> list[str]:
            "the median of the readings taken between the row's rounds of runs):"]
     for r in ones:
         readings = next((r[k]["bandwidth"] for k in SIDES if r.get(k) and r[k].get("bandwidth")), None)
-        if not readings:
-            readings = [read_bandwidth_gbs(threads)]
+        if not readings:  # no side ran this row
+            continue
         bw = statistics.median(readings)
         out.append(f"  {r['dtype']}: read bandwidth {bw:.1f} GB/s (readings "
                    f"{', '.join(f'{x:.1f}' for x in readings)})")

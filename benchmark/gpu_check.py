@@ -307,12 +307,12 @@ def section_model(run: Run) -> None:
     theirs = torch_logits()
 
     t0 = time.perf_counter()
+    params = params_from_torch(cfg, hf, dtype)
     if a.quantize:  # int8 weights (the same numbers as get_model(quantize="int8")'s), activations in `dtype`
         from opt_serving.model.quantize import quantize_params
-        ours = Generation.of(wrapper.OPTModel(cfg, quantize_params(params_from_torch(cfg, hf, dtype)),
-                                              weights=a.quantize))
-    else:
-        ours = Generation.of(wrapper.OPTModel(cfg, params_from_torch(cfg, hf, dtype)))
+        params = quantize_params(params)
+    ours = Generation.of(wrapper.OPTModel(cfg, params, weights=a.quantize or "float32"))
+    del params
     jax.block_until_ready(ours.fused_params)
     run.write(**base, check="jax_load_s", value=round(time.perf_counter() - t0, 2),
               param_bytes=tree_bytes(ours.fused_params), memory=jax_memory())

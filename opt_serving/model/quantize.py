@@ -98,12 +98,12 @@ def quantize_params(params: dict) -> dict:
         node = fresh_at(out, path)
         # [out, in], transposed where the kernel lies (a device's copy arrives in rows) and widened a block at a time
         q, scale = quantize_rows(np.asarray(node.pop("kernel").T))
-        node["qkernel"], node["scale"] = jax.device_put(np.ascontiguousarray(q.T)), jax.device_put(scale)
+        node["qkernel"], node["scale"] = jax.device_put(q).T, jax.device_put(scale)  # turned on the device
     if "embed_tokens" in params:
         embedding = params["embed_tokens"]["embedding"]
         q, scale = quantize_rows(np.asarray(embedding))
         out["embed_tokens"] = {"embedding": jax.device_put(dequantize_rows(q, scale, embedding.dtype))}
-        out["lm_head"] = {"qkernel": jax.device_put(np.ascontiguousarray(q.T)), "scale": jax.device_put(scale)}
+        out["lm_head"] = {"qkernel": jax.device_put(q).T, "scale": jax.device_put(scale)}
     return out
 
 
