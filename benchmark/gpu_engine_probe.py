@@ -192,8 +192,7 @@ def admission(a, cfg, ours, write, left, rng) -> int:
     variants = {"a CPU's join blocks": cpu_blocks, "a GPU's join blocks": gpu_blocks, "no joining": None}
     try:
         for name, blocks in variants.items():
-            slots.join_blocks = blocks or gpu_blocks
-            slots.join_tokens = slots.join_blocks[-1]
+            slots.use_join_blocks(blocks or gpu_blocks)
             if blocks is None:
                 slots.joins_steps = False
             for b in batches:

@@ -65,6 +65,15 @@ def hf_model(cfg, seed=0):
     return model
 
 
+def xla_slots(cfg, params, **kwargs):
+    """The engine's slot model over `params` on plain XLA, as on a GPU or a tensor-parallel mesh: no ragged steps
+    (short prompts join steps whole, longer ones are prefilled in chunks of their own); `kwargs`: local_slots'."""
+    from opt_serving.backend import Backend
+    from opt_serving.model.layout import fuse_qkv_on_one_device
+    from opt_serving.runner.load import local_slots
+    return local_slots(cfg, fuse_qkv_on_one_device(params), backend=Backend.xla(), **kwargs)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def cpu_kernels_run_on_the_cpu(request):
     """A module marked `pytestmark = pytest.mark.cpu_kernels` tests the CPU kernels, which switch themselves off

@@ -412,6 +412,71 @@ def test_decode_attention_reads_only_the_written_entries(d, n, cache):
     np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5)
 
 
+def ragged_reference(q, k, v, rows, ends, pool_k, pool_v, ptab, plen):
+    """The ragged step's attention in numpy (float64): query i over entries [0, ends[i]) of row rows[i], a row's
+    first plen entries from its pool blocks."""
+    out, bs = np.zeros(q.shape), pool_k.shape[2]
+    for i, (r, e) in enumerate(zip(rows, ends)):
+        if r >= k.shape[0] or e <= 0:
+            continue
+        keys, values = k[r, :, :e].astype(np.float64), v[r, :, :e].astype(np.float64)  # [H, e, D]
+        for x in range(min(plen[r], e)):
+            keys[:, x], values[:, x] = pool_k[:, ptab[r, x // bs], x % bs], pool_v[:, ptab[r, x // bs], x % bs]
+        s = np.einsum("hd,hed->he", q[i], keys)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        out[i] = np.einsum("he,hed->hd", p / p.sum(-1, keepdims=True), values)
+    return out
+
+
+@needs_kernels
+@pytest.mark.parametrize("cache", ["float32", "bits"])
+@pytest.mark.parametrize("d", [8, 64, 128])
+@pytest.mark.parametrize("portable", [False, True])
+def test_ragged_attention_reads_each_querys_own_row_up_to_its_end(d, cache, portable):
+    """Decode rows (one query each), a prompt's part continuing its row (queries reading one entry more each:
+    causal), a part after a cached prefix read from the pool, and padding, against numpy; entries past each
+    query's end and the row entries a pool prefix stands for are NaN (never read). head_dim 64 and 128 take the
+    AVX-512 code where the CPU has it, others and OPT_SERVING_NO_AVX512 the portable code (in a child)."""
+    if portable:
+        probe = ("import sys; sys.path.insert(0, 'tests'); import test_backend_cpu as t; "
+                 f"t.test_ragged_attention_reads_each_querys_own_row_up_to_its_end({d}, {cache!r}, False)")
+        run_child(probe, OPT_SERVING_NO_AVX512="1")
+        return
+    rng = np.random.default_rng(d)
+    b, h, t, p, bs = 5, 3, 96, 10, 16
+    dtype = jnp.dtype("float32" if cache == "float32" else "bfloat16")
+    k, v = (rng.standard_normal((b, h, t, d)).astype(dtype).astype(np.float32) for _ in range(2))
+    pk, pv = (rng.standard_normal((h, p, bs, d)).astype(dtype).astype(np.float32) for _ in range(2))
+    ptab = rng.integers(0, p, (b, t // bs)).astype(np.int32)
+    plen = np.array([0, 32, 0, 48, 16], np.int32)
+    # decode rows 0-4, a part of row 2 at entries 10..49 (more than a tile of 32), one of row 3 after its
+    # prefix (entries 48..59), padding
+    rows = np.array([0, 1, 2, 3, 4] + [2] * 40 + [3] * 12 + [b, b], np.int32)
+    ends = np.array([7, 40, 10, 48, 1] + list(range(11, 51)) + list(range(49, 61)) + [0, 0], np.int32)
+    q = (0.3 * rng.standard_normal((len(rows), h, d))).astype(np.float32)
+    want = ragged_reference(q, k, v, rows, ends, pk, pv, ptab, plen)
+    longest = np.zeros(b, int)
+    np.maximum.at(longest, rows[rows < b], ends[rows < b])
+    for r in range(b):
+        k[r, :, longest[r]:], v[r, :, longest[r]:] = np.nan, np.nan  # past the row's last query: never read
+        k[r, :, :plen[r]], v[r, :, :plen[r]] = np.nan, np.nan  # read from the pool instead
+    k, v, pk, pv = (a.astype(dtype) for a in (k, v, pk, pv))
+    if cache == "bits":
+        k, v, pk, pv = (a.view(np.uint16) for a in (k, v, pk, pv))
+    got = jax.jit(attention.ragged_attention)(q, k, v, rows, ends, pk, pv, ptab, plen)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_ragged_attention_refuses_a_prefix_that_is_not_whole_blocks():
+    q = np.zeros((1, 1, 8), np.float32)
+    k = np.zeros((1, 1, 32, 8), np.float32)
+    pool = np.zeros((1, 2, 16, 8), np.float32)
+    with pytest.raises(Exception, match="whole pool blocks"):
+        jax.jit(attention.ragged_attention)(q, k, k, np.zeros(1, np.int32), np.ones(1, np.int32), pool, pool,
+                                            np.zeros((1, 2), np.int32), np.array([8], np.int32)).block_until_ready()
+
+
 # ---- _lib.py ----
 
 def run_child(probe: str, drop: tuple = (), **env) -> str:

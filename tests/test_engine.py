@@ -12,6 +12,8 @@ from opt_serving.engine.scheduler import MAX_TOP_LOGPROBS, Engine, EngineClosed,
 from opt_serving.backend.cpu import head
 from opt_serving.model import weights
 from opt_serving.runner.types import JOIN_PROMPTS
+from conftest import xla_slots
+from opt_serving.runner.joins import Part
 
 CFG = OPTConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
                 max_position_embeddings=64)
@@ -310,6 +312,21 @@ def model8(hf):
     return m
 
 
+@pytest.fixture(scope="module")
+def xla_model8(hf):
+    """model8's slots on plain XLA (as on a GPU or a mesh): no ragged steps, short prompts join whole."""
+    m = xla_slots(CFG, weights.params_from_hf_state_dict(CFG, hf.state_dict()), num_slots=8, max_seq_len=MAX_SEQ)
+    m.warmup()
+    return m
+
+
+@pytest.fixture(scope="module")
+def xla_model(hf):
+    m = xla_slots(CFG, weights.params_from_hf_state_dict(CFG, hf.state_dict()), num_slots=3, max_seq_len=MAX_SEQ)
+    m.warmup()
+    return m
+
+
 class CountPasses:
     """Wraps a slot model's prefill passes, recording each pass's number of prompts."""
 
@@ -369,7 +386,7 @@ def test_a_joining_prompt_gets_the_tokens_of_a_prefilled_one(model8):
         model8.insert(other, 5)
         prefix = model8.prefill(prompt, s)
         model8.insert(prefix, 0)
-        assert model8.join(prompt, s, 3)
+        assert model8.join(prompt, s, 3) is not None
         inserted, joined = [prefix.first], []
         try:
             while len(joined) < s.max_tokens:
@@ -386,10 +403,11 @@ def test_a_joining_prompt_gets_the_tokens_of_a_prefilled_one(model8):
         assert len(joined[0].top) == (MAX_TOP_LOGPROBS if s.top_logprobs else 0)
 
 
-def test_what_joins_a_step_and_what_does_not(model8):
-    """A step takes prompts in the smallest block that holds them; a prompt longer than the largest block, one
-    asking for prompt scores, or one over the block's room is refused (prefilled instead); a joined prompt
-    freed before its step never runs."""
+def test_without_ragged_steps_short_prompts_join_whole(xla_model8):
+    """Where steps are not ragged (plain XLA: a GPU, a mesh), a step takes short prompts whole, in the smallest
+    block that holds them; a prompt longer than the largest block, one asking for prompt scores, or one over the
+    block's room is refused (prefilled instead); a joined prompt freed before its step never runs."""
+    model8 = xla_model8
     s = SlotSettings(max_tokens=4)
     assert model8.join_blocks == (8, 16) and model8.join_tokens == 16
     assert not model8.join([2] * 17, s, 0)
@@ -400,7 +418,7 @@ def test_what_joins_a_step_and_what_does_not(model8):
     assert model8.join([2, 9, 9, 9], s, 4)  # 13 tokens...
     assert not model8.join([2, 9, 9, 9], s, 6)  # ... and 17 would not fit
     assert model8.join([2], s, 6)  # a fifth prompt: 14
-    block = model8._block(model8._joins[0])
+    block = model8._block([Part(j, 0, len(j.tokens)) for j in model8.joins.joining(0)])  # (nothing taken)
     assert len(block.ids) == 16 and block.settings == (s,) * 5
     assert block.rows.tolist() == [0] * 3 + [1] * 3 + [3] * 3 + [4] * 4 + [6] + [8] * 2  # padding: out of range
     assert block.entries.tolist()[:6] == [0, 1, 2, 0, 1, 2] and block.seg.tolist()[-2:] == [JOIN_PROMPTS] * 2
@@ -418,9 +436,45 @@ def test_what_joins_a_step_and_what_does_not(model8):
     for slot in (0, 1, 3, 4, 6):
         model8.free(slot)
     assert model8.join([2, 3], s, 0)
-    assert len(model8._block(model8._joins[0]).ids) == 8  # the smallest block
+    assert len(model8._block([Part(j, 0, 2) for j in model8.joins.joining(0)]).ids) == 8  # the smallest block
     model8.free(0)
-    assert model8._joins[0] == []
+    assert not model8.joins.waiting(0)
+
+
+def test_on_ragged_stages_any_prompt_joins_a_budget_of_its_tokens_a_step(model8, hf):
+    """With ragged steps any prompt joins (not one asking for prompt scores: prefilled); a step carries at most
+    its budget of prompt tokens (the context's 32 here), prompts that finish within a quarter of it first, then
+    the oldest: a 20-token prompt, one of 30 split over two steps, then one of 5 that cuts in. Rows get a token
+    only from the step with their prompt's last part, each HF's; a freed prompt never runs."""
+    s = SlotSettings(max_tokens=4)
+    assert model8.ragged and model8.join_tokens == 32 and model8.join_blocks == (8, 16, 32)
+    assert not model8.join([2, 5], SlotSettings(prompt_logprobs=True), 0)
+    rng = np.random.default_rng(7)
+    a, b, c = ([2] + rng.integers(4, CFG.vocab_size, n - 1).tolist() for n in (20, 26, 5))
+    for slot, prompt in ((0, a), (1, b)):
+        assert model8.join(prompt, s, slot)
+    assert model8.join([2, 9, 9], s, 2)
+    model8.free(2)  # freed before its step
+    tokens = {0: [], 1: [], 3: []}
+    try:
+        first = model8.step()  # a (20) whole, then 12 of b's 26
+        assert first.rows.tolist() == [True] + [False] * 7
+        tokens[0].append(first.token(0).id)
+        assert model8.join(c, s, 3)  # 5 tokens: it finishes within a quarter of the budget, so it goes first
+        second = model8.step()  # c (5), a's decode, b's last 14
+        assert second.rows.tolist() == [True, True, False, True] + [False] * 4
+        for slot in tokens:
+            tokens[slot].append(second.token(slot).id)
+        while len(tokens[1]) < 4:
+            r = model8.step()
+            for slot in tokens:
+                tokens[slot].append(r.token(slot).id)
+    finally:
+        for slot in (0, 1, 3):
+            model8.free(slot)
+    assert tokens[0][:4] == hf_greedy(hf, a, 4)
+    assert tokens[1][:4] == hf_greedy(hf, b, 4)
+    assert tokens[3][:4] == hf_greedy(hf, c, 4)
 
 
 def run_queued(model, jobs, collect=Collect, chunk=256):
@@ -444,14 +498,15 @@ LONG_CFG = OPTConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_at
                      max_position_embeddings=160)
 
 
-def join_burst(monkeypatch, seed: int, max_seq_len: int, prompt_len: int, new: int):
+def join_burst(monkeypatch, seed: int, max_seq_len: int, prompt_len: int, new: int, xla: bool = False):
     """18 prompts of `prompt_len` tokens queued at once on a warmed-up slot model of 20 slots over LONG_CFG (its
-    weights HF's, from `seed`), `new` greedy tokens each; every one continues as HF's greedy -> (the slot model,
-    (prompts, block size) of each step that prompts joined, the prefill passes)."""
+    weights HF's, from `seed`; `xla`: on plain XLA, no ragged steps), `new` greedy tokens each; every one continues
+    as HF's greedy -> (the slot model, (prompts, block size) of each step that prompts joined, the prefill
+    passes)."""
     torch.manual_seed(seed)
     hf = transformers.OPTForCausalLM(transformers.OPTConfig(**{**LONG_CFG.to_hf_dict(), "init_std": 0.3})).eval()
-    model = OPTSlots(LONG_CFG, weights.params_from_hf_state_dict(LONG_CFG, hf.state_dict()), num_slots=20,
-                     max_seq_len=max_seq_len)
+    model = (xla_slots if xla else OPTSlots)(LONG_CFG, weights.params_from_hf_state_dict(LONG_CFG, hf.state_dict()),
+                                             num_slots=20, max_seq_len=max_seq_len)
     model.warmup()
     passes, blocks, real_block = CountPasses(model, monkeypatch), [], model._block
     def block(joins):  # records (prompts, block size)
@@ -467,13 +522,18 @@ def join_burst(monkeypatch, seed: int, max_seq_len: int, prompt_len: int, new: i
     return model, blocks, passes.sizes
 
 
-def test_a_burst_of_short_prompts_joins_one_step_in_a_large_block_and_matches_hf(monkeypatch):
+@pytest.mark.parametrize("xla", [False, True])
+def test_a_burst_of_short_prompts_joins_one_step_in_a_large_block_and_matches_hf(monkeypatch, xla):
     """Clients that finished together send their next requests at once: up to JOIN_PROMPTS (16) short prompts
-    start in one decode step, here 96 prompt tokens in its block of 128, with no prefill pass of their own; the
-    two past that count join the next step. Every one continues as HF's greedy."""
-    model, blocks, passes = join_burst(monkeypatch, seed=1, max_seq_len=160, prompt_len=6, new=5)
-    assert JOIN_PROMPTS == 16 and model.join_blocks == (8, 16, 32, 64, 128) and model.join_prompt_tokens == 32
-    assert blocks == [(16, 128), (2, 16)]
+    start in one decode step, here 96 prompt tokens (a block of 96 on ragged stages, of 128 on plain XLA), with no
+    prefill pass of their own; the two past that count join the next step. Every one continues as HF's greedy."""
+    model, blocks, passes = join_burst(monkeypatch, seed=1, max_seq_len=160, prompt_len=6, new=5, xla=xla)
+    if xla:
+        assert JOIN_PROMPTS == 16 and model.join_blocks == (8, 16, 32, 64, 128) and model.join_prompt_tokens == 32
+        assert blocks == [(16, 128), (2, 16)]
+    else:  # any prompt of the context joins, 160 prompt tokens a step at most (a whole context: no chunk given)
+        assert model.join_blocks == (8, 16, 32, 48, 64, 96, 128, 160) and model.join_prompt_tokens == 159
+        assert blocks == [(16, 96), (2, 16)]
     assert passes == []
 
 
@@ -483,20 +543,23 @@ def test_on_a_gpu_sixteen_full_prompts_join_one_step_in_a_block_longer_than_the_
     whole context (64), and the two past that count join the next. Every one continues as HF's greedy."""
     from opt_serving.runner.stage import StageSlots
     monkeypatch.setattr(StageSlots, "platform", lambda self: "gpu")
-    model, blocks, passes = join_burst(monkeypatch, seed=2, max_seq_len=64, prompt_len=32, new=4)
+    model, blocks, passes = join_burst(monkeypatch, seed=2, max_seq_len=64, prompt_len=32, new=4, xla=True)
     assert model.join_blocks == (8, 16, 32, 64, 128, 256, 512) and model.join_prompt_tokens == 32
     assert blocks == [(16, 512), (2, 64)]
     assert passes == []
 
 
-def test_on_a_cpu_the_blocks_stop_at_128_tokens_and_below_the_context(model8):
-    """The same slot model on this CPU keeps the blocks a CPU's products want (JOIN_BLOCKS), each shorter
-    than the context: a cache of 32 takes blocks of 8 and 16."""
-    assert model8.stages.stages[0].platform() == "cpu"
-    assert (MAX_SEQ, model8.join_blocks) == (32, (8, 16))
+def test_on_a_cpu_the_blocks_stop_at_128_tokens_and_below_the_context(xla_model8, model8):
+    """The same slot model on this CPU without ragged steps keeps the blocks a CPU's products want (JOIN_BLOCKS),
+    each shorter than the context: a cache of 32 takes blocks of 8 and 16; with them, up to a context's worth."""
+    assert xla_model8.stages.stages[0].platform() == "cpu"
+    assert (MAX_SEQ, xla_model8.join_blocks) == (32, (8, 16))
+    assert model8.join_blocks == (8, 16, 32)
 
 
-def test_a_burst_of_requests_is_prefilled_together_and_matches_hf(model8, hf, monkeypatch):
+@pytest.mark.parametrize("xla", [False, True])
+def test_a_burst_of_requests_is_prefilled_together_and_matches_hf(model8, xla_model8, hf, monkeypatch, xla):
+    model8 = xla_model8 if xla else model8
     passes = CountPasses(model8, monkeypatch)
     blocks, real_block = [], model8._block
     monkeypatch.setattr(model8, "_block", lambda joins: (blocks.append(len(joins)), real_block(joins))[1])
@@ -504,11 +567,14 @@ def test_a_burst_of_requests_is_prefilled_together_and_matches_hf(model8, hf, mo
     scored = (0, 3, 5)  # prompt scores come from a prefill
     cols = run_queued(model8, [(p, SlotSettings(max_tokens=6, prompt_logprobs=i in scored))
                                for i, p in enumerate(prompts)])
-    # the three asking for prompt scores are prefilled together; the prompts of 7, 2 and 5 tokens join the first
-    # decode step (a block of 16 tokens: a cache of 32 takes no larger one), those of 3 and 7 no longer fit and
-    # join the next
-    assert (MAX_SEQ, model8.join_blocks, model8.join_tokens) == (32, (8, 16), 16)
-    assert passes.sizes == [(8, 3)] and blocks == [3, 2]
+    # the three asking for prompt scores are prefilled together; without ragged steps the prompts of 7, 2 and 5
+    # tokens join the first decode step (a block of 16 tokens: a cache of 32 takes no larger one), those of 3 and
+    # 7 no longer fit and join the next; with them all five (24 tokens) join the first
+    assert passes.sizes == [(8, 3)]
+    if xla:
+        assert (MAX_SEQ, model8.join_blocks, model8.join_tokens) == (32, (8, 16), 16) and blocks == [3, 2]
+    else:
+        assert blocks == [5]
     for p, c in zip(prompts, cols):
         assert (c.ids, c.finish) == (hf_greedy(hf, p, 6), "length")
     for i in scored:
@@ -617,22 +683,40 @@ def test_load_generator_matches_hf_greedy():
 LONG = [[2] + list(range(3 + 5 * i, 3 + 5 * i + n)) for i, n in enumerate([16, 21, 27, 19])]  # 17-28 tokens
 
 
-def test_chunked_prefill_gives_the_whole_prefill_tokens(model, hf):
-    """Prompts longer than the chunk (prefilled 16 tokens an iteration, the last chunk padded) get the
-    tokens and scores of whole prefills, greedy and sampled, with short prompts prefilled beside them."""
+class LogParts:
+    """Records the joined prompts' parts each decode step carries: [[(slot, start, end), ...] a step]."""
+
+    def __init__(self, model, monkeypatch):
+        self.steps, real = [], model._block
+        monkeypatch.setattr(model, "_block", lambda parts: (self.steps.append(
+            [(p.joining.slot, p.start, p.end) for p in parts]), real(parts))[1])
+
+
+@pytest.mark.parametrize("kind", ["ragged", "xla"])
+def test_chunked_prefill_gives_the_whole_prefill_tokens(kind, model, xla_model, hf, monkeypatch):
+    """Prompts longer than the chunk (16 tokens an iteration) get the tokens and scores of whole prefills, greedy
+    and sampled, with short prompts beside them: on ragged stages joining decode steps a part at a time (each
+    long prompt over two or more steps, no step carrying more than 16 prompt tokens), elsewhere prefilled in
+    chunks of their own (the last chunk padded)."""
+    model = model if kind == "ragged" else xla_model
     jobs = [(p, SlotSettings(max_tokens=32 - len(p), temperature=t, seed=i, top_p=0.9 if t else 1.0,
                              repetition_penalty=1.3 if i == 2 else 1.0))
             for i, p in enumerate(LONG) for t in (0.0, 1.5)] + [(PROMPTS[0], SlotSettings(max_tokens=9))]
     chunks = []
     real = model.prefill_chunk
-    model.prefill_chunk = lambda job: (chunks.append(job.done), real(job))[1]
-    try:
-        whole = run_queued(model, jobs, chunk=None)
-        assert chunks == []
-        chunked = run_queued(model, jobs, chunk=16)
-    finally:
-        del model.prefill_chunk
-    assert chunks == [0, 16] * len(LONG) * 2
+    monkeypatch.setattr(model, "prefill_chunk", lambda job: (chunks.append(job.done), real(job))[1])
+    parts = LogParts(model, monkeypatch)
+    whole = run_queued(model, jobs, chunk=None)
+    assert chunks == []
+    whole_steps, parts.steps = parts.steps, []
+    chunked = run_queued(model, jobs, chunk=16)
+    if kind == "xla":
+        assert chunks == [0, 16] * len(LONG) * 2
+    else:
+        assert chunks == [] and max(sum(e - b for _, b, e in step) for step in whole_steps) == 32
+        assert max(sum(e - b for _, b, e in step) for step in parts.steps) == 16
+        split = [(b, e) for step in parts.steps for _, b, e in step if b > 0]  # a prompt's later parts
+        assert len(split) >= len(LONG) * 2 and all(e > b for b, e in split)
     for (p, s), a, b in zip(jobs, whole, chunked):
         assert (b.ids, b.finish) == (a.ids, a.finish)
         assert [t.logprob for t in b.tokens] == pytest.approx([t.logprob for t in a.tokens], abs=1e-4)
@@ -641,9 +725,30 @@ def test_chunked_prefill_gives_the_whole_prefill_tokens(model, hf):
     assert whole[1].ids != whole[0].ids  # sampling changed something, so the test means something
 
 
-def test_running_requests_get_tokens_between_the_chunks_of_a_long_prompt(model, hf):
-    """A request already decoding gets a token between every two chunks of a long prompt's prefill (a budget
-    of one chunk an iteration, then a decode step); the long one then joins the running ones."""
+def test_on_ragged_stages_running_requests_get_a_token_in_every_step_a_long_prompt_rides(model, hf, monkeypatch):
+    """A request already decoding gets a token in every step while a long prompt (22 tokens) rides them a part at
+    a time (8 prompt tokens a step, the short prompt's 2 first); the long one gets its first token with its last
+    part, then both decode together, each HF's."""
+    parts = LogParts(model, monkeypatch)
+    e = Engine(model, start=False, prefill_chunk=8)
+    short, long = Sizes(e), Sizes(e)
+    short.req = e.submit(PROMPTS[2], SlotSettings(max_tokens=20), short)
+    long.req = e.submit(LONG[1], SlotSettings(max_tokens=6), long)
+    e.start()
+    try:
+        assert short.done.wait(120) and long.done.wait(120)
+    finally:
+        e.close()
+    spans = [[(b, e) for _, b, e in step] for step in parts.steps]
+    assert spans[:3] == [[(0, 2), (0, 6)], [(6, 14)], [(14, 22)]]  # the short prompt whole, the long one in three
+    assert short.sizes[:3] == [1, 1, 1]  # a token from each of those steps
+    assert (short.ids, long.ids) == (hf_greedy(hf, PROMPTS[2], 20), hf_greedy(hf, LONG[1], 6))
+
+
+def test_running_requests_get_tokens_between_the_chunks_of_a_long_prompt(xla_model, hf):
+    """Without ragged steps: a request already decoding gets a token between every two chunks of a long prompt's
+    prefill (a budget of one chunk an iteration, then a decode step); the long one then joins the running ones."""
+    model = xla_model
     events = []
 
     class Log(Collect):
@@ -701,7 +806,8 @@ def _logged_run(model, submit, **engine_kw):
     return events, logs
 
 
-def test_a_budget_of_two_chunks_prefills_two_between_decode_steps(model, hf):
+def test_a_budget_of_two_chunks_prefills_two_between_decode_steps(xla_model, hf):
+    model = xla_model  # (prompts prefilled in chunks of their own)
     """prefill_budget=16 with chunks of 8: an iteration prefills two chunks of the long prompt, then the
     running request takes a step."""
     def submit(e, Log):
@@ -718,7 +824,8 @@ def test_a_budget_of_two_chunks_prefills_two_between_decode_steps(model, hf):
     assert (short.ids, long.ids) == (hf_greedy(hf, PROMPTS[2], 20), hf_greedy(hf, LONG[1], 6))
 
 
-def test_by_default_a_long_prompts_chunks_all_run_before_the_next_decode_step(model, hf):
+def test_by_default_a_long_prompts_chunks_all_run_before_the_next_decode_step(xla_model, hf):
+    model = xla_model  # (prompts prefilled in chunks of their own)
     """The default budget (2048 prompt tokens an iteration) takes every chunk of a 22-token prompt in chunks of
     8 in one iteration; the short prompt beside it joins the decode step after them."""
     def submit(e, Log):
@@ -761,7 +868,8 @@ def test_the_budget_counts_whole_prompts_too(model):
             delattr(model, name)
 
 
-def test_a_short_prompt_behind_two_long_ones_starts_at_once(model, hf):
+def test_a_short_prompt_behind_two_long_ones_starts_at_once(xla_model, hf):
+    model = xla_model  # (prompts prefilled in chunks of their own)
     """Two long prompts queued before a short one: the short one is prefilled in the first iteration (it
     does not wait behind them), and the long ones get their chunks oldest first, within a budget of 8 prompt
     tokens an iteration."""
@@ -784,7 +892,8 @@ def test_a_short_prompt_behind_two_long_ones_starts_at_once(model, hf):
         assert c.ids == hf_greedy(hf, prompt, n)
 
 
-def test_a_request_cancelled_mid_prefill_lets_its_rows_go(model, hf):
+def test_a_request_cancelled_mid_prefill_lets_its_rows_go(xla_model, hf):
+    model = xla_model  # (prompts prefilled in chunks of their own)
     """Cancelled between two chunks: no output follows, the rows its chunks filled are let go (cache and
     sampling row), and the engine serves the next request."""
     stage = model.stages.stages[0]
@@ -813,6 +922,76 @@ def test_a_request_cancelled_mid_prefill_lets_its_rows_go(model, hf):
     assert long.handle not in stage.pending and long.handle not in stage.sampler.pending
     assert not stage.pending and not stage.sampler.pending
     assert after.ids == hf_greedy(hf, LONG[0], 4)
+
+
+def test_on_ragged_stages_a_short_prompt_behind_two_long_ones_finishes_first(model, hf, monkeypatch):
+    """Two long prompts (17 and 28 tokens) queued before a short one (4): with 16 prompt tokens a step, the short
+    one (within a quarter of that) goes in the first step and gets its first token there; the long ones follow
+    oldest first; each gets HF's tokens."""
+    parts = LogParts(model, monkeypatch)
+    e = Engine(model, start=False, prefill_chunk=16)
+    cols = [Collect(e) for _ in range(3)]
+    for c, prompt in zip(cols, (LONG[0], LONG[2], PROMPTS[0])):
+        c.req = e.submit(prompt, SlotSettings(max_tokens=4), c)
+    e.start()
+    try:
+        assert all(c.done.wait(120) for c in cols)
+    finally:
+        e.close()
+    assert parts.steps[0][0][1:] == (0, 4) and sum(e - b for _, b, e in parts.steps[0]) == 16  # short first
+    assert [b for step in parts.steps for slot, b, _ in step if slot == 0][:2] == [0, 12]  # the oldest, in order
+    for c, prompt in zip(cols, (LONG[0], LONG[2], PROMPTS[0])):
+        assert c.ids == hf_greedy(hf, prompt, 4)
+
+
+def test_on_ragged_stages_a_request_cancelled_mid_prefill_lets_its_row_go(model, hf, monkeypatch):
+    """Cancelled after the first part of its prompt rode a step: no output follows, its row leaves the joining
+    prompts and its sampling row is inactive, and the engine serves the next request (HF's tokens)."""
+    stage = model.stages.stages[0]
+    e = Engine(model, start=False, prefill_chunk=8)
+    long, after = Collect(e), Collect(e)
+    real = model._block
+
+    def block(parts):
+        if any(p.joining.tokens == LONG[2] and p.start == 0 for p in parts):
+            e.cancel(long.req)  # (its first part is in this step)
+        return real(parts)
+    monkeypatch.setattr(model, "_block", block)
+    long.req = e.submit(LONG[2], SlotSettings(max_tokens=4), long)
+    after.req = e.submit(LONG[0], SlotSettings(max_tokens=4), after)
+    e.start()
+    try:
+        assert after.done.wait(120)
+    finally:
+        e.close()
+    assert long.tokens == [] and long.finish is None and long.req.done
+    assert not model.joins.waiting(0) and not np.asarray(stage.sampler.active[0]).any()
+    assert after.ids == hf_greedy(hf, LONG[0], 4)
+
+
+def test_the_engine_counts_where_its_time_goes(model):
+    """Its statistics: a joined prompt's tokens counted as computed in decode steps, a scored one's in a prefill
+    pass; every decode step's KV entries (a row of n prompt tokens attends over n, n + 1, ... entries); each
+    request's wait for its first computation and the gaps between steps; the model's costs a token."""
+    e = Engine(model, prefill_chunk=32, decode_steps=1)
+    try:
+        before = e.stats()
+        run_all(e, [(PROMPTS[1], SlotSettings(max_tokens=5))])
+        mid = e.stats()
+        run_all(e, [(PROMPTS[3], SlotSettings(max_tokens=1, prompt_logprobs=True))])
+        after = e.stats()
+    finally:
+        e.close()
+    n, m = len(PROMPTS[1]), 5
+    assert (mid.joined_tokens - before.joined_tokens, mid.steps - before.steps) == (n, m)
+    assert mid.decode_kv_entries - before.decode_kv_entries == m * n + m * (m - 1) // 2
+    assert mid.decode_s > before.decode_s and mid.prefill_passes == before.prefill_passes
+    assert mid.queue_wait.count - before.queue_wait.count == 1
+    assert mid.decode_gap.count - before.decode_gap.count == m - 1
+    assert after.computed_tokens - mid.computed_tokens == len(PROMPTS[3])  # scored: a pass of its own
+    assert after.prefill_passes == mid.prefill_passes + 1 and after.prefill_s > mid.prefill_s
+    assert after.costs["dense_flops"] == 2 * CFG.num_hidden_layers * (4 * 32 * 32 + 2 * 32 * 64)
+    assert after.costs["kv_entry_bytes"] == 2 * CFG.num_hidden_layers * CFG.hidden_size * 4  # float32
 
 
 def test_warmup_compiles_the_chunked_prefill(model):

@@ -76,6 +76,19 @@ def test_scored_matches_stop_at_the_first_block_without_scores_and_forgotten_blo
     assert len(pc.claim(pc.keys([5] * 48))) == 3  # the forgotten blocks (and the free one) are handed out again
 
 
+def test_blocks_rows_read_in_place_are_never_evicted_until_released():
+    pc = PrefixCache(2)
+    a = pc.keys([1] * 32)
+    blocks = [b for _, b in pc.claim(a)]
+    pc.hold(blocks)
+    pc.hold(blocks[:1])  # two rows read the first
+    assert pc.claim(pc.keys([2] * 16)) == [] and pc.evictions == 0  # nothing to take
+    pc.release(blocks)
+    assert [b for _, b in pc.claim(pc.keys([3] * 16))] == blocks[1:]  # the second is free to go, the first held
+    pc.release(blocks[:1])
+    assert [b for _, b in pc.claim(pc.keys([4] * 16))] == blocks[:1]
+
+
 # ---- the slot model ----
 @pytest.fixture(scope="module")
 def hf():
@@ -144,15 +157,18 @@ def shared_prefix_jobs(seed=0, n=8):
     return jobs
 
 
-def assert_same_outputs(got, want, jobs, hf=None):
+def assert_same_outputs(got, want, jobs, hf=None, tolerance=1e-4):
     from test_engine import hf_greedy
     for (prompt, s), a, b in zip(jobs, got, want):
         assert (a.ids, a.finish) == (b.ids, b.finish)
-        assert [t.logprob for t in a.tokens] == pytest.approx([t.logprob for t in b.tokens], abs=1e-4)
+        assert [t.logprob for t in a.tokens] == pytest.approx([t.logprob for t in b.tokens], abs=tolerance)
         if s.prompt_logprobs:
             assert [t.id for t in a.prompt] == [t.id for t in b.prompt] == prompt
-            assert [t.logprob for t in a.prompt] == pytest.approx([t.logprob for t in b.prompt], abs=1e-4)
-            assert [[i for i, _ in t.top] for t in a.prompt[1:]] == [[i for i, _ in t.top] for t in b.prompt[1:]]
+            assert [t.logprob for t in a.prompt] == pytest.approx([t.logprob for t in b.prompt], abs=tolerance)
+            tops = [[[i for i, _ in t.top] for t in c.prompt[1:]] for c in (a, b)]
+            if tolerance > 1e-4:  # (near-tied alternatives may swap places)
+                tops = [[sorted(t[:5]) for t in top] for top in tops]
+            assert tops[0] == tops[1]
         if hf is not None and s.temperature == 0 and s.repetition_penalty == 1.0:
             assert a.ids == hf_greedy(hf, prompt, s.max_tokens)
 
@@ -190,6 +206,35 @@ def test_a_prompt_computes_at_least_its_last_token_and_a_scored_one_its_last_cac
     assert got[1].ids == got[0].ids and model.prompt_cost(prompt, SlotSettings()) == 16
 
 
+def test_a_burst_sharing_a_prefix_computes_it_once_and_reads_it_in_place(params, hf):
+    """Eight prompts sharing a 50-token prefix, queued at once on ragged stages: the first computes it, the others
+    wait for its blocks (not computing them again) and read them from the pool in place, never copied into their
+    rows; every output is what the engine gives without the cache (and HF's greedy)."""
+    rng = np.random.default_rng(5)
+    base = [2] + rng.integers(4, 128, 49).tolist()
+    jobs = [(base + rng.integers(4, 128, 6).tolist(), SlotSettings(max_tokens=4)) for _ in range(8)]
+
+    def burst(model):
+        e = Engine(model, prefill_chunk=16)
+        try:
+            cols = [Collect() for _ in jobs]
+            for (p, s), c in zip(jobs, cols):
+                e.submit(p, s, c)
+            assert all(c.done.wait(120) for c in cols)
+            return cols, e.stats()
+        finally:
+            e.close()
+    without, _ = burst(OPTSlots(CFG, params, num_slots=4, max_seq_len=MAX_SEQ))
+    model = OPTSlots(CFG, params, num_slots=4, max_seq_len=MAX_SEQ, prefix_blocks=12)
+    assert model.ragged
+    got, stats = burst(model)
+    assert_same_outputs(got, without, jobs, hf)
+    assert sorted(c.cached for c in got) == [0] + [48] * 7  # three whole blocks; the 49th token on is computed
+    assert stats.joined_tokens == sum(len(p) for p, _ in jobs) - 7 * 48 and stats.cached_tokens == 7 * 48
+    stage = model.stages.stages[0]
+    assert not model.joins.waiting(0) and not model._promised and not stage.plen[0].any()  # all let go
+
+
 def test_warm_up_compiles_every_shape_a_cached_prefix_runs(params):
     """After warm-up, prompts that hit, miss, evict and are scored, prefilled whole and in chunks, compile
     nothing (XLA's backend compiles are counted)."""
@@ -200,17 +245,18 @@ def test_warm_up_compiles_every_shape_a_cached_prefix_runs(params):
             compiles.append(secs)
     jax.monitoring.register_event_duration_secs_listener(on)
     try:
-        model = OPTSlots(CFG, params, num_slots=3, max_seq_len=MAX_SEQ, prefix_blocks=6)
-        e = Engine(model, start=False, prefill_chunk=16)
-        e.warmup()
-        warm = len(compiles)
-        jobs = shared_prefix_jobs(seed=1, n=6) + [([2] + list(range(4, 90)), SlotSettings(max_tokens=3))]
-        for chunk in (16, None):
+        for chunk in (16, None):  # (the chunk sets which steps run: a model is warmed up for its engine's)
+            compiles.clear()
+            model = OPTSlots(CFG, params, num_slots=3, max_seq_len=MAX_SEQ, prefix_blocks=6)
+            e = Engine(model, start=False, prefill_chunk=chunk)
+            e.warmup()
+            warm = len(compiles)
+            jobs = shared_prefix_jobs(seed=1, n=6) + [([2] + list(range(4, 90)), SlotSettings(max_tokens=3))]
             one_by_one(model, jobs, chunk)
+            assert model.prefix.evictions > 0 and warm > 0
+            assert len(compiles) == warm, chunk
     finally:
         jax.monitoring.unregister_event_duration_listener(on)
-    assert model.prefix.evictions > 0 and warm > 0
-    assert len(compiles) == warm
 
 
 def test_pipeline_stages_keep_their_own_layers_blocks(params):
@@ -251,5 +297,7 @@ def test_every_weight_format_keeps_its_cache_dtype_in_the_pool(fmt):
     jobs = [(base + rng.integers(4, 1000, k).tolist(), SlotSettings(max_tokens=4, prompt_logprobs=p))
             for k, p in ((3, False), (5, False), (7, True), (2, True))]
     want, got = (one_by_one(m, jobs, None) for m in models)
-    assert_same_outputs(got, want, jobs)
+    # int8 and bfloat16 round each product's rows: a prompt whose prefix came from the cache computes its tail in
+    # a step of another shape than the whole prompt's, and the last ulp of a row can round a number the other way
+    assert_same_outputs(got, want, jobs, tolerance=2e-2 if fmt else 1e-4)
     assert [c.cached for c in got] == [0, 32, 0, 31]

@@ -39,13 +39,15 @@ def served_programs(piped) -> list:
             + [sampler._choose, sampler._choose_joining, sampler._insert, sampler._free])
 
 
-def two_stage_slots(params, num_slots=4, groups=2):
+def two_stage_slots(params, num_slots=4, groups=2, xla=False):
+    """Two stages in this process (`xla`: on plain XLA, without ragged steps)."""
+    from opt_serving.backend import Backend
     from opt_serving.model import param_tree
     from opt_serving.parallel.pipeline import stage_specs
     from opt_serving.runner.slots import Slots
     from opt_serving.runner.stage import LocalStages, StageSlots
-    stages = [StageSlots(CFG, param_tree.stage_params(params, s), s, num_slots // groups, groups, 64)
-              for s in stage_specs(CFG, 2)]
+    stages = [StageSlots(CFG, param_tree.stage_params(params, s), s, num_slots // groups, groups, 64,
+                         backend=Backend.xla() if xla else None) for s in stage_specs(CFG, 2)]
     return Slots(CFG, LocalStages(stages), num_slots, groups, 64)
 
 
@@ -147,24 +149,33 @@ def test_a_slot_cancelled_and_refilled_while_its_group_is_in_flight_gets_no_stal
     assert freed_in_flight[0]  # the case under test: job 0's slot was freed with its group in the stages
 
 
-def test_chunked_prefill_through_two_stages_gives_the_whole_prefill_tokens(params):
-    """Prompts longer than the chunk go through both stages a chunk at a time (one chunk per engine
-    iteration) and get the one-device engine's tokens with whole prefills; the long prompts' chunked
-    prefills leave no rows behind in either stage."""
+@pytest.mark.parametrize("xla", [False, True])
+def test_chunked_prefill_through_two_stages_gives_the_whole_prefill_tokens(params, xla, monkeypatch):
+    """Prompts longer than the chunk go through both stages a chunk at a time and get the one-device engine's
+    tokens with whole prefills: on ragged stages a part of 8 tokens a step riding the decode steps of both micro-
+    batch groups, elsewhere a chunk per engine iteration in passes of their own; nothing is left behind in either
+    stage."""
     from opt_serving.engine.scheduler import OPTSlots
     long_jobs = [([2] + list(range(10, 40)), SlotSettings(max_tokens=6)),
                  ([2] + list(range(60, 81)), SlotSettings(max_tokens=5, temperature=0.9, top_p=0.8, seed=4)),
                  ([2] + list(range(90, 99)), SlotSettings(max_tokens=4, repetition_penalty=1.4))]
     jobs = JOBS[:3] + long_jobs
     want = [c.ids for c in run(OPTSlots(CFG, params, num_slots=4, max_seq_len=64), jobs, chunk=None)]
-    piped = two_stage_slots(params)
+    piped = two_stage_slots(params, xla=xla)
+    if not xla:  # (the stages' own fixed-shape params are float32 on one CPU device: ragged steps)
+        assert piped.ragged and all(st.ragged for st in piped.stages.stages)
     piped.warmup(prefill_chunk=8)
-    chunks = []
-    real = piped.prefill_chunk
-    piped.prefill_chunk = lambda job: (chunks.append((job.state, job.done)), real(job))[1]
+    chunks, parts = [], []
+    real, real_block = piped.prefill_chunk, piped._block
+    monkeypatch.setattr(piped, "prefill_chunk", lambda job: (chunks.append((job.state, job.done)), real(job))[1])
+    monkeypatch.setattr(piped, "_block", lambda ps: (parts.extend((p.start, p.end) for p in ps), real_block(ps))[1])
     got = run(piped, jobs, chunk=8)
     assert [c.ids for c in got] == want
-    assert len(chunks) == 3 + 4 + 3 + 2  # 21, 31, 22 and 10 tokens in chunks of 8
+    if xla:
+        assert len(chunks) == 3 + 4 + 3 + 2  # 21, 31, 22 and 10 tokens in chunks of 8
+    else:  # every prompt joins; the long ones a part of at most 8 tokens a step
+        assert chunks == [] and max(e - b for b, e in parts) == 8 and sum(e - b for b, e in parts) == sum(
+            len(p) for p, _ in jobs)
     assert all(not s.pending and (s.sampler is None or not s.sampler.pending) for s in piped.stages.stages)
 
 

@@ -56,6 +56,31 @@ def test_dataclass_stats_and_a_requests_per_step_histogram():
     assert value(text, "opt_serving_requests_per_decode_step_sum") == 10
 
 
+def test_where_the_engines_time_goes_becomes_counters_histograms_and_the_models_costs():
+    """The engine's seconds and tokens in prefill passes and decode steps become counters, its waits histograms
+    (cumulative buckets of Durations), the slot model's costs a token gauges."""
+    from opt_serving.engine.types import Durations
+    wait = Durations()
+    for s in (0.003, 0.2, 0.2, 7.0):
+        wait.observe(s)
+    stats = {"prefill_s": 1.5, "prefill_passes": 3, "computed_tokens": 900, "joined_tokens": 40, "decode_s": 2.0,
+             "decode_kv_entries": 5000, "queue_wait": dataclasses.asdict(wait),
+             "decode_gap": dataclasses.asdict(Durations()),
+             "costs": {"dense_flops": 1e8, "head_flops": 7e7, "weight_bytes": 5e8, "kv_entry_bytes": 7.4e4}}
+    text = render(ServiceMetrics(lambda: stats))
+    assert value(text, "opt_serving_prefill_seconds_total") == 1.5
+    assert value(text, "opt_serving_prefill_computed_tokens_total") == 900
+    assert value(text, "opt_serving_joined_prompt_tokens_total") == 40
+    assert value(text, "opt_serving_decode_kv_entries_total") == 5000
+    assert value(text, 'opt_serving_queue_wait_seconds_bucket{le="0.005"}') == 1
+    assert value(text, 'opt_serving_queue_wait_seconds_bucket{le="0.25"}') == 3
+    assert value(text, 'opt_serving_queue_wait_seconds_bucket{le="+Inf"}') == 4
+    assert value(text, "opt_serving_queue_wait_seconds_sum") == pytest.approx(7.403)
+    assert value(text, "opt_serving_decode_gap_seconds_count") == 0
+    assert value(text, "opt_serving_model_weight_bytes") == 5e8
+    assert wait.quantile(0.5) == 0.25 and wait.quantile(0.99) == 10.0
+
+
 def test_batch_buckets_are_fixed_by_the_slot_count():
     from opt_serving.service.metrics import _batch_buckets
     assert _batch_buckets(4) == [1, 2, 3, 4]

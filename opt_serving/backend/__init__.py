@@ -115,6 +115,20 @@ class Backend:
             return attention.decode_attention(q, k_cache, v_cache, mask, read_len, reference)
         return reference(q, k_cache, v_cache, mask)
 
+    @property
+    def ragged(self) -> bool:
+        """Whether this backend runs ragged steps (opt.ragged_step): prompts continuing rows and cached prefixes
+        read from the pool inside decode steps. The CPU attention kernel does; elsewhere prompts are prefilled in
+        passes of their own."""
+        return self.attention
+
+    def ragged_attention(self, q, k_cache, v_cache, rows, ends, pool_k, pool_v, ptab, plen):
+        """A ragged step's attention: q [N, H, D], query i reading the entries [0, ends[i]) of cache row rows[i]
+        (k/v [B, H, T, D]), a row's first plen[row] entries from pool blocks ptab[row] -> [N, H, D] float32."""
+        if not self.ragged:
+            raise NotImplementedError("ragged steps run on the CPU attention kernel (Backend.ragged)")
+        return attention.ragged_attention(q, k_cache, v_cache, rows, ends, pool_k, pool_v, ptab, plen)
+
     # ---- the params ----
     def prepare(self, params: dict) -> dict:
         """The params in the layout this backend reads: with packed products every dense weight packed

@@ -49,6 +49,7 @@ class ChunkedPrefill:
         self.chunk = chunk if chunk and chunk > 0 and model.chunked_prefill else None
         self.budget = max(budget or PREFILL_BUDGET, self.chunk or 0)
         self.spent = 0  # prompt tokens of this iteration's whole prefills (take)
+        self.chunks = self.computed = 0  # chunks run and the prompt tokens they computed, since the start
         self._jobs: dict = {}  # request -> its job (open_prefill's), None until its first chunk; oldest first
 
     @property
@@ -67,12 +68,17 @@ class ChunkedPrefill:
         prefilled whole)."""
         if self.chunk is None or len(req.prompt) <= self.chunk or req.settings.prompt_logprobs:
             return False
+        if self.model.joins_in_parts and self._joins(req):  # (it joins decode steps a part at a time)
+            return False
         return self._to_compute(req) > self.chunk
+
+    def _joins(self, req) -> bool:
+        return self.model.joins_steps and req.settings.max_tokens > 0 and self.model.joinable(req.prompt, req.settings)
 
     def cost(self, req) -> int:
         """The prompt tokens the request's prefill computes: past its cached prefix (`prompt_cost`), none for
         a prompt that joins a decode step (its tokens ride in the step's products)."""
-        if self.model.joins_steps and req.settings.max_tokens > 0 and self.model.joinable(req.prompt, req.settings):
+        if self._joins(req):
             return 0
         return self._to_compute(req)
 
@@ -83,10 +89,11 @@ class ChunkedPrefill:
     def add(self, req) -> None:
         self._jobs[req] = None
 
-    def advance(self) -> list[tuple]:
+    def advance(self, started=lambda req: None) -> list[tuple]:
         """Prefill this iteration's chunks, oldest prompt first -> (request, its Prefix, or the exception that
         stopped it) for each prompt whose last chunk ran (it is no longer held). A cancelled request is let
-        go with the cache rows its chunks filled, and reported with a None Prefix."""
+        go with the cache rows its chunks filled, and reported with a None Prefix. `started(req)` is called
+        before a prompt's first chunk runs."""
         done, spent = [], min(self.spent, self.budget - (self.chunk or 0))  # (at least one chunk)
         for req in list(self._jobs):
             if spent >= self.budget:
@@ -97,12 +104,15 @@ class ChunkedPrefill:
                 continue
             try:
                 if self._jobs[req] is None:
+                    started(req)
                     self._jobs[req] = self.model.open_prefill(req.prompt, req.settings, self.chunk)
                 prefix, job = None, self._jobs[req]
                 while prefix is None and spent < self.budget:
                     before = job.done
                     prefix = self.model.prefill_chunk(job)
                     spent += job.done - before  # (a last chunk, or one after a cached prefix, may be short)
+                    self.chunks += 1
+                    self.computed += job.done - before
             except Exception as e:  # this request fails, the others carry on
                 log.exception("request %d: chunked prefill failed", req.id)
                 self.drop(req)
@@ -146,6 +156,11 @@ def take(queue: collections.deque, free: int, chunked: ChunkedPrefill) -> list:
         free -= 1
     chunked.spent = spent
     return admit
+
+
+def passes(model, reqs: list) -> int:
+    """The prefill calls `prefill_whole` makes of the slot model for these requests (at most)."""
+    return 1 if model.batched_prefill and len(reqs) > 1 else len(reqs)
 
 
 def prefill_whole(model, reqs: list) -> list:

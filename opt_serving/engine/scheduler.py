@@ -26,8 +26,8 @@ import time
 from typing import Optional, Sequence
 
 from opt_serving.engine import admission
-from opt_serving.engine.types import (Callback, EngineClosed, EngineRequest, EngineStats, QueueFull, SlotModel,
-                                      check_bad_words, check_prompt)
+from opt_serving.engine.types import (Callback, Durations, EngineClosed, EngineRequest, EngineStats, QueueFull,
+                                      SlotModel, check_bad_words, check_prompt)
 from opt_serving.runner.types import MAX_TOP_LOGPROBS, EngineOutput, Prefix, SlotSettings, StepResult, TokenInfo
 
 # the engine's vocabulary (engine/types.py, runner/types.py), re-exported for the generator and the service
@@ -63,6 +63,8 @@ class Engine:
         self._step_s = 0.0  # a decode step's wall time, a moving average (0: none taken yet)
         self._chunked = admission.ChunkedPrefill(model, prefill_chunk, prefill_budget)
         self.prefill_chunk = self._chunked.chunk
+        if model.joins_steps:  # (prompts joining steps a part at a time take as many tokens a step)
+            model.set_prefill_chunk(self.prefill_chunk)
         self.max_queue = max_queue
         self.health_stall_s = health_stall_s
         self._clock = time.monotonic   # (tests move time on by hand)
@@ -77,6 +79,11 @@ class Engine:
         self._prefills = self._joined = self._generated = self._prompt_tokens = self._cached_tokens = 0
         self._last_batch = 0
         self._active_hist: collections.Counter[int] = collections.Counter()
+        # where the thread's time goes (EngineStats)
+        self._prefill_s = self._decode_s = 0.0
+        self._prefill_passes = self._computed = self._joined_tokens = self._decode_kv = 0
+        self._queue_wait, self._decode_gap = Durations(), Durations()
+        self._last_step_end: Optional[float] = None  # when the latest decode step ended, rows still running
         if start:
             self.start()
 
@@ -129,6 +136,7 @@ class Engine:
                 raise QueueFull(f"request queue is full ({self.max_queue} waiting)")
             if not self._busy():  # idle time is not a stall: the clock starts with the work
                 self._progress_at = self._clock()
+            req.submitted = time.perf_counter()
             self._queue.append(req)
             self._cv.notify()
         return req
@@ -151,7 +159,11 @@ class Engine:
                 prefills=self._prefills, joined=self._joined, generated_tokens=self._generated,
                 prompt_tokens=self._prompt_tokens, cached_tokens=self._cached_tokens,
                 last_step_batch=self._last_batch,
-                active_per_step=dict(self._active_hist))
+                active_per_step=dict(self._active_hist),
+                prefill_s=self._prefill_s, prefill_passes=self._prefill_passes, computed_tokens=self._computed,
+                joined_tokens=self._joined_tokens, decode_s=self._decode_s, decode_kv_entries=self._decode_kv,
+                queue_wait=self._queue_wait.copy(), decode_gap=self._decode_gap.copy(),
+                costs=None if self.model.costs is None else dataclasses.asdict(self.model.costs))
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop the thread; queued and running requests finish with EngineClosed."""
@@ -240,7 +252,15 @@ class Engine:
                 admit = [req for req in admit if not self._joins_later(req)]
                 with self._cv:
                     self._queue.extendleft(reversed(later))
-            for req, prefix in zip(admit, admission.prefill_whole(self.model, admit)):
+            for req in admit:
+                self._started(req)
+            t = time.perf_counter()
+            prefixes = admission.prefill_whole(self.model, admit)
+            if admit:
+                self._count_passes(time.perf_counter() - t, admission.passes(self.model, admit),
+                                   sum(len(r.prompt) - p.cached for r, p in zip(admit, prefixes)
+                                       if not isinstance(p, BaseException)))
+            for req, prefix in zip(admit, prefixes):
                 try:
                     if isinstance(prefix, BaseException):
                         raise prefix
@@ -264,7 +284,11 @@ class Engine:
     def _prefill_chunks(self) -> None:
         """This iteration's chunks of the prompts prefilled in chunks; a prompt whose last chunk ran takes a
         slot kept for it. A cancelled request is let go, with the cache rows its chunks filled."""
-        for req, prefix in self._chunked.advance():
+        t, before = time.perf_counter(), (self._chunked.chunks, self._chunked.computed)
+        done = self._chunked.advance(started=self._started)
+        self._count_passes(time.perf_counter() - t, self._chunked.chunks - before[0],
+                           self._chunked.computed - before[1])
+        for req, prefix in done:
             if prefix is None:  # cancelled
                 req.done = True
                 continue
@@ -285,7 +309,8 @@ class Engine:
         if not self.model.join(req.prompt, req.settings, slot):
             return False
         self._count_prefill(req, joined=True)
-        req.cached_tokens = 0  # (a joining prompt is computed in the step: nothing reused)
+        self._started(req)
+        req.joined = True  # what the prefix cache gave it is known by its first token (_deliver)
         req.slot = slot
         self._slots[slot] = req
         return True
@@ -297,6 +322,19 @@ class Engine:
         together sends its next requests at once: more than a block's worth of prompts arrive)."""
         return (self.model.joins_steps and req.settings.max_tokens > 0
                 and self.model.joinable(req.prompt, req.settings))
+
+    def _started(self, req: EngineRequest) -> None:
+        """The request's first computation begins: its wait in the queue ends."""
+        if not req.started:
+            req.started = True
+            with self._cv:
+                self._queue_wait.observe(time.perf_counter() - req.submitted)
+
+    def _count_passes(self, seconds: float, passes: int, computed: int) -> None:
+        with self._cv:
+            self._prefill_s += seconds
+            self._prefill_passes += passes
+            self._computed += computed
 
     def _count_prefill(self, req: EngineRequest, joined: bool = False, cached: int = 0) -> None:
         with self._cv:
@@ -327,12 +365,15 @@ class Engine:
         with self._cv:  # several steps in one call while no queued request could take a slot meanwhile
             hurry = bool(self._queue and None in self._slots) or self._chunked.held > 0
         t = time.perf_counter()
+        if self._last_step_end is not None:  # a running stream waited this long since its last token
+            self._decode_gap.observe(t - self._last_step_end)
         if (self.decode_steps > 1 and self.model.many_steps and not hurry
                 and 0 < self.decode_steps * self._step_s <= self.decode_call_s):  # (the first step alone)
             results = self.model.step_many(self.decode_steps)
         else:
             results = [self.model.step()]
-        took = (time.perf_counter() - t) / len(results)
+        end = time.perf_counter()
+        took = (end - t) / len(results)
         if not joining:  # (a step carrying prompts takes longer: a wave of them would hold the next calls to one step)
             self._step_s = took if not self._step_s else 0.8 * self._step_s + 0.2 * took
         # a pipelined model steps one micro-batch group at a time: only its slots have new tokens
@@ -344,8 +385,13 @@ class Engine:
             self._step_tokens += len(active) * len(results)
             self._last_batch = len(active)
             self._active_hist[len(active)] += len(results)
+            self._decode_s += end - t
+            # entries a row attends over: its prompt and tokens so far, one more each further step of the call
+            n = len(results)
+            self._decode_kv += sum(n * (len(r.prompt) + r.generated) + n * (n - 1) // 2 for r in active)
         for req in active:
             self._deliver(req, [result.token(req.slot, req.settings.logprob) for result in results])
+        self._last_step_end = time.perf_counter() if any(self._slots) else None
 
     def _deliver(self, req: EngineRequest, toks: list[TokenInfo]) -> None:
         """Hand the request its new tokens (one a step, in one output) and free its slot if it finished: the
@@ -354,6 +400,11 @@ class Engine:
             self._release(req)
             return
         s, out, reason = req.settings, [], None
+        if req.joined and req.generated == 0:  # its prompt was computed in the steps, past its cached prefix
+            req.cached_tokens = self.model.cached_of(req.slot)
+            with self._cv:
+                self._cached_tokens += req.cached_tokens
+                self._joined_tokens += len(req.prompt) - req.cached_tokens
         for tok in toks:
             req.generated += 1
             if not s.logprob and tok.logprob is not None:  # not asked: the same answer whether or not the

@@ -67,6 +67,42 @@ class EngineRequest:
         self.cached_tokens: Optional[int] = None  # prompt tokens its prefill reused, until its first output tells it
         self.cancelled = False
         self.done = False
+        self.submitted = 0.0   # the engine's clock when it was queued
+        self.started = False   # its first prefill pass (or the decode step it joined) has begun
+        self.joined = False    # its prompt joined decode steps (runner: SlotModel.join)
+
+
+# bounds (seconds) of the engine's duration histograms: a request's wait for its first prefill pass, and the gap
+# a running stream waits between two decode steps (prefill passes between them lengthen it)
+DURATION_BOUNDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+@dataclasses.dataclass
+class Durations:
+    """A histogram of durations over DURATION_BOUNDS (counts[i]: at most bounds[i]; the last: above them all)."""
+    bounds: tuple = DURATION_BOUNDS
+    counts: list = dataclasses.field(default_factory=lambda: [0] * (len(DURATION_BOUNDS) + 1))
+    total: float = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[next((i for i, b in enumerate(self.bounds) if seconds <= b), len(self.bounds))] += 1
+        self.total += seconds
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def quantile(self, q: float) -> float:
+        """The bound at or below which a fraction q of the durations fall (inf past the last bound)."""
+        need, seen = q * self.count, 0
+        for i, c in enumerate(self.counts):
+            seen += c
+            if c and seen >= need:
+                return self.bounds[i] if i < len(self.bounds) else float("inf")
+        return 0.0
+
+    def copy(self) -> "Durations":
+        return Durations(self.bounds, list(self.counts), self.total)
 
 
 @dataclasses.dataclass
@@ -84,6 +120,16 @@ class EngineStats:
     cached_tokens: int        # of those, tokens whose KV the prefix cache gave (not computed)
     last_step_batch: int      # active slots in the latest step
     active_per_step: dict[int, int]  # {active slots: number of steps with that many}
+    # where the engine thread's time goes (benchmark/serve_vs_vllm.py prints these against the machine's bounds)
+    prefill_s: float = 0.0        # seconds in prefill passes and chunks (prompts joining a step: in decode_s)
+    prefill_passes: int = 0       # prefill calls of the slot model (a batched pass, or one chunk)
+    computed_tokens: int = 0      # prompt tokens those passes computed (past each prompt's cached prefix)
+    joined_tokens: int = 0        # prompt tokens computed inside decode steps (prompts that joined them)
+    decode_s: float = 0.0         # seconds in decode calls
+    decode_kv_entries: int = 0    # KV entries the decode steps attended over, summed over rows and steps
+    queue_wait: Durations = dataclasses.field(default_factory=Durations)  # submit -> its first computation
+    decode_gap: Durations = dataclasses.field(default_factory=Durations)  # between decode steps, rows running
+    costs: Optional[dict] = None  # the slot model's `costs` (bytes and FLOPs a token: runner.types.ModelCosts)
 
     @property
     def tokens_per_step(self) -> float:

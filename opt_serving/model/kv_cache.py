@@ -145,6 +145,10 @@ def init_pool(cfg: OPTConfig, blocks: int, block_size: int, dtype=jnp.float32) -
     return {"k": zeros(), "v": zeros()}
 
 
+def pool_blocks(pool: dict) -> int:
+    return pool["k"][0].shape[1]
+
+
 def pool_block_size(pool: dict) -> int:
     return pool["k"][0].shape[2]
 
@@ -159,6 +163,12 @@ def gather_blocks(pool: dict, ids, cached) -> dict:
         return jnp.take(p, ids, axis=1).reshape(1, h, m * bs, d)
     mask = (jnp.arange(m * bs) < cached)[None]  # [1, m * bs]
     return {"k": tuple(map(take, pool["k"])), "v": tuple(map(take, pool["v"])), "mask": mask}
+
+
+def row_of(cache: dict, row) -> dict:
+    """Row `row` (traced) of a cache, as a batch-1 cache."""
+    take = lambda a: jax.lax.dynamic_slice_in_dim(a, row, 1, axis=0)  # noqa: E731
+    return {"k": tuple(map(take, cache["k"])), "v": tuple(map(take, cache["v"])), "mask": take(cache["mask"])}
 
 
 def store_blocks(pool: dict, cache: dict, ids) -> dict:

@@ -407,6 +407,44 @@ def decode_joining_step(cfg, params, cache, tokens, positions, write_index, read
     return out[0], {"k": tuple(c[0] for c in caches), "v": tuple(c[1] for c in caches), "mask": mask}
 
 
+def _ragged_attend(k_cache, v_cache, rows, entries, ends, pool_k, pool_v, ptab, plen, backend: Backend):
+    """A ragged step's attention (Backend.ragged_attention): the N queries' k/v go into the cache at (rows,
+    entries) (out of range: dropped) with one scatter, then query i reads entries [0, ends[i]) of its row."""
+    def attend(q, k, v):  # each [1, N, H, D]
+        kc = k_cache.at[rows, :, entries].set(to_cache(k[0], k_cache.dtype), mode="drop")  # [N, H, D] entries
+        vc = v_cache.at[rows, :, entries].set(to_cache(v[0], v_cache.dtype), mode="drop")
+        ctx = backend.ragged_attention(q[0], kc, vc, rows, ends, pool_k, pool_v, ptab, plen)  # [N, H, D]
+        return ctx[None], (kc, vc)
+    return attend
+
+
+def ragged_step(cfg, params, cache, tokens, positions, write_index, block, prefix,
+                stage: StageSpec | None = None, backend: Backend = XLA):
+    """A step of the cache's B rows and of T prompt tokens in one pass (the backend's ragged attention): row b's
+    newest token at positions[b] written at entry write_index[b] (out of range: the row is not stepped: it is free,
+    or its prompt is still being prefilled), and `block` = (ids [T] (on a stage that is not first nothing: `tokens`
+    are the previous stage's hidden states [B + T, D]), rows [T], entries [T]): prompt tokens, each written at its
+    entry of its row (its position) and reading the row's entries before it and itself, so a prompt's tokens may
+    continue what earlier steps wrote (a long prompt a part at a time, the tail of a cached prefix). `prefix` =
+    (pool k, pool v (tuples over layers of [H, P, bs, D]), ptab [B, Mp], plen [B]): a row's first plen entries are
+    read from those pool blocks (a cached prefix shared by rows, never copied into them).
+    -> (hidden states [B + T, D], cache)."""
+    ids, rows, entries = block
+    pool_k, pool_v, ptab, plen = prefix
+    b, n = positions.shape[0], cache["mask"].shape[1]
+    q_rows = jnp.concatenate([jnp.arange(b, dtype=jnp.int32), rows])  # [N]
+    q_entries = jnp.concatenate([write_index, entries])
+    q_ends = jnp.where((q_rows < b) & (q_entries < n), q_entries + 1, 0)
+    attends = [_ragged_attend(kc, vc, q_rows, q_entries, q_ends, pk, pv, ptab, plen, backend)
+               for kc, vc, pk, pv in zip(cache["k"], cache["v"], pool_k, pool_v)]
+    first = stage is None or stage.first
+    x = jnp.concatenate([tokens, ids])[None] if first else tokens[None]  # [1, B + T] or [1, B + T, D]
+    out, caches = OPT(cfg, param_dtype(params), is_fused(params), stage, backend).apply(
+        {"params": params}, x, jnp.concatenate([positions, entries])[None], attends, return_hidden=True)
+    mask = cache["mask"].at[q_rows, q_entries].set(True, mode="drop")  # (bookkeeping: the kernel reads ends)
+    return out[0], {"k": tuple(c[0] for c in caches), "v": tuple(c[1] for c in caches), "mask": mask}
+
+
 prefill = jax.jit(prefill_step, static_argnums=(0,), static_argnames=("all_logits", "backend"),
                   donate_argnums=(2,))
 prefill.__doc__ = """prefill(cfg, params, cache, input_ids[B,S], attention_mask[B,S], all_logits=True, backend=XLA)

@@ -20,6 +20,7 @@ from opt_serving.parallel.pipeline import RayStages
 from opt_serving.runner.prefix import default_blocks
 from opt_serving.runner.slots import Slots
 from opt_serving.runner.stage import LocalStages, StageSlots
+from opt_serving.runner.types import ModelCosts
 from opt_serving.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,9 @@ def load_slots(spec: ModelSpec, dtype: str = "auto", num_slots: int = 16, max_se
             stages = RayStages(cfg, plan, source, dtype=dtype, seed=spec.weights.seed or 0, rows=num_slots // groups,
                                groups=groups, max_seq_len=max_seq_len, quantize=spec.quantize, prefix_blocks=blocks,
                                handoff=handoff)
-            return Slots(cfg, stages, num_slots, groups, max_seq_len, plan=plan, prefix_blocks=blocks)
+            width = 2 if spec.quantize == "int8" or dtype != "float32" else 4  # opt.cache_dtype's rule
+            costs = ModelCosts.of(cfg, spec.quantize or dtype, width)
+            return Slots(cfg, stages, num_slots, groups, max_seq_len, plan=plan, prefix_blocks=blocks, costs=costs)
         m = parallel.tensor_parallel_model(cfg, plan, source, dtype, spec.weights.seed or 0, spec.quantize)
     return local_slots(m.config, m.fused_params, num_slots, max_seq_len, plan=m.plan,
                        backend=m.backend, prefix_blocks=prefix_blocks(m.config, num_slots, max_seq_len, prefix_caching))
@@ -84,4 +87,7 @@ def local_slots(cfg, params, num_slots: int = 8, max_seq_len: Optional[int] = No
     checkpoint's layout, or with `backend` already in its runtime layout (an OPTModel's fused_params).
     `prefix_blocks`: the prefix cache's blocks (0: none)."""
     stage = StageSlots(cfg, params, opt.StageSpec.whole(cfg), num_slots, 1, max_seq_len, backend, prefix_blocks)
-    return Slots(cfg, LocalStages([stage]), num_slots, 1, max_seq_len, plan=plan, prefix_blocks=prefix_blocks)
+    weights = stage.backend.weights if stage.backend.weights != "float32" else str(opt.param_dtype(stage.params))
+    costs = ModelCosts.of(cfg, weights, jax.numpy.dtype(opt.cache_dtype(stage.params, stage.backend)).itemsize)
+    return Slots(cfg, LocalStages([stage]), num_slots, 1, max_seq_len, plan=plan, prefix_blocks=prefix_blocks,
+                 costs=costs)

@@ -44,11 +44,15 @@ class PrefixCache:
         self._key_of: dict[int, bytes] = {}  # block -> its key
         self._free = list(range(blocks - 1, -1, -1))
         self._scores: dict[int, tuple] = {}  # block -> (logprobs [bs], top ids [bs, K], top logprobs [bs, K])
+        self._holds: collections.Counter[int] = collections.Counter()  # block -> rows reading it in place
         self.evictions = 0
 
     def __len__(self) -> int:
         """Blocks held."""
         return len(self._held)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._held
 
     def keys(self, tokens: Sequence[int]) -> list[bytes]:
         """The chained keys of the prompt's full blocks."""
@@ -89,6 +93,14 @@ class PrefixCache:
         self._touch(keys)
         return out
 
+    def hold(self, blocks: Sequence[int]) -> None:
+        """Rows read these blocks in place (ragged steps): never evicted until `release`d as often."""
+        self._holds.update(blocks)
+
+    def release(self, blocks: Sequence[int]) -> None:
+        self._holds.subtract(blocks)
+        self._holds = +self._holds  # (drops the blocks no row holds any more)
+
     def forget(self, blocks: Sequence[int]) -> None:
         """Let blocks go whose KV was never written (the prefill that would have written them failed)."""
         for b in blocks:
@@ -105,6 +117,7 @@ class PrefixCache:
     def clear(self) -> None:
         for k in list(self._held):
             self._release(k)
+        self._holds.clear()
 
     def _touch(self, keys: Sequence[bytes]) -> None:
         for k in reversed(keys):  # the first block last: the most recently used
@@ -115,7 +128,8 @@ class PrefixCache:
         """A free block, or the least recently used one evicted (never one of `mine`); None if none."""
         if self._free:
             return self._free.pop()
-        oldest = next(iter(self._held), None)
+        # the least recently used block that no running row reads in place
+        oldest = next((k for k in self._held if self._held[k] not in self._holds), None)
         if oldest is None or oldest in mine:
             return None
         self.evictions += 1

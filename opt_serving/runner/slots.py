@@ -41,11 +41,13 @@ import numpy as np
 
 from opt_serving.model import kv_cache
 from opt_serving.runner.generate import Generation
+from opt_serving.runner.joins import Joining, Joins, block_sizes
 from opt_serving.runner.prefix import BLOCK_SIZE, PrefixCache
 from opt_serving.runner.stage import (LocalStages, Stages, cache_bucket, chunk_width, chunk_widths, job_size,
                                       job_sizes, prefill_bucket, prefill_buckets)
 from opt_serving.runner.types import (ACCELERATOR_JOIN_BLOCKS, JOIN_BLOCKS, JOIN_PROMPT_TOKENS, JOIN_PROMPTS,
-                                      MAX_TOP_LOGPROBS, PREFILL_BATCH_TOKENS, JoinBlock, PartialPrefill, Prefix,
+                                      MAX_TOP_LOGPROBS, PREFILL_BATCH_TOKENS, JoinBlock, ModelCosts, PartialPrefill,
+                                      Prefix,
                                       SlotModel, SlotSettings, StepResult, TokenInfo)
 
 # the chunk a prompt's part past its cached prefix is computed in where the engine prefills it whole (the
@@ -70,8 +72,10 @@ class Slots(SlotModel):
     batched_prefill = chunked_prefill = joins_steps = many_steps = masks_tokens = runs_generate = True
 
     def __init__(self, cfg, stages: Stages, num_slots: int, groups: int = 1, max_seq_len: Optional[int] = None,
-                 plan=None, prefix_blocks: int = 0):
-        """`prefix_blocks`: the blocks of the prefix cache, as the stages' pools were made (0: none)."""
+                 plan=None, prefix_blocks: int = 0, costs: Optional[ModelCosts] = None):
+        """`prefix_blocks`: the blocks of the prefix cache, as the stages' pools were made (0: none); `costs`: what
+        a token costs the model (for the engine's statistics)."""
+        self.costs = costs
         if num_slots % groups:
             raise ValueError(f"{num_slots} decode slots do not split into {groups} micro-batch groups")
         self.cfg, self.stages, self.plan = cfg, stages, plan
@@ -95,16 +99,68 @@ class Slots(SlotModel):
         self._flights: collections.deque = collections.deque()  # (group, future, slots sent), oldest first
         self._stale: set[int] = set()   # slots freed or refilled while their group was in flight
         self._handles = itertools.count()
-        # the block sizes a step's joining prompts go in (each prompt leaves room in the cache for a token), those
-        # that prompts in the group's rows besides one can fill (warm-up fills each with them)
-        self.join_prompt_tokens = min(JOIN_PROMPT_TOKENS, self.max_seq_len - 1)  # the longest prompt that joins
-        self.join_room = max(1, min(JOIN_PROMPTS, num_slots // groups - 1)) * self.join_prompt_tokens
-        self.join_blocks = join_blocks(stages.get(stages.call(stages.n - 1, "platform")), self.max_seq_len,
-                                       self.join_room)
-        self.join_tokens = self.join_blocks[-1]  # the most prompt tokens a step takes
-        self._joins: list[list] = [[] for _ in range(groups)]  # per group: (slot, tokens, settings) for its next step
+        # ragged steps (every stage's backend: opt.ragged_step) take any prompt a part at a time, cached prefixes in
+        # place; otherwise short prompts join whole (runner/joins.py)
+        self.ragged = self.joins_in_parts = all(stages.get([stages.call(i, "is_ragged") for i in range(stages.n)]))
+        self._platform = stages.get(stages.call(stages.n - 1, "platform"))
+        self._held: dict[int, list] = {}  # slot -> the prefix-cache blocks its row reads (held while it runs)
+        self._cached: dict[int, int] = {}  # slot -> the prompt tokens its joined prompt took from the prefix cache
+        self._promised: dict[bytes, int] = {}  # a prefix-cache key -> the slot whose joining prompt computes it
         self.prefix = PrefixCache(prefix_blocks) if prefix_blocks else None
-        self.hit_chunk = HIT_CHUNK  # (warmup sets the engine's chunk)
+        self._set_joins(HIT_CHUNK)  # (warmup sets the engine's chunk)
+
+    def _set_joins(self, chunk: int) -> None:
+        """The joining prompts' scheduler (runner/joins.py): on ragged stages up to `chunk` prompt tokens a step
+        (the engine's prefill chunk; 0 or None: whole prompts), otherwise short prompts whole, in the block sizes
+        prompts in a group's rows besides one can fill (warm-up fills each with them)."""
+        self.hit_chunk = chunk or HIT_CHUNK
+        rows = self.num_slots // self.groups
+        longest = min(JOIN_PROMPT_TOKENS, self.max_seq_len - 1)  # the longest prompt that joins whole
+        if self.ragged:  # (at most what the group's rows besides one hold: warm-up fills each size)
+            width = self.max_seq_len - 1  # (each prompt leaves room in the cache for a token)
+            sizes = block_sizes(min(chunk or self.max_seq_len, self.max_seq_len, max(1, rows - 1) * width))
+        else:
+            width, sizes = longest, join_blocks(self._platform, self.max_seq_len, self.join_room)
+        old = getattr(self, "joins", None)
+        if old is not None and old.sizes == sizes:
+            return
+        if old is not None and any(old.waiting(g) for g in range(self.groups)):
+            raise RuntimeError("the prefill chunk changed while prompts were joining")
+        self.joins = Joins(self.groups, rows, sizes, self.ragged, longest, width, self.cfg.pad_token_id)
+
+    def set_prefill_chunk(self, chunk: Optional[int]) -> None:
+        """The engine's prefill chunk: on ragged stages the most prompt tokens a step carries (0 or None: a whole
+        context's); warm-up compiles the block sizes it makes."""
+        self._set_joins(chunk)
+
+    @property
+    def join_room(self) -> int:
+        """The prompt tokens short prompts whole can fill in a group's rows besides one."""
+        longest = min(JOIN_PROMPT_TOKENS, self.max_seq_len - 1)
+        return max(1, min(JOIN_PROMPTS, self.num_slots // self.groups - 1)) * longest
+
+    def use_join_blocks(self, sizes: Sequence[int]) -> None:
+        """Short prompts join whole, in blocks of these sizes, whatever the stages could take (to compare ways
+        of admission: benchmark/gpu_engine_probe.py)."""
+        longest = min(JOIN_PROMPT_TOKENS, self.max_seq_len - 1)
+        self.joins = Joins(self.groups, self.num_slots // self.groups, tuple(sizes), False, longest, longest,
+                           self.cfg.pad_token_id)
+        self.joins_in_parts = False
+
+    @property
+    def join_blocks(self) -> tuple[int, ...]:
+        """The block sizes a step's joining prompt tokens go in."""
+        return self.joins.sizes
+
+    @property
+    def join_tokens(self) -> int:
+        """The most prompt tokens a step carries."""
+        return self.joins.budget
+
+    @property
+    def join_prompt_tokens(self) -> int:
+        """The longest prompt that joins."""
+        return self.joins.width
 
     def group_of(self, slot: int) -> tuple[int, int]:
         """(group, row) of a slot: consecutive slots alternate groups."""
@@ -324,46 +380,69 @@ class Slots(SlotModel):
         grammars against, sent to it once (a pipeline's last stage is an actor)."""
         self.stages.get(self.stages.call(self.stages.n - 1, "use_tokenizer", tokenizer_json, eos))
 
-    # ---- joining: a short prompt's prefill rides in a decode step ----
+    # ---- joining: a prompt's prefill rides in decode steps (runner/joins.py) ----
     def joinable(self, tokens: Sequence[int], settings: SlotSettings) -> bool:
-        """Could the prompt join a step whose block is empty? (Short enough, no prompt scores asked.)"""
-        return not settings.prompt_logprobs and 0 < len(tokens) <= min(self.join_prompt_tokens, self.join_tokens)
+        """Could the prompt join a step whose block is empty? (No prompt scores asked; without ragged steps a
+        short prompt.)"""
+        return self.joins.fits(tokens, settings)
 
     def join(self, tokens: Sequence[int], settings: SlotSettings, slot: int) -> bool:
-        """Let a short prompt take a free slot in its group's next decode step, its tokens in that step's
-        pass (`JoinBlock`); the step gives its first token. False where it does not fit the block (not
-        `joinable`, or the block full): it joins a later step or is prefilled instead."""
-        g, _ = self.group_of(slot)
-        pending = self._joins[g]
-        if (not self.joinable(tokens, settings) or len(pending) >= JOIN_PROMPTS
-                or sum(len(t) for _, t, _ in pending) + len(tokens) > self.join_tokens):
+        """Let a prompt take a free slot, its tokens in the next decode steps' passes (`JoinBlock`); the step
+        with its last token gives its first. On ragged stages its cached prefix's KV is read from the prefix cache
+        in place (`cached_of` tells how many tokens that gave). False where it does not join (not `joinable`, or a
+        full block: it joins a later step or is prefilled instead)."""
+        g, row = self.group_of(slot)
+        joining = Joining(slot, row, [int(t) for t in tokens], settings)
+        if not self.joins.add(g, joining):
             return False
-        pending.append((slot, [int(t) for t in tokens], settings))
+        self._cached[slot] = 0
+        if self.ragged and self.prefix is not None:
+            joining.keys = self.prefix.keys(joining.tokens)
+            self._match(g, joining)
         self._want_top[slot] = settings.top_logprobs
         self._want_lp[slot] = settings.logprob
         return True
 
-    def _block(self, joins: list) -> JoinBlock:
-        """The stages' view of a group's joining prompts."""
-        rows, total = self.num_slots // self.groups, sum(len(tokens) for _, tokens, _ in joins)
-        t = next(b for b in self.join_blocks if b >= total)
-        ids = np.full(t, self.cfg.pad_token_id, np.int32)
-        at_rows, entries = np.full(t, rows, np.int32), np.zeros(t, np.int32)
-        seg = np.full(t, JOIN_PROMPTS, np.int32)
-        last, last_rows = np.zeros(JOIN_PROMPTS, np.int32), np.full(JOIN_PROMPTS, rows, np.int32)
-        # the sampler's view is as wide as the longest prompt that joins, whatever the block: one program for all
-        w = self.join_prompt_tokens
-        prompts, mask = np.zeros((JOIN_PROMPTS, w), np.int32), np.zeros((JOIN_PROMPTS, w), np.int32)
-        lengths = np.zeros(JOIN_PROMPTS, np.int32)
-        at = 0
-        for j, (slot, tokens, _) in enumerate(joins):
-            n, row = len(tokens), self.group_of(slot)[1]
-            ids[at:at + n], at_rows[at:at + n], entries[at:at + n], seg[at:at + n] = tokens, row, np.arange(n), j
-            last[j], last_rows[j] = at + n - 1, row
-            prompts[j, :n], mask[j, :n], lengths[j] = tokens, 1, n
-            at += n
-        return JoinBlock(ids, at_rows, entries, seg, last, last_rows, prompts, mask, lengths,
-                         tuple(s for _, _, s in joins))
+    def cached_of(self, slot: int) -> int:
+        """The prompt tokens the slot's joined prompt took from the prefix cache."""
+        return self._cached.get(slot, 0)
+
+    def _match(self, g: int, joining: Joining) -> None:
+        """The joining prompt's cached prefix, read in place by its row; or, where another joining prompt is
+        computing the next block of it, wait (`deferred`) until that prompt's blocks are stored and take them too:
+        a burst of prompts sharing a prefix computes it once, not once a prompt."""
+        usable = joining.keys[:(len(joining.tokens) - 1) // BLOCK_SIZE]  # (its last token is always computed)
+        blocks = self.prefix.match(usable) if len(joining.tokens) > BLOCK_SIZE else []
+        nxt = len(blocks)
+        if nxt < len(usable) and self._promised.get(usable[nxt], joining.slot) != joining.slot:
+            joining.deferred = True
+            return
+        joining.deferred = False
+        joining.blocks, joining.done = blocks, len(blocks) * BLOCK_SIZE
+        joining.cached = self._cached[joining.slot] = joining.done
+        for k in joining.keys[nxt:]:  # the blocks it computes, for the prompts behind it
+            self._promised.setdefault(k, joining.slot)
+        if blocks:
+            self.prefix.hold(blocks)
+            self._held[joining.slot] = blocks
+            self._to_all("use_prefix", g, joining.row, np.asarray(blocks, np.int32))
+
+    def _resume(self, g: int) -> None:
+        """Deferred joining prompts whose awaited blocks were stored (or given up) match their prefix again."""
+        for joining in self.joins.joining(g):
+            if joining.deferred:
+                usable = joining.keys[:(len(joining.tokens) - 1) // BLOCK_SIZE]
+                waited = next((k for k in usable if k not in self.prefix), None)
+                if waited is None or self._promised.get(waited, joining.slot) == joining.slot:
+                    self._match(g, joining)
+
+    def _unpromise(self, slot: int) -> None:
+        for k in [k for k, s in self._promised.items() if s == slot]:
+            del self._promised[k]
+
+    def _block(self, parts) -> JoinBlock:
+        """The stages' view of a step's joining parts (runner/joins.py)."""
+        return self.joins.block(parts)
 
     # ---- slots ----
     def _in_flight(self, g: int) -> bool:
@@ -382,33 +461,58 @@ class Slots(SlotModel):
 
     def free(self, slot: int) -> None:
         g, row = self.group_of(slot)
-        self._joins[g] = [j for j in self._joins[g] if j[0] != slot]
+        self.joins.remove(g, slot)
+        self._unpromise(slot)
+        self._cached.pop(slot, None)
+        held = self._held.pop(slot, None)
+        if held:
+            self.prefix.release(held)
         if self._in_flight(g):
             self._stale.add(slot)
         self._to_all("free", g, row)
         self._lengths[slot] = 0
 
-    def window_needed(self, g: int, steps: int = 1) -> int:
-        """The cache window a group's next `steps` steps need: the bucket holding every active slot's tokens."""
-        longest = int(self._lengths[self._group_slots(g)].max()) + steps - 1
+    def window_needed(self, g: int, steps: int = 1, entries: int = 0) -> int:
+        """The cache window a group's next `steps` steps need: the bucket holding every active slot's tokens (and
+        `entries`, those joining prompts' parts fill)."""
+        longest = max(int(self._lengths[self._group_slots(g)].max()) + steps - 1, entries)
         return kv_cache.bucket_length(min(max(longest, 1), self.max_seq_len), self.max_seq_len)
 
     def _send_decode(self, g: int) -> None:
         slots = self._group_slots(g)
         lengths = self._lengths[slots]
-        busy = lengths > 0
-        positions = np.where(busy, lengths - 1, 0).astype(np.int32)
-        joins, self._joins[g] = self._joins[g], []
-        block = self._block(joins) if joins else None
-        for slot, tokens, _ in joins:  # a joining row holds its prompt after this step (its token: +1)
-            self._lengths[slot] = len(tokens)
+        positions = np.where(lengths > 0, lengths - 1, -1).astype(np.int32)  # -1: a row not stepped
+        if self.prefix is not None and self.ragged:
+            self._resume(g)
+        parts = self.joins.take(g)
+        block = self._block(parts) if parts else None
+        for p in parts:  # a row whose prompt's last part rides here holds its prompt after this step (its token: +1)
+            if p.final:
+                self._lengths[p.joining.slot] = len(p.joining.tokens)
         lengths = self._lengths[slots]
         sent = lengths > 0
         want_scores, want_top = self._wants(slots[sent])
-        x, window, read_len = self._next[slots], self.window_needed(g), int(lengths.max())
+        x, read_len = self._next[slots], int(lengths.max())
+        window = self.window_needed(g, entries=max((p.end for p in parts), default=0))
         for i in range(self.stages.n):
             x = self.stages.call(i, "decode", g, x, positions, window, read_len, want_scores, want_top, block)
         self._flights.append((g, x, slots[sent]))
+        for p in parts:  # a prompt's blocks into the prefix cache once the step wrote them
+            if p.final and self.ragged:
+                self._keep_row(g, p.joining, window)
+
+    def _keep_row(self, g: int, joining: Joining, window: int) -> None:
+        """Claim pool blocks for a joined prompt's full blocks not cached yet and have every stage write them from
+        its row (a window's worth of block ids)."""
+        if self.prefix is None or len(joining.tokens) < BLOCK_SIZE:
+            return
+        claims = self.prefix.claim(joining.keys or self.prefix.keys(joining.tokens))
+        if claims:
+            ids = np.full(window // BLOCK_SIZE, self.prefix.blocks, np.int32)  # past the pool: not written
+            for j, b in claims:
+                ids[j] = b
+            self._to_all("store_row", g, joining.row, ids)
+        self._unpromise(joining.slot)  # (stored: the prompts waiting for them find them in the cache)
 
     def _wants(self, slots) -> tuple[bool, bool]:
         """(want_scores, want_top) of a step over `slots` (indices or a mask): the top alternatives where a
@@ -418,7 +522,7 @@ class Slots(SlotModel):
 
     def step(self) -> StepResult:
         for g in range(self.groups):  # every idle group with work goes into the stages
-            if not self._in_flight(g) and (self._joins[g] or self._lengths[self._group_slots(g)].any()):
+            if not self._in_flight(g) and (self.joins.waiting(g) or self._lengths[self._group_slots(g)].any()):
                 self._send_decode(g)
         g, future, sent = self._flights.popleft()
         slots = self._group_slots(g)
@@ -434,11 +538,11 @@ class Slots(SlotModel):
         and room in the context for all n; otherwise one step. -> one StepResult a step."""
         lengths = self._lengths
         # (n steps write entries up to the longest slot's length + n - 2; one count of steps, one compile)
-        if (n <= 1 or self.stages.n > 1 or self.groups > 1 or self._joins[0]
+        if (n <= 1 or self.stages.n > 1 or self.groups > 1 or self.joins.waiting(0)
                 or lengths.max() + n - 1 > self.max_seq_len):
             return [self.step()]
         slots, sent = self._group_slots(0), lengths > 0
-        positions = np.where(sent, lengths - 1, 0).astype(np.int32)
+        positions = np.where(sent, lengths - 1, -1).astype(np.int32)
         want_scores, want_top = self._wants(sent)
         outs = self.stages.get(self.stages.call(0, "decode_steps", 0, self._next.copy(), positions,
                                                 self.window_needed(0, n), int(lengths.max()), n, want_scores,
@@ -456,7 +560,7 @@ class Slots(SlotModel):
         ids = np.where(self._want_top[:, None], ids, -1)
         self._next[rows] = tokens[rows]
         self._lengths[rows] += 1
-        return StepResult(tokens, logprobs, ids, lps, rows=None if self.groups == 1 else rows)
+        return StepResult(tokens, logprobs, ids, lps, rows=rows)
 
     # ---- life ----
     def warmup(self, prefill_chunk: Optional[int] = None, decode_steps: int = 1) -> None:
@@ -466,8 +570,7 @@ class Slots(SlotModel):
         `prefill_chunk` (and for the part of a prompt after its cached prefix), what chunked prefills run
         (`_warm_jobs`); with the prefix cache, the writes of every cache size into its pool. Every group's
         cache has the same shapes: warming group 0 compiles all."""
-        if prefill_chunk:
-            self.hit_chunk = prefill_chunk
+        self._set_joins(prefill_chunk)
         self._to_all("begin_warmup")
         # first, while a stage holds the fewest compiled programs: the compiles of chunked prefills take the most
         # memory while they run (at OPT-1.3b's stages 94-160 MB above what the stage holds), so they come before
@@ -515,14 +618,19 @@ class Slots(SlotModel):
                 self.step_many(decode_steps)
             for b in self.join_blocks if joiners else ():  # and steps with prompts joining, each block size
                 self._lengths[0] = w
+                if self.prefix is not None:  # (no prompt reuses another's blocks: each fills its share)
+                    self.prefix.clear()
                 some = joiners[:b]
-                for i, slot in enumerate(some):  # the prompts fill the block: b tokens in all
-                    if not self.join([self.cfg.bos_token_id] * (b // len(some) + (i < b % len(some))),
-                                     SlotSettings(), slot):
+                for i, slot in enumerate(some):  # the prompts fill the block: b tokens in all (no two alike: none
+                    n = b // len(some) + (i < b % len(some))  # waits for another's prefix blocks)
+                    filler = (self.cfg.bos_token_id + 2 + i) % self.cfg.vocab_size
+                    if not self.join([self.cfg.bos_token_id] + [filler] * (n - 1), SlotSettings(), slot):
                         raise RuntimeError(f"warm-up: a prompt did not join a block of {b}")
                 self.step()
                 for slot in some:
                     self.free(slot)
+            if self.ragged and self.prefix is not None:  # a joined prompt's blocks into the pool (none written)
+                self._to_all("store_row", 0, 0, np.full(w // BLOCK_SIZE, self.prefix.blocks, np.int32))
             self.free(0)
         for prefix in held.values():
             self.discard(prefix)

@@ -150,6 +150,12 @@ class StageSlots:
         self.pending: dict[int, dict] = {}  # handle -> a prefilled request's batch-1 cache, until inserted
         # the prefix cache's blocks (runner/prefix.py: the driver decides which block holds what)
         self.pool = kv_cache.init_pool(scfg, prefix_blocks, PREFIX_BLOCK, dtype) if prefix_blocks else None
+        # ragged steps: each group row's cached prefix, read from the pool (ptab [rows, Mp] blocks, plen [rows]
+        # entries; opt.ragged_step); without a prefix cache an empty pool stands in
+        mp = max(1, -(-self.max_seq_len // PREFIX_BLOCK))
+        self.ptab = [np.zeros((rows, mp), np.int32) for _ in range(groups)]
+        self.plen = [np.zeros(rows, np.int32) for _ in range(groups)]
+        self._no_pool = kv_cache.init_pool(scfg, 0, PREFIX_BLOCK, dtype)
         # the one device of a stage that is not tensor-parallel: arrays a step made are committed to it and fresh
         # zeros are not, and jit compiles each apart
         devices = {d for leaf in jax.tree_util.tree_leaves(params) if hasattr(leaf, "sharding")
@@ -175,16 +181,32 @@ class StageSlots:
             """A chunk of a prompt's prefill into its batch-1 cache (opt._extend) -> hidden states [1, C, D]."""
             return opt._extend(cfg, params, cache, x, start, mask, return_hidden=True, stage=stage, backend=backend)
 
-        def step(params, cache, x, pos, read_len):
-            # the newest token (or its hidden state) goes in at its own position
+        self.ragged = backend.ragged  # prompts continue rows and cached prefixes are read in place (opt.ragged_step)
+        no_block = (np.zeros(0, np.int32),) * 3
+
+        def step(params, cache, x, pos, read_len, prefix=None):
+            """The newest token (or its hidden state) of each row goes in at its own position; a row at position -1
+            is not stepped (free, or its prompt is being prefilled: ragged steps leave its entries alone)."""
+            if self.ragged:
+                write = jnp.where(pos >= 0, pos, kv_cache.cache_max_len(cache))
+                return opt.ragged_step(cfg, params, cache, x, jnp.maximum(pos, 0), write, no_block, prefix,
+                                       stage=stage, backend=backend)
+            pos = jnp.maximum(pos, 0)
             return opt.decode_step(cfg, params, cache, x, pos, pos, read_len=read_len, return_hidden=True,
                                    stage=stage, backend=backend)
 
-        def step_joining(params, cache, x, pos, read_len, block, last, last_rows):
-            # as `step`, with prompts joining free rows in the same pass (opt.decode_joining_step); the last stage
-            # hands the sampler each joining row's hidden state at its prompt's last token
-            h, cache = opt.decode_joining_step(cfg, params, cache, x, pos, pos, read_len, block, stage=stage,
-                                               backend=backend)
+        def step_joining(params, cache, x, pos, read_len, block, last, last_rows, prefix=None):
+            # as `step`, with prompts joining rows in the same pass (opt.ragged_step: any part of a prompt, after
+            # what earlier steps or a cached prefix gave its row; else opt.decode_joining_step: short prompts
+            # whole); the last stage hands the sampler each prompt's hidden state at its last token
+            if self.ragged:
+                write = jnp.where(pos >= 0, pos, kv_cache.cache_max_len(cache))
+                h, cache = opt.ragged_step(cfg, params, cache, x, jnp.maximum(pos, 0), write, block[:3], prefix,
+                                           stage=stage, backend=backend)
+            else:
+                pos = jnp.maximum(pos, 0)
+                h, cache = opt.decode_joining_step(cfg, params, cache, x, pos, pos, read_len, block, stage=stage,
+                                                   backend=backend)
             if stage.last:  # [B + T, D] -> [B, D]
                 b = pos.shape[0]
                 h = h[:b].at[last_rows].set(h[b + last], mode="drop")
@@ -208,15 +230,17 @@ class StageSlots:
         if stage.first and stage.last:  # the whole model here: n steps can feed each other in one call
             choose = self.sampler.choose_rows
 
-            def steps(params, cache, x, pos, read_len, state, settings, active, want_scores, want_top, n):
+            def steps(params, cache, x, pos, read_len, state, settings, active, want_scores, want_top, n, prefix):
                 """`n` decode steps of a group in one call, each fed the tokens the last one chose (as n calls
                 of `step` and Sampler.choose would) -> the cache, the sampling state and each step's
-                (tokens, logprobs, top ids, top logprobs), stacked [n, rows, ...]."""
+                (tokens, logprobs, top ids, top logprobs), stacked [n, rows, ...]. Rows at position -1 stay so."""
+                stepped = pos >= 0
+
                 def one(carry, _):
                     cache, x, pos, read_len, state = carry
-                    h, cache = step(params, cache, x, pos, read_len)
+                    h, cache = step(params, cache, x, pos, read_len, prefix)
                     state, out = choose(params, h, state, settings, active, want_scores, want_top)
-                    return (cache, out[0], pos + 1, read_len + 1, state), out
+                    return (cache, out[0], jnp.where(stepped, pos + 1, pos), read_len + 1, state), out
                 (cache, _, _, _, state), outs = jax.lax.scan(one, (cache, x, pos, read_len, state), length=n)
                 return cache, state, outs
 
@@ -225,6 +249,8 @@ class StageSlots:
                                      donate_argnums=(0,))
         self._gather = jax.jit(kv_cache.gather_blocks)  # one compile per cache size
         self._store = jax.jit(kv_cache.store_blocks, donate_argnums=(0,))
+        self._store_row = jax.jit(lambda pool, cache, row, ids: kv_cache.store_blocks(
+            pool, kv_cache.row_of(cache, row), ids), donate_argnums=(0,))
         self._resize = jax.jit(lambda cache, n: kv_cache._resize(cache, n), static_argnums=(1,))
         self._free = jax.jit(kv_cache.free_slot, donate_argnums=(0,))
 
@@ -297,12 +323,14 @@ class StageSlots:
         [rows + T, D] between stages) and their rows' tokens are their first. Returns hidden states, or on
         the last stage the chosen tokens and their scores."""
         self._fit_cache(group, window, shrink=not self.backend.attention)
+        prefix = self._prefix(group)
         if join is None:
-            h, self.caches[group] = self._step(self.params, self.caches[group], x, positions, np.int32(read_len))
+            h, self.caches[group] = self._step(self.params, self.caches[group], x, positions, np.int32(read_len),
+                                               prefix)
         else:
             block = (join.ids, join.rows, join.entries, join.seg)
             h, self.caches[group] = self._step_joining(self.params, self.caches[group], x, positions,
-                                                       np.int32(read_len), block, join.last, join.last_rows)
+                                                       np.int32(read_len), block, join.last, join.last_rows, prefix)
         if self.sampler is None:
             return h
         return self.sampler.choose(self.params, group, h, want_scores, want_top, join)
@@ -325,8 +353,37 @@ class StageSlots:
         self._fit_cache(group, window, shrink=not self.backend.attention)
         self.caches[group], s.state[group], out = self._steps(
             self.params, self.caches[group], x, positions, np.int32(read_len), s.state[group], s.settings[group],
-            s.active[group], np.bool_(want_scores), np.bool_(want_top), n)
+            s.active[group], np.bool_(want_scores), np.bool_(want_top), n, self._prefix(group))
         return tuple(np.asarray(a) for a in out)
+
+    def _prefix(self, group: int):
+        """What a ragged step of the group reads cached prefixes from (opt.ragged_step's `prefix`); None on a stage
+        that prefills prompts in passes of their own."""
+        if not self.ragged:
+            return None
+        pool = self.pool if self.pool is not None else self._no_pool
+        return pool["k"], pool["v"], self.ptab[group], self.plen[group]
+
+    @_settles
+    def use_prefix(self, group: int, row: int, blocks) -> None:
+        """The row's prompt starts with these prefix-cache blocks (int32 [m]): its first m * PREFIX_BLOCK entries.
+        A ragged stage reads them from the pool; another copies them into the row."""
+        blocks = np.asarray(blocks, np.int32)
+        if self.ragged:
+            self.ptab[group][row] = 0
+            self.ptab[group][row, :len(blocks)] = blocks
+            self.plen[group][row] = len(blocks) * PREFIX_BLOCK
+            return
+        raise NotImplementedError("a stage without ragged steps takes cached prefixes through prefill_chunk")
+
+    @_settles
+    def store_row(self, group: int, row: int, ids) -> None:
+        """A row's full blocks into the prefix cache's pool: block j of the row into pool block ids[j] (int32 [m];
+        the pool's size for blocks not to keep), after the steps that wrote them."""
+        n = kv_cache.cache_max_len(self.caches[group]) // PREFIX_BLOCK  # (one program a cache size)
+        blocks = np.full(n, kv_cache.pool_blocks(self.pool), np.int32)
+        blocks[:min(n, len(ids))] = np.asarray(ids, np.int32)[:n]
+        self.pool = self._store_row(self.pool, self.caches[group], np.int32(row), blocks)
 
     def use_tokenizer(self, tokenizer_json: str, eos: int) -> None:
         """The last stage: the tokenizer structured output's grammars are matched against."""
@@ -335,6 +392,7 @@ class StageSlots:
 
     @_settles
     def free(self, group: int, row: int) -> None:
+        self.plen[group][row] = 0
         self.caches[group] = self._free(self.caches[group], np.int32(row))
         if self.sampler is not None:
             self.sampler.free(group, row)
@@ -342,6 +400,10 @@ class StageSlots:
     def cache_windows(self) -> list[int]:
         """The cache sizes this stage's groups step through (warm-up compiles each)."""
         return list(self.windows)
+
+    def is_ragged(self) -> bool:
+        """Does this stage run ragged steps (prompts continuing rows, cached prefixes read in place)?"""
+        return self.ragged
 
     def platform(self) -> str:
         """Where this stage's weights lie: "cpu", "gpu", ... (the slot model sizes its joining blocks by it)."""

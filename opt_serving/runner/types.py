@@ -153,6 +153,27 @@ class StepResult:
         return TokenInfo(tokens[slot], logprobs[slot] if logprob else None, top)
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelCosts:
+    """What a token costs the model, to read a step's time against the machine's bounds: FLOPs of its dense
+    layers (2 a weight), of the LM head where it is applied (a prompt's last token, every decoded one), the bytes
+    of weights a pass reads once, and the bytes of one KV entry (every layer's k and v)."""
+    dense_flops: float
+    head_flops: float
+    weight_bytes: float
+    kv_entry_bytes: float
+
+    @classmethod
+    def of(cls, cfg, weights: str = "float32", cache_width: int = 4) -> "ModelCosts":
+        """`weights`: the dense layers' format (float32, float16, bfloat16, int8); `cache_width`: bytes of a KV
+        number."""
+        d, f, n, v = cfg.hidden_size, cfg.ffn_dim, cfg.num_hidden_layers, cfg.vocab_size
+        dense = n * (4 * d * d + 2 * d * f)
+        head = v * cfg.word_embed_proj_dim
+        width = {"int8": 1, "bfloat16": 2, "float16": 2}.get(weights, 4)
+        return cls(2.0 * dense, 2.0 * head, float((dense + head) * width), 2.0 * n * d * cache_width)
+
+
 class StageDied(Unavailable):
     """A pipeline stage (a Ray actor) is gone: the model cannot serve until it is loaded again."""
     code = "stage_died"
@@ -162,7 +183,8 @@ class StageDied(Unavailable):
 # of the model (a stage actor counts those as busy time). StageSlots implements each; a Ray stage actor
 # (parallel/pipeline.py) is generated from this table, so the two cannot drift apart.
 STAGE_CALLS = {"prefill": True, "prefill_chunk": True, "decode": True, "decode_steps": True,
-               "insert": False, "store_prefix": False, "drop": False, "free": False, "use_tokenizer": False,
+               "insert": False, "store_prefix": False, "use_prefix": False, "store_row": False, "drop": False,
+               "free": False, "use_tokenizer": False, "is_ragged": False,
                "begin_warmup": False, "end_warmup": False, "cache_windows": False, "platform": False, "ready": False,
                # whole-sequence caches: generate() over a pipeline (runner/generate.py)
                "seq_open": False, "seq_prefill": True, "seq_decode": True, "seq_reorder": False, "seq_close": False,
@@ -179,12 +201,14 @@ class SlotModel(abc.ABC):
     max_seq_len: int
     vocab_size: int
     max_top_logprobs: int = MAX_TOP_LOGPROBS  # the most top alternatives a token can come with
+    costs: Optional[ModelCosts] = None  # what a token costs the model (None: not known, e.g. a fake model)
 
     # abilities
     batched_prefill: bool = False  # prefill_batch: several requests' prompts in one pass
     chunked_prefill: bool = False  # open_prefill / prefill_chunk / discard_partial: a prompt a chunk at a time
     joins_steps: bool = False      # joinable / join: a short prompt prefilled inside the next decode step
     many_steps: bool = False       # step_many: n decode steps in one call, each fed the last one's tokens
+    joins_in_parts: bool = False   # join takes any prompt, its tokens riding several steps (chunked prefill)
     masks_tokens: bool = False     # use_tokenizer: structured output's token masks
     runs_generate: bool = False    # generation_model: a model beam search runs generate() on
 
@@ -238,7 +262,15 @@ class SlotModel(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} does not join steps")
 
     def join(self, tokens: Sequence[int], settings: SlotSettings, slot: int) -> bool:
+        """The prompt takes the slot, its prefill in the next decode steps (False: it does not join)."""
         raise NotImplementedError(f"{type(self).__name__} does not join steps")
+
+    def cached_of(self, slot: int) -> int:
+        """The prompt tokens the prefix cache gave the prompt that joined the slot (known by its first token)."""
+        return 0
+
+    def set_prefill_chunk(self, chunk: Optional[int]) -> None:
+        """The engine's prefill chunk (a model whose joined prompts go a part at a time takes that many a step)."""
 
     def step_many(self, n: int) -> list[StepResult]:
         raise NotImplementedError(f"{type(self).__name__} has no many_steps")

@@ -40,7 +40,23 @@ class _EngineCollector:
                 "prefills": ("prefills", "prompts prefilled"),
                 # as vLLM's prefix_cache_queries / prefix_cache_hits: in tokens
                 "prompt_tokens": ("prefix_cache_queries", "prompt tokens prefilled (looked up in the prefix cache)"),
-                "cached_tokens": ("prefix_cache_hits", "prompt tokens whose KV the prefix cache gave")}
+                "cached_tokens": ("prefix_cache_hits", "prompt tokens whose KV the prefix cache gave"),
+                # where the engine thread's time goes (benchmark/serve_vs_vllm.py reads them against the bounds)
+                "prefill_s": ("prefill_seconds", "seconds the engine spent in prefill passes and chunks"),
+                "prefill_passes": ("prefill_passes", "prefill calls of the model (a batched pass or one chunk)"),
+                "computed_tokens": ("prefill_computed_tokens", "prompt tokens prefill passes computed (past "
+                                    "their cached prefixes)"),
+                "joined_tokens": ("joined_prompt_tokens", "prompt tokens computed inside decode steps"),
+                "decode_s": ("decode_seconds", "seconds the engine spent in decode calls"),
+                "decode_kv_entries": ("decode_kv_entries", "KV entries decode steps attended over (rows x "
+                                      "context, summed over steps)")}
+    DURATIONS = {"queue_wait": ("queue_wait_seconds", "time from a request's arrival to its first prefill pass "
+                                "(or the decode step it joined)"),
+                 "decode_gap": ("decode_gap_seconds", "time running requests waited between two decode steps")}
+    COSTS = {"dense_flops": ("model_dense_flops_per_token", "FLOPs of the dense layers a token"),
+             "head_flops": ("model_head_flops_per_token", "FLOPs of the LM head a token it is applied to"),
+             "weight_bytes": ("model_weight_bytes", "bytes of weights a pass reads once"),
+             "kv_entry_bytes": ("model_kv_entry_bytes", "bytes of one KV entry (every layer's k and v)")}
 
     def __init__(self, stats_fn: Callable[[], object]):
         self.stats_fn = stats_fn
@@ -65,6 +81,17 @@ class _EngineCollector:
             yield GaugeMetricFamily(f"{PREFIX}_prefix_cache_hit_rate",
                                     "prompt tokens the prefix cache gave / prompt tokens prefilled, since start",
                                     value=float(s["cached_tokens"]) / queried if queried else 0.0)
+        for key, (name, doc) in self.DURATIONS.items():
+            d = s.get(key)
+            if d:
+                cum, buckets = 0, []
+                for bound, count in zip(list(d["bounds"]) + ["+Inf"], d["counts"]):
+                    cum += count
+                    buckets.append((str(float(bound)) if bound != "+Inf" else bound, cum))
+                yield HistogramMetricFamily(f"{PREFIX}_{name}", doc, buckets=buckets, sum_value=float(d["total"]))
+        for key, (name, doc) in self.COSTS.items():
+            if (s.get("costs") or {}).get(key) is not None:
+                yield GaugeMetricFamily(f"{PREFIX}_{name}", doc, value=float(s["costs"][key]))
         hist = s.get("active_per_step")  # {active slots: number of steps}, when the engine keeps it
         if hist is not None:
             hist = {int(a): int(c) for a, c in hist.items()}

@@ -28,3 +28,14 @@ def decode_attention(q, k_cache, v_cache, mask, read_len, reference):
         return jax.ffi.ffi_call(_lib.ATTENTION, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
             q, k, v, mask, jnp.asarray(read_len, jnp.int32))
     return jax.lax.platform_dependent(q, k_cache, v_cache, mask, cpu=kernel, default=reference)
+
+
+def ragged_attention(q, k_cache, v_cache, rows, ends, pool_k, pool_v, ptab, plen):
+    """A ragged step's attention on a CPU: q [N, H, D] float32, query i reading the entries [0, ends[i]) of cache row
+    rows[i] (k/v [B, H, T, D]; a row out of range or ends 0: zeros), a row's first plen[row] entries from the prefix
+    pool's blocks ptab[row] (pool k/v [H, P, bs, D], of the cache's dtype) -> [N, H, D] float32. The cache holds
+    every query's own k/v already."""
+    _lib.lib()  # its FFI target registered
+    return jax.ffi.ffi_call(_lib.RAGGED_ATTENTION, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        q, k_cache, v_cache, rows.astype(jnp.int32), ends.astype(jnp.int32), pool_k, pool_v,
+        ptab.astype(jnp.int32), plen.astype(jnp.int32))
