@@ -24,8 +24,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# the default chunk (tokens): a longer prompt is prefilled a chunk at a time
-PREFILL_CHUNK = 256
+# the default chunk (tokens): on ragged stages the most prompt tokens a decode step carries (a longer prompt rides
+# several steps; a burst of prompts fills each step: benchmark/README.md), elsewhere a longer prompt is prefilled a
+# chunk at a time between decode steps
+PREFILL_CHUNK = 512
 # the default prompt tokens prefilled in an engine iteration, whole prompts and chunks (vLLM's CPU default of
 # max_num_batched_tokens for its API server): the running streams wait about one such pass between two tokens
 PREFILL_BUDGET = 2048
