@@ -265,8 +265,8 @@ class Generator:
                 if getattr(params, name) not in (None, {}):
                     raise InvalidRequest(f"{'structured output' if name == 'structured' else name} is not "
                                          "available with beam search", param="num_beams")
-            for name in ("logprobs", "echo"):  # (generate()'s beams carry no scores, nor the prompt)
-                if getattr(params, name) not in (None, False):
+            for name, asked in (("logprobs", params.logprobs is not None), ("echo", params.echo)):
+                if asked:  # (generate()'s beams carry no scores, nor the prompt)
                     raise InvalidRequest(f"{name} is not available with beam search", param=name)
         model = self.beam_model()
         searches = []
