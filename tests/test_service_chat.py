@@ -162,6 +162,18 @@ def test_return_token_ids_in_a_chat_answer_and_stream(chat):
     assert "prompt_token_ids" not in plain.model_dump() and "token_ids" not in plain.choices[0].model_dump()
 
 
+def test_prompt_logprobs_come_once_for_the_prompt(chat):
+    client, _ = chat
+    r = client.chat.completions.create(model="opt-fake", messages=USER_A, max_completion_tokens=1,
+                                       extra_body={"prompt_logprobs": 1})
+    scores = r.model_extra["prompt_logprobs"]
+    assert len(scores) == 19 and scores[0] is None  # vLLM's: top-level in a chat answer, the first token unscored
+    assert scores[1][str(ord("U") + 4)]["logprob"] < 0  # "</s>" then "U" of "User: a"
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs are not available when stream is true"):
+        client.chat.completions.create(model="opt-fake", messages=USER_A, stream=True,
+                                       extra_body={"prompt_logprobs": 1})
+
+
 def test_beam_search_returns_the_n_best_beams(chat):
     client, _ = chat
     r = client.chat.completions.create(model="opt-fake", messages=USER_A, max_completion_tokens=3, n=2,

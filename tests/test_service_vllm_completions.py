@@ -123,6 +123,7 @@ def test_use_beam_search_as_vllms_batch_test(client):
         complete(client, prompt="a", n=1, best_of=2, use_beam_search=True)
     with pytest.raises(openai.BadRequestError, match="length_penalty goes with use_beam_search"):
         complete(client, prompt="a", length_penalty=0.5)
+    assert complete(client, prompt="a", max_tokens=1, length_penalty=1.0).choices  # vLLM's default, as clients send it
     streamed = list(complete(client, prompt="a", n=2, max_tokens=3, stream=True, use_beam_search=True,
                              return_token_ids=True))
     by_index = {c.choices[0].index: (c.choices[0].text, c.choices[0].token_ids) for c in streamed}

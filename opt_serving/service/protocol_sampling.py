@@ -178,7 +178,7 @@ class OpenAISampling(Structured):
         if max_tokens is not None and (self.min_tokens or 0) > max_tokens:
             raise InvalidRequest(f"min_tokens ({self.min_tokens}) must be less than or equal to max_tokens "
                                  f"({max_tokens})", param="min_tokens")
-        if self.length_penalty is not None and not self.use_beam_search:
+        if self.length_penalty not in (None, 1.0) and not self.use_beam_search:  # (vLLM's clients send its 1.0)
             raise InvalidRequest("length_penalty goes with use_beam_search", param="length_penalty")
         logit_bias_ids(self.logit_bias)
         self.structured()
