@@ -110,10 +110,10 @@ def foreign_head(tmp, num_cpus: int = 2, dashboard_port: int | None = None,
 
 
 def kill_processes_naming(text: str) -> int:
-    """SIGKILL every process whose command line contains `text` (a cluster's own temp folder), or whose
-    RAY_TMPDIR is it (`ray start`'s Ray client server names neither, and outlives `ray start` as an orphan), and
-    their descendants (Ray's workers retitle themselves `ray::...`), and wait for them; returns how many there
-    were. Never this process or its parents."""
+    """SIGKILL every process whose command line contains `text` (a cluster's own temp folder), and Ray's client
+    server whose RAY_TMPDIR is it (`ray start` leaves it an orphan naming no folder), and their descendants (Ray's
+    workers retitle themselves `ray::...`), and wait for them; returns how many there were. Never this process
+    or its parents; never another program that merely runs with that RAY_TMPDIR (a server joining the cluster)."""
     import os
 
     import psutil
@@ -121,8 +121,9 @@ def kill_processes_naming(text: str) -> int:
     procs = {}
     for p in psutil.process_iter(["cmdline"]):
         try:
-            if p.pid not in spared and (text in " ".join(p.info["cmdline"] or [])
-                                        or p.environ().get("RAY_TMPDIR") == text):
+            cmdline = " ".join(p.info["cmdline"] or [])
+            if p.pid not in spared and (text in cmdline or ("ray.util.client.server" in cmdline
+                                                            and p.environ().get("RAY_TMPDIR") == text)):
                 for q in [p, *p.children(recursive=True)]:
                     procs[q.pid] = q
         except psutil.Error:  # gone, or another user's
