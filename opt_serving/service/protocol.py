@@ -1,6 +1,7 @@
 """Request and response shapes of the three HTTP APIs, as pydantic models.
 
-- OpenAI `POST /v1/completions` (+ `GET /v1/models`): what the `openai` client sends.
+- OpenAI `POST /v1/completions` (+ `GET /v1/models`): what the `openai` client sends, with vLLM's extensions;
+  the fields it shares with OpenAI's chat completions (protocol_chat.py) are protocol_sampling.py's.
 - metaseq / Alpa `POST /completions`: the same prompt forms, OpenAI-like choices that always carry logprobs.
 - GPT-J REST API `POST /generate`: the `post_data` body, answered with `{"gen_text": [...]}`.
 
