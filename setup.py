@@ -28,8 +28,8 @@ setup(
         # plugin), 0.12.0.1 (Python 3.12, CPU); JAX 0.11 and newer need Python 3.12
         "jax>=0.10,<0.13", "jaxlib>=0.10,<0.13", "flax>=0.12,<0.13",
         "ray[serve]>=2.50,<2.61", "numpy>=2.0,<2.5", "transformers>=5.0,<5.30",
-        "tokenizers>=0.22,<0.24", "safetensors>=0.4",
-        "fastapi>=0.115", "uvicorn>=0.30", "pydantic>=2.7,<3",
+        "tokenizers>=0.22,<0.24", "safetensors>=0.4", "jinja2>=3.1,<4",
+        "fastapi>=0.115", "uvicorn>=0.30", "pydantic>=2.12,<3",
         "prometheus_client>=0.20", "tqdm>=4.66", "psutil>=5.9", "pyyaml>=6",
         "llguidance>=1.9,<1.10",
     ],

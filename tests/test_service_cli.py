@@ -64,8 +64,11 @@ def test_dummy_large_vocab_without_tokenizer_exits_2_naming_the_flag():
     (["--model", "jax/opt-tiny", "--dummy", "--tokenizer", "no/such/folder"], "no such folder"),
     (["--ray-nice", "20"], "--ray-nice"),
     (["--engine", "fake", "--dummy"], "--engine fake"),
+    (["--engine", "fake", "--chat-template", "no/such.jinja"], "--chat-template no/such.jinja: no such file"),
+    (["--engine", "fake", "--chat-template", "{% if %}"], "the chat template does not parse"),
 ], ids=["dummy-without-model", "dummy-and-path", "model-without-weights", "unknown-size",
-        "tokenizer-for-embedded", "missing-tokenizer-folder", "niceness-out-of-range", "fake-with-weights"])
+        "tokenizer-for-embedded", "missing-tokenizer-folder", "niceness-out-of-range", "fake-with-weights",
+        "missing-chat-template", "chat-template-syntax"])
 def test_bad_model_arguments_exit_2(argv, message, capsys):
     assert main(["serve", *argv]) == 2
     err = capsys.readouterr().err
@@ -95,6 +98,14 @@ def test_engine_fake_builds_the_fake_engine():
         assert (gen.model_name, gen.engine.num_slots) == ("opt-fake", 2)
     finally:
         gen.close()
+
+
+def test_a_chat_template_file_reaches_the_replica_as_an_absolute_path(monkeypatch):
+    monkeypatch.chdir(REPO)
+    args = serve_args_from(parse("--engine", "fake", "--chat-template", "deploy/opt-chat-template.jinja"))
+    assert args.chat_template == str(REPO / "deploy" / "opt-chat-template.jinja") and check_args(args) is None
+    inline = "{{ bos_token }}{{ messages[0]['content'] }}"  # (the template itself, as vLLM's flag takes it)
+    assert serve_args_from(parse("--engine", "fake", "--chat-template", inline)).chat_template == inline
 
 
 def test_dummy_tiny_needs_no_tokenizer():

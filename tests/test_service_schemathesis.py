@@ -1,5 +1,7 @@
 """Property-based run over the app's own OpenAPI schema (schemathesis, positive and negative data): whatever
 the body, the answer is never a 5xx, and every 4xx carries OpenAI's error object."""
+from pathlib import Path
+
 import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
@@ -12,7 +14,9 @@ from opt_serving.service.app import create_app  # noqa: E402
 from opt_serving.text.fake import fake_generator  # noqa: E402
 
 GENERATOR = fake_generator(num_slots=4, max_seq_len=64, max_queue=64)
-schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(GENERATOR))
+# with a chat template, so that /v1/chat/completions renders whatever messages come
+TEMPLATE = (Path(__file__).resolve().parents[1] / "deploy" / "opt-chat-template.jinja").read_text()
+schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(GENERATOR, chat_template=TEMPLATE))
 schema.config.generation.update(modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE])
 
 

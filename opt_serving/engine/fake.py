@@ -9,7 +9,10 @@ with log-probabilities `-ln2, -2 ln2, ..., -5 ln2`; every other token shares the
   * sampling: the k-th generated token (k = 0, 1, ...) is `last + j` with `j = 1 + (seed + k) % 3`;
   * before `min_tokens`, a stop token is skipped (the next candidate, one further on, is taken instead);
   * beam search (`FakeBeamModel`) returns the greedy continuation: every step's best token costs -ln2 whatever
-    came before, so no other sequence can score higher (penalties and bad words are ignored).
+    came before, so no other sequence can score higher (penalties and bad words are ignored); with
+    `num_return_sequences` k, the r-th sequence (r = 0..k-1) is the greedy one with its last token the (r+1)-th
+    likeliest, `previous + 1 + r`;
+  * `step_s`: each decode step takes that long (a model's step time: a request stays in flight for a known while).
 The tokenizer maps byte `b` to id `4 + b` (ids 0-3 are <s>, <pad>, </s>, <unk>, and </s> is also BOS/EOS), so
 with the prompt "a" (ids [2, 101]) greedy decoding continues "bcdef..."; after byte 255 (id 259) comes id 0.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from typing import Optional, Sequence
 
 import numpy as np
@@ -54,8 +58,10 @@ class FakeSlots(SlotModel):
     many_steps = True
     max_top_logprobs = MAX_TOP_LOGPROBS
 
-    def __init__(self, num_slots: int = 4, max_seq_len: int = 64, vocab_size: int = FAKE_VOCAB_SIZE):
+    def __init__(self, num_slots: int = 4, max_seq_len: int = 64, vocab_size: int = FAKE_VOCAB_SIZE,
+                 step_s: float = 0.0):
         self.num_slots, self.max_seq_len, self.vocab_size = num_slots, max_seq_len, vocab_size
+        self.step_s = step_s
         self.last = np.zeros(num_slots, np.int64)
         self.count = np.zeros(num_slots, np.int64)        # tokens generated so far per slot
         self.settings: list[Optional[SlotSettings]] = [None] * num_slots
@@ -95,6 +101,8 @@ class FakeSlots(SlotModel):
         self.inserted_settings.append(prefix.settings)
 
     def step(self) -> StepResult:
+        if self.step_s:
+            time.sleep(self.step_s)  # (the engine thread's, standing for the device's work)
         n = self.num_slots
         out = StepResult(np.zeros(n, np.int32), np.zeros(n, np.float32),
                          np.zeros((n, MAX_TOP_LOGPROBS), np.int32), np.zeros((n, MAX_TOP_LOGPROBS), np.float32))
@@ -158,32 +166,40 @@ class FakeBeamModel:
         return self
 
     def generate(self, input_ids, num_beams: int = 1, max_new_tokens: int = 16, min_new_tokens=None,
-                 eos_token_id: int = -1, should_stop=None, **_ignored) -> np.ndarray:
+                 eos_token_id: int = -1, should_stop=None, num_return_sequences: int = 1,
+                 **_ignored) -> np.ndarray:
         self.calls += 1
-        ids = np.asarray(input_ids)
         out = []
-        for row in ids.tolist():
-            row, last = list(row), row[-1]
-            for k in range(max_new_tokens):
-                if should_stop is not None and should_stop():
-                    self.stopped_at = k
-                    raise SearchStopped(f"stopped before step {k}")
-                if k == self.hold_at and not self.reached.is_set():
-                    self.reached.set()
-                    assert self.go.wait(60), "a held beam search was never let go"
-                tok = (last + 1) % self.vocab_size
-                if k < (min_new_tokens or 0) and tok == eos_token_id:
-                    tok = (last + 2) % self.vocab_size
-                row.append(tok)
-                last = tok
-                if tok == eos_token_id:
-                    break
-            out.append(row)
+        for row in np.asarray(input_ids).tolist():
+            best = self._greedy(list(row), max_new_tokens, min_new_tokens, eos_token_id, should_stop)
+            for r in range(num_return_sequences):  # the r-th best: the last token the (r+1)-th likeliest
+                seq = list(best)
+                if r and len(seq) > len(row):
+                    seq[-1] = (seq[-2] + 1 + r) % self.vocab_size
+                out.append(seq)
         width = max(map(len, out))
         return np.asarray([r + [1] * (width - len(r)) for r in out], np.int64)  # padded with <pad>
 
+    def _greedy(self, row: list, max_new_tokens: int, min_new_tokens, eos_token_id: int, should_stop) -> list:
+        last = row[-1]
+        for k in range(max_new_tokens):
+            if should_stop is not None and should_stop():
+                self.stopped_at = k
+                raise SearchStopped(f"stopped before step {k}")
+            if k == self.hold_at and not self.reached.is_set():
+                self.reached.set()
+                assert self.go.wait(60), "a held beam search was never let go"
+            tok = (last + 1) % self.vocab_size
+            if k < (min_new_tokens or 0) and tok == eos_token_id:
+                tok = (last + 2) % self.vocab_size
+            row.append(tok)
+            last = tok
+            if tok == eos_token_id:
+                break
+        return row
+
 
 def fake_engine(num_slots: int = 4, max_seq_len: int = 64, max_queue: int = 16, start: bool = True,
-                vocab_size: int = FAKE_VOCAB_SIZE, decode_steps: int = 1) -> Engine:
-    return Engine(FakeSlots(num_slots, max_seq_len, vocab_size), max_queue=max_queue, start=start,
+                vocab_size: int = FAKE_VOCAB_SIZE, decode_steps: int = 1, step_s: float = 0.0) -> Engine:
+    return Engine(FakeSlots(num_slots, max_seq_len, vocab_size, step_s), max_queue=max_queue, start=start,
                   decode_steps=decode_steps)

@@ -23,6 +23,7 @@ from opt_serving.parallel.planner import NoFeasiblePlan
 from opt_serving.service.deployment import ServeArgs, build_app, check_model_args
 from opt_serving.service.ports import free_port
 from opt_serving.settings import Settings
+from opt_serving.text.chat import load_chat_template
 from opt_serving.text.tokenizer import load_tokenizer
 
 
@@ -70,6 +71,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the model name(s) requests may use, as vLLM's flag: the first is the one answers give and "
                         "/v1/models lists them all; a request naming another model is a 404 (default: --model, or "
                         "the embedded model's name)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="Jinja chat template /v1/chat/completions renders messages with (a file, or the template "
+                        "itself, as vLLM's flag; e.g. deploy/opt-chat-template.jinja); default: the tokenizer's "
+                        "own, and without one (OPT has none) chat requests are a 400 naming this flag")
     p.add_argument("--api-key", action="append", default=[],
                    help="accept only requests with `Authorization: Bearer KEY` (repeatable; also "
                         "$OPT_SERVING_API_KEYS, comma separated)")
@@ -214,6 +219,8 @@ def serve_args_from(args: argparse.Namespace):
     keys = list(args.api_key) + list(Settings.from_env().api_keys)
     # absolute paths: the replica that reads them is another process, maybe in another folder
     path, tokenizer = (None if a is None else os.path.abspath(a) for a in (args.path, args.tokenizer))
+    template = args.chat_template
+    template = os.path.abspath(template) if template is not None and os.path.isfile(template) else template
     return ServeArgs(engine=args.engine, model=args.model, path=path, dummy=args.dummy, seed=args.seed,
                      tokenizer=tokenizer, dtype=args.dtype, quantize=args.quantize, prefill_chunk=args.prefill_chunk,
                      prefill_budget=args.prefill_budget, decode_steps=args.decode_steps,
@@ -224,7 +231,7 @@ def serve_args_from(args: argparse.Namespace):
                      graceful_shutdown_timeout_s=args.drain_timeout,
                      tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel,
                      device_memory=args.device_memory, micro_batches=args.micro_batches, handoff=args.handoff,
-                     max_logprobs=args.max_logprobs, max_body_bytes=args.max_body_bytes)
+                     max_logprobs=args.max_logprobs, max_body_bytes=args.max_body_bytes, chat_template=template)
 
 
 def check_args(serve_args) -> str | None:
@@ -232,6 +239,8 @@ def check_args(serve_args) -> str | None:
     loads the model would only report it as a failed deployment."""
     try:
         check_model_args(serve_args)
+        if serve_args.chat_template is not None:
+            load_chat_template(serve_args.chat_template)  # a missing file or a syntax error, before Ray starts
         if serve_args.tokenizer is not None:
             if not os.path.isdir(serve_args.tokenizer):
                 return f"--tokenizer {serve_args.tokenizer}: no such folder"

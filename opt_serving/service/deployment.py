@@ -7,7 +7,7 @@ from __future__ import annotations
 import gc
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveInt
 
 from opt_serving import jax_env
 from opt_serving.engine.admission import DECODE_STEPS, PREFILL_CHUNK
@@ -19,6 +19,7 @@ from opt_serving.service import protocol as P
 from opt_serving.service.app import create_app
 from opt_serving.service.limits import DEFAULT_MAX_BODY_BYTES
 from opt_serving.spec import ModelSpec, is_parallel
+from opt_serving.text.chat import load_chat_template
 
 
 class ServeArgs(BaseModel):
@@ -30,6 +31,7 @@ class ServeArgs(BaseModel):
     # model: the named model's weights (below). fake: the hand-checkable fake engine
     # (opt_serving/engine/fake.py), for tests and demos of the HTTP side; it takes no model arguments
     engine: Literal["model", "fake"] = "model"
+    fake_step_s: NonNegativeFloat = 0.0  # the fake engine's decode step time (a request in flight for a known while)
     model: Optional[str] = None          # None: the embedded tiny model
     path: Optional[str] = None
     dummy: bool = False                  # random weights of the named size (no path)
@@ -64,6 +66,9 @@ class ServeArgs(BaseModel):
     handoff: Literal["auto", "cgraph", "refs"] = "auto"
     health_check_period_s: float = 5.0
     max_logprobs: int = P.MAX_LOGPROBS   # vLLM's --max-logprobs
+    # /v1/chat/completions' Jinja template: a file (read by each replica), or the template itself; None: the
+    # tokenizer's own (OPT has none: chat requests are then a 400 naming --chat-template)
+    chat_template: Optional[str] = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
     def key_list(self) -> list[str]:
@@ -92,6 +97,8 @@ def check_model_args(args: ServeArgs) -> None:
             raise ValueError("the fake engine (--engine fake) takes no weights or tokenizer (--path, --dummy, "
                              "--tokenizer)")
         return
+    if args.fake_step_s:
+        raise ValueError("fake_step_s goes with the fake engine (engine: fake)")
     check_model_names(args.model, args.path, args.dummy, args.tokenizer)
 
 
@@ -101,7 +108,7 @@ def build_generator(args: ServeArgs):
     check_model_args(args)
     if args.engine == "fake":
         return fake_generator(num_slots=args.max_batch_size, max_seq_len=args.max_seq_len or 256,
-                              max_queue=args.max_queue)
+                              max_queue=args.max_queue, step_s=args.fake_step_s)
     return load_generator(args.model, args.path, dtype=args.dtype, max_batch_size=args.max_batch_size,
                           max_seq_len=args.max_seq_len, max_queue=args.max_queue, dummy=args.dummy, seed=args.seed,
                           tokenizer=args.tokenizer, quantize=args.quantize, prefill_chunk=args.prefill_chunk,
@@ -232,6 +239,9 @@ def build_app(args: ServeArgs | dict | None = None):
         def __init__(self, serve_args: dict):
             reuse_replica_port_after_crash()  # before Serve binds the port, after this constructor
             self.args = ServeArgs(**serve_args)
+            # (the template first: a file this replica cannot read fails it before the model loads)
+            self.chat_template = None if self.args.chat_template is None else load_chat_template(
+                self.args.chat_template)
             self.generator = build_generator(self.args)
             # what is loaded by now (the model, its compiled steps, Ray, FastAPI) lives as long as the replica:
             # frozen, a full collection no longer walks it while holding the GIL, stalling the engine's steps
@@ -242,7 +252,8 @@ def build_app(args: ServeArgs | dict | None = None):
         def __serve_build_asgi_app__(self):
             return create_app(self.generator, model_name=self.args.model_names(), api_keys=self.args.key_list(),
                               request_timeout=self.args.request_timeout, close_generator=True,
-                              max_logprobs=self.args.max_logprobs, max_body_bytes=self.args.max_body_bytes)
+                              max_logprobs=self.args.max_logprobs, max_body_bytes=self.args.max_body_bytes,
+                              chat_template=self.chat_template)
 
         def check_health(self):
             """Serve replaces the replica when this raises: a dead or stuck engine, a dead pipeline stage."""

@@ -172,7 +172,8 @@ class RequestTimer:
 class CountRequests:
     """ASGI middleware counting answers per API and status (a pure ASGI wrapper: Starlette's
     BaseHTTPMiddleware would get between a streaming response and the client's disconnect)."""
-    ENDPOINTS = {"/v1/completions": "completions", "/completions": "metaseq", "/generate": "generate"}
+    ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/completions": "metaseq",
+                 "/generate": "generate"}
 
     def __init__(self, app, metrics: ServiceMetrics):
         self.app, self.metrics = app, metrics

@@ -9,10 +9,11 @@ from typing import AsyncGenerator
 
 from fastapi import APIRouter, Depends, Request
 
+from opt_serving.service import choices
 from opt_serving.service import protocol as P
 from opt_serving.service.deps import AUTH, service
 from opt_serving.service.errors import as_http_errors
-from opt_serving.service.serving import Service, cached_tokens, greedy_if_no_top_p, prompt_tokens, ranked
+from opt_serving.service.serving import Service, cached_tokens, prompt_tokens, ranked, until_done_or_gone
 from opt_serving.service.sse import sse_response
 
 router = APIRouter(dependencies=AUTH)
@@ -29,67 +30,41 @@ async def completions(req: P.CompletionRequest, request: Request, svc: Service =
     model = svc.served_name(req.model)
     n = req.n or 1
     best_of = req.best_of or n
-    jobs = svc.jobs(P.normalize_prompt(req.prompt), best_of, n, **_sampling(req, svc))
+    params = choices.sampling(svc, req, 16 if req.max_tokens is None else req.max_tokens, req.logprobs,
+                              echo=bool(req.echo))
+    streams = await choices.start(svc, req, P.normalize_prompt(req.prompt), params, best_of)
     if req.stream:
-        return sse_response(_chunks(svc, req, model, await svc.start(jobs)))
+        return sse_response(_chunks(svc, req, model, streams))
 
-    async def work(streams):
+    async def work():
         outs = await svc.complete_all(streams, "completions", best_of)
-        choices = [P.CompletionChoice(text=c.text, index=k, finish_reason=c.finish_reason,
-                                      logprobs=P.Logprobs.of(c) if req.logprobs is not None else None,
-                                      prompt_logprobs=P.prompt_logprobs_of(c.prompt_logprobs))
-                   for k, c in ranked(outs, best_of, n)]
-        return P.CompletionResponse(model=model, choices=choices,
-                                    usage=_usage(prompt_tokens(outs, best_of),
-                                                 sum(c.completion_tokens for c in outs), cached_tokens(outs, best_of)))
+        return P.CompletionResponse(model=model, choices=[_choice(req, k, c) for k, c in ranked(outs, best_of, n)],
+                                    usage=P.usage(prompt_tokens(outs, best_of), sum(c.completion_tokens for c in outs),
+                                                  cached_tokens(outs, best_of)))
 
-    return await svc.answer(request, jobs, work)
+    return await until_done_or_gone(request, work(), streams)
 
 
-def _sampling(req: P.CompletionRequest, svc: Service) -> dict:
-    """The request's generator SamplingParams fields (OpenAI's nulls meaning the defaults)."""
-    temperature, top_p = greedy_if_no_top_p(1.0 if req.temperature is None else req.temperature,
-                                            1.0 if req.top_p is None else req.top_p)
-    svc.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
-    return dict(max_tokens=16 if req.max_tokens is None else req.max_tokens, temperature=temperature, top_p=top_p,
-                presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
-                seed=req.seed, stop=req.stops, logprobs=svc.check_logprobs(req.logprobs), echo=bool(req.echo),
-                **req.extensions())
-
-
-def _usage(prompt: int, completion: int, cached: int) -> P.Usage:
-    return P.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                   prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached))
+def _choice(req: P.CompletionRequest, index: int, d, prompt_logprobs: bool = True) -> P.CompletionChoice:
+    """A completion (or, streaming, a delta) as choice `index`."""
+    return P.CompletionChoice(text=d.text, index=index, finish_reason=d.finish_reason,
+                              logprobs=P.Logprobs.of(d) if req.logprobs is not None else None,
+                              prompt_logprobs=P.prompt_logprobs_of(d.prompt_logprobs) if prompt_logprobs else None,
+                              token_ids=choices.token_ids(req, d), prompt_token_ids=choices.prompt_token_ids(req, d))
 
 
 async def _chunks(svc: Service, req: P.CompletionRequest, model: str,
                   streams: list) -> AsyncGenerator[P.CompletionResponse, None]:
-    """One chunk per delta of any choice, then the usage chunk if asked. Streaming requires best_of == n,
-    so stream i is choice i."""
+    """One chunk per delta of any choice (with that choice's usage so far where stream_options asks for it on
+    every chunk), then the usage chunk if asked. Streaming requires best_of == n, so stream i is choice i."""
     cid, created = P._completion_id(), int(time.time())
-
-    def chunk(choices: list[P.CompletionChoice], usage: P.Usage | None = None) -> P.CompletionResponse:
-        return P.CompletionResponse(id=cid, created=created, model=model, choices=choices, usage=usage)
-
-    timer = svc.metrics.timer("completions")
-    generated = [0] * len(streams)   # running completion_tokens per stream
-    prompt, cached = [0] * len(streams), [0] * len(streams)
-    merged = svc.merged(streams)
-    try:
-        async for i, d in merged:
-            timer.tokens(d.completion_tokens - generated[i], i)
-            generated[i], prompt[i], cached[i] = d.completion_tokens, d.prompt_tokens, d.cached_tokens
-            lp = P.Logprobs.of(d) if req.logprobs is not None else None
-            yield chunk([P.CompletionChoice(text=d.text, index=i, logprobs=lp, finish_reason=d.finish_reason)])
-        p_total = sum(prompt[::req.n or 1])  # the n samples of a prompt share its prompt
-        timer.finish(p_total)
-        if req.stream_options and req.stream_options.include_usage:
-            yield chunk([], _usage(p_total, sum(generated), sum(cached[::req.n or 1])))
-    finally:
-        await merged.aclose()
-        for st in streams:
-            st.cancel()
-        timer.finish()
+    final_usage, every_chunk = req.usage_options
+    tally = choices.Tally(len(streams), req.n or 1)
+    async for i, d in choices.streamed(svc, streams, "completions", tally):
+        yield P.CompletionResponse(id=cid, created=created, model=model, choices=[_choice(req, i, d, False)],
+                                   usage=tally.choice(i) if every_chunk else None)
+    if final_usage:
+        yield P.CompletionResponse(id=cid, created=created, model=model, choices=[], usage=tally.total())
 
 
 @router.post("/tokenize", response_model=P.TokenizeResponse)

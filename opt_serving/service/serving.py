@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from opt_serving.errors import InvalidRequest, NotFound
+from opt_serving.text.chat import ChatTemplate
 from opt_serving.text.generator import Completion, SamplingParams
 from opt_serving.service import protocol as P
 from opt_serving.service.errors import ClientGone, as_http_errors
@@ -25,9 +26,10 @@ class Service:
     """The generator plus what every route needs: sampling-parameter mapping, concurrency, metrics."""
 
     def __init__(self, generator, model_name: str | Sequence[str] | None = None, request_timeout: float = 600.0,
-                 max_logprobs: int = P.MAX_LOGPROBS):
+                 max_logprobs: int = P.MAX_LOGPROBS, chat_template: Optional[str] = None):
         """`model_name`: the name (or names, vLLM's --served-model-name) requests may call the model by; the
-        first is the one answers give when a request names none. Default: the generator's."""
+        first is the one answers give when a request names none. Default: the generator's. `chat_template`: the
+        Jinja template chat messages are rendered with (None: the tokenizer's own, if it has one)."""
         self.g = generator
         self.SamplingParams = SamplingParams
         names = [model_name] if isinstance(model_name, str) else list(model_name or [])
@@ -38,6 +40,7 @@ class Service:
         # what the server answers for: its configured limit, within the alternatives the engine computes
         self.max_logprobs = min(max_logprobs, getattr(generator, "max_top_logprobs", max_logprobs))
         self.metrics = ServiceMetrics(generator.stats)
+        self.chat = ChatTemplate(generator.tokenizer, chat_template)
 
     def served_name(self, name: Optional[str]) -> str:
         """The name an answer gives for a request naming `name` (None: the first served name); NotFound (404)

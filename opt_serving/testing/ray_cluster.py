@@ -76,10 +76,13 @@ def stage_actors() -> list[dict]:
 
 
 @contextlib.contextmanager
-def foreign_head(tmp, num_cpus: int = 2) -> Iterator[tuple[str, dict]]:
+def foreign_head(tmp, num_cpus: int = 2, dashboard_port: int | None = None,
+                 env_vars: dict | None = None) -> Iterator[tuple[str, dict]]:
     """Another program's Ray cluster on this machine, as a user starts one: `ray start --head --port=<free>`,
     with Ray's temp folder (and so its address file) in `tmp` (RAY_TMPDIR) and a token of its own. Yields (its
-    GCS address, the environment a process joining it uses). On exit, exactly the processes it started are
+    GCS address, the environment a process joining it uses). `dashboard_port`: with the dashboard there, on
+    127.0.0.1 (what `serve deploy` and `serve status` talk to); `env_vars`: set for the cluster's processes too
+    (PYTHONPATH: the replicas import the package under test). On exit, exactly the processes it started are
     killed (their command lines name `tmp`; `ray stop` would stop every Ray on the machine)."""
     import os
     import secrets
@@ -90,12 +93,15 @@ def foreign_head(tmp, num_cpus: int = 2) -> Iterator[tuple[str, dict]]:
     from opt_serving.service.ports import free_port
     tmp = Path(tmp)
     env = {**os.environ, "RAY_TMPDIR": str(tmp), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
-           "RAY_USAGE_STATS_ENABLED": "0"}
+           "RAY_USAGE_STATS_ENABLED": "0", **(env_vars or {})}
     env.pop("RAY_ADDRESS", None)
     ray_cli = str(Path(sys.executable).parent / "ray")
+    dashboard = ["--include-dashboard=false"] if dashboard_port is None else [
+        "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}"]
     try:
+        # (Ray's client server on a free port too: its default, 10001, may be another cluster's on this machine)
         subprocess.run([ray_cli, "start", "--head", f"--port={free_port()}", f"--num-cpus={num_cpus}",
-                        "--include-dashboard=false", "--disable-usage-stats"],
+                        f"--ray-client-server-port={free_port()}", *dashboard, "--disable-usage-stats"],
                        env=env, check=True, timeout=180, capture_output=True)
         address = (tmp / "ray" / "ray_current_cluster").read_text().strip()
         yield address, env
@@ -104,16 +110,23 @@ def foreign_head(tmp, num_cpus: int = 2) -> Iterator[tuple[str, dict]]:
 
 
 def kill_processes_naming(text: str) -> int:
-    """SIGKILL every process whose command line contains `text` (a cluster's own temp folder) and their
-    descendants (Ray's workers retitle themselves `ray::...`), and wait for them; returns how many there were."""
+    """SIGKILL every process whose command line contains `text` (a cluster's own temp folder), and Ray's client
+    server whose RAY_TMPDIR is it (`ray start` leaves it an orphan naming no folder), and their descendants (Ray's
+    workers retitle themselves `ray::...`), and wait for them; returns how many there were. Never this process
+    or its parents; never another program that merely runs with that RAY_TMPDIR (a server joining the cluster)."""
+    import os
+
     import psutil
+    spared = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
     procs = {}
     for p in psutil.process_iter(["cmdline"]):
         try:
-            if text in " ".join(p.info["cmdline"] or []):
+            cmdline = " ".join(p.info["cmdline"] or [])
+            if p.pid not in spared and (text in cmdline or ("ray.util.client.server" in cmdline
+                                                            and p.environ().get("RAY_TMPDIR") == text)):
                 for q in [p, *p.children(recursive=True)]:
                     procs[q.pid] = q
-        except psutil.Error:
+        except psutil.Error:  # gone, or another user's
             pass
     procs = list(procs.values())
     for p in procs:

@@ -11,7 +11,9 @@ cancel()`: a client gone, a timeout) is dropped if it has not started and stoppe
 has (`generate(should_stop=...)`)."""
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import dataclasses
 import threading
 from typing import Callable, Optional, Sequence
 
@@ -114,27 +116,73 @@ class BeamQueue:
             pool.shutdown(wait=False, cancel_futures=True)
 
 
-def run_beam(model, ids: list[int], params: SamplingParams, num_beams: int, early_stopping: bool,
-             eos_token_id: Optional[int], decode: Callable[[list[int]], str],
-             token_text: Callable[[int], str], should_stop: Optional[Callable[[], bool]] = None) -> Completion:
-    """One search (on the worker thread): the best beam as a Completion, cut at a stop string. Uses
-    max_tokens, min_tokens, repetition_penalty, no_repeat_ngram_size, bad_words_ids, stop and ignore_eos.
-    `should_stop`: asked before every step; the model raises SearchStopped once it is true."""
+@dataclasses.dataclass(frozen=True)
+class BeamSearch:
+    """How a search runs: `num_beams` beams, the `num_return` best returned (best first), HF's `length_penalty`
+    (a finished beam's score is its logprob sum over its length ** length_penalty) and `early_stopping`."""
+    num_beams: int
+    num_return: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool = False
+
+
+def run_beam(model, ids: list[int], params: SamplingParams, search: BeamSearch, eos_token_id: Optional[int],
+             decode: Callable[[list[int]], str], token_text: Callable[[int], str],
+             should_stop: Optional[Callable[[], bool]] = None) -> list[Completion]:
+    """One search (on the worker thread): its `search.num_return` best beams as Completions, best first, each cut
+    at a stop string. Uses max_tokens, min_tokens, repetition_penalty, no_repeat_ngram_size, bad_words_ids, stop
+    and ignore_eos. `should_stop`: asked before every step; the model raises SearchStopped once it is true."""
     eos = None if params.ignore_eos else eos_token_id
     out = model.generate(
-        input_ids=np.asarray([ids], np.int32), do_sample=False, num_beams=num_beams,
+        input_ids=np.asarray([ids], np.int32), do_sample=False, num_beams=search.num_beams,
+        num_return_sequences=search.num_return, length_penalty=search.length_penalty,
         max_new_tokens=params.max_tokens, min_new_tokens=params.min_tokens or None,
         repetition_penalty=params.repetition_penalty, no_repeat_ngram_size=params.no_repeat_ngram_size,
-        bad_words_ids=[list(w) for w in params.bad_words_ids] or None, early_stopping=early_stopping,
+        bad_words_ids=[list(w) for w in params.bad_words_ids] or None, early_stopping=search.early_stopping,
         eos_token_id=-1 if eos is None else eos, should_stop=should_stop)
-    new = np.asarray(getattr(out, "sequences", out))[0, len(ids):].tolist()
-    reason = "length"
-    if eos is not None and eos in new:  # the best beam ended; generate() pads after its EOS
+    rows = np.asarray(getattr(out, "sequences", out))[:, len(ids):].tolist()
+    return [_beam_completion(row, ids, params, eos, decode, token_text) for row in rows]
+
+
+def _beam_completion(new: list[int], ids: list[int], params: SamplingParams, eos: Optional[int],
+                     decode: Callable[[list[int]], str], token_text: Callable[[int], str]) -> Completion:
+    """One returned beam (its new tokens, padded after an EOS) as a Completion."""
+    reason, generated = "length", list(new)
+    if eos is not None and eos in new:  # the beam ended; generate() pads after its EOS
         new, reason = new[:new.index(eos)], "stop"
+        generated = new + [eos]
     c = Completion(text=decode(new), token_ids=new, tokens=[token_text(t) for t in new],
-                   finish_reason=reason, prompt_tokens=len(ids), completion_tokens=len(new) + (reason == "stop"))
+                   finish_reason=reason, prompt_tokens=len(ids), completion_tokens=len(generated),
+                   prompt_token_ids=list(ids), output_token_ids=generated)
     if params.stop:
         cut, _ = find_stop(c.text, params.stop)
         if cut >= 0:
             c.text, c.finish_reason = c.text[:cut], "stop"
     return c
+
+
+def run_best_beam(*args, **kwargs) -> Completion:
+    """`run_beam`'s best beam alone."""
+    return run_beam(*args, **kwargs)[0]
+
+
+class BeamStream:
+    """One returned beam of a search as a stream of deltas (the whole Completion, once the search ends), so a
+    server streams or joins the choices of a beam search as it does sampled ones. The choices of one search share
+    its future: `cancel()` on any stops the search."""
+
+    def __init__(self, future: "asyncio.Future[list[Completion]]", index: int):
+        self._future, self._index, self._done = future, index, False
+
+    def __aiter__(self) -> "BeamStream":
+        return self
+
+    async def __anext__(self) -> Completion:
+        if self._done:
+            raise StopAsyncIteration
+        self._done = True
+        return (await asyncio.shield(self._future))[self._index]  # (one choice's waiter leaving stops no other)
+
+    def cancel(self) -> None:
+        self._done = True
+        self._future.cancel()

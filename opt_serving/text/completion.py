@@ -28,7 +28,11 @@ class Delta:
     echo is on). `prompt_tokens`, `completion_tokens` and `cumulative_logprob` are running totals;
     `cached_tokens` is how many prompt tokens the prefill reused from the prefix cache.
     `prompt_logprobs` (vLLM's, in the first delta when asked): per prompt token None for the first, then
-    {token id: (logprob, rank, its text)} for the token itself and the top alternatives asked for."""
+    {token id: (logprob, rank, its text)} for the token itself and the top alternatives asked for.
+    `prompt_token_ids` (in the first delta only): the prompt as the model read it (tokenised, truncated).
+    `output_token_ids`: the tokens the model generated, in order, EOS or a stop token that ended the completion
+    included, as are tokens a stop string cut from the text (vLLM's token_ids: what an RL trainer scores); the
+    echoed prompt's are in `token_ids`, not here. A token's id may come in a later delta than its text."""
     text: str = ""
     token_ids: list[int] = dataclasses.field(default_factory=list)
     tokens: list[str] = dataclasses.field(default_factory=list)
@@ -41,6 +45,8 @@ class Delta:
     cumulative_logprob: Optional[float] = 0.0  # None when the tokens are not scored (score_tokens)
     prompt_logprobs: Optional[list[Optional[dict[int, tuple[float, int, str]]]]] = None
     cached_tokens: int = 0
+    prompt_token_ids: Optional[list[int]] = None
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -52,7 +58,7 @@ class Completion(Delta):
         c = cls()
         for d in deltas:
             c.text += d.text
-            for f in ("token_ids", "tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            for f in ("token_ids", "tokens", "token_logprobs", "top_logprobs", "text_offset", "output_token_ids"):
                 getattr(c, f).extend(getattr(d, f))
             c.finish_reason = d.finish_reason
             c.prompt_tokens, c.completion_tokens = d.prompt_tokens, d.completion_tokens
@@ -60,6 +66,8 @@ class Completion(Delta):
             c.cumulative_logprob = d.cumulative_logprob
             if d.prompt_logprobs is not None:
                 c.prompt_logprobs = d.prompt_logprobs
+            if d.prompt_token_ids is not None:
+                c.prompt_token_ids = d.prompt_token_ids
         return c
 
 
@@ -109,6 +117,8 @@ class RequestText:
         self.cached = 0      # prompt tokens the prefill reused (the engine's first output says)
         self.cum_logprob = 0.0 if settings.logprob else None
         self.finished = False
+        self.started = False  # a delta has gone out (the first carries the prompt's ids)
+        self.output_ids: list[int] = []  # generated ids not sent yet
 
     # ---- prompt echo ----
     def echo_delta(self, scores: Optional[list[TokenInfo]]) -> Delta:
@@ -163,15 +173,16 @@ class RequestText:
                  else Delta(prompt_tokens=len(self.prompt_ids), cached_tokens=self.cached))
             if self.params.prompt_logprobs is not None:
                 d.prompt_logprobs = self.prompt_scores(out.tokens)
-            self.sink(d)
+            self._emit(d)
             return False
         if self.echo_pending:
             self.echo_pending = False
-            self.sink(self.echo_delta(None))
+            self._emit(self.echo_delta(None))
         final = out.finish_reason is not None
         cut = -1
         for tok in out.tokens:  # (several when the engine takes several steps a call)
             self.generated += 1
+            self.output_ids.append(tok.id)
             if self.cum_logprob is not None:
                 self.cum_logprob += tok.logprob or 0.0
             if (out.finish_reason == "stop" and tok.id in self.settings.stop_token_ids
@@ -226,7 +237,14 @@ class RequestText:
         if reason is not None:
             self.finished = True
         if d.text or d.token_ids or reason is not None:
-            self.sink(d)
+            d.output_token_ids, self.output_ids = self.output_ids, []
+            self._emit(d)
+
+    def _emit(self, d: Delta) -> None:
+        if not self.started:
+            self.started = True
+            d.prompt_token_ids = list(self.prompt_ids)
+        self.sink(d)
 
 
 class DeltaStream:

@@ -38,10 +38,10 @@ def byte_tokenizer():
 
 
 def fake_generator(num_slots: int = 4, max_seq_len: int = 64, max_queue: int = 16, start: bool = True,
-                   tokenizer=None, decode_steps: int = 1):
+                   tokenizer=None, decode_steps: int = 1, step_s: float = 0.0):
     """A `Generator` over the fake engine: the byte tokenizer by default, or any tokenizer (the fake's
-    vocabulary then follows it, e.g. the real OPT one)."""
+    vocabulary then follows it, e.g. the real OPT one). `step_s`: how long each decode step takes."""
     tokenizer = tokenizer if tokenizer is not None else byte_tokenizer()
     engine = fake_engine(num_slots, max_seq_len, max_queue, start, vocab_size=len(tokenizer),
-                         decode_steps=decode_steps)
+                         decode_steps=decode_steps, step_s=step_s)
     return Generator(engine, tokenizer, model_name="opt-fake", model=FakeBeamModel(len(tokenizer)))

@@ -42,12 +42,12 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 
-from opt_serving.text.beam import BeamQueue, beam_cost, run_beam
+from opt_serving.text.beam import BeamQueue, BeamSearch, BeamStream, beam_cost, run_beam, run_best_beam
 from opt_serving.text.completion import Collector, Completion, Delta, DeltaStream, RequestText, best
 from opt_serving.engine.scheduler import MAX_TOP_LOGPROBS, Engine, EngineRequest, QueueFull, SlotSettings
 from opt_serving.errors import InvalidRequest
 from opt_serving.text.request import (ModelLimits, Prompt, SamplingParams, check_for_model, check_n, check_prompt,
-                                 prompt_form, refuse_surely_too_long, stop_ids)
+                                 prompt_form, refuse_surely_too_long, stop_ids, truncate_prompt)
 from opt_serving.runner.grammar import ll_tokenizer, tokenizer_json
 from opt_serving.text.structured import StructuredOutput, check_grammar, grammar_of
 from opt_serving.text.token_text import TokenTexts
@@ -135,6 +135,11 @@ class Generator:
         ContextLengthExceeded when the prompt and max_tokens do not fit."""
         screened = self._screen(prompt, params)
         ids = self.encode(screened) if isinstance(screened, str) else screened
+        return self._fit(ids, params)
+
+    def _fit(self, ids: list[int], params: SamplingParams) -> list[int]:
+        """A tokenised prompt truncated as asked (truncate_prompt_tokens) and checked against the model."""
+        ids = truncate_prompt(ids, params, self.max_seq_len)
         check_prompt(ids, params.max_tokens, self.vocab_size, self.max_seq_len)
         return ids
 
@@ -154,7 +159,7 @@ class Generator:
             if not isinstance(s, InvalidRequest):
                 s = next(encoded) if isinstance(s, str) else s
                 try:
-                    check_prompt(s, p.max_tokens, self.vocab_size, self.max_seq_len)
+                    s = self._fit(s, p)
                 except InvalidRequest as e:
                     s = e
             out.append(s)
@@ -167,7 +172,7 @@ class Generator:
         if params.structured is not None:
             check_grammar(params.structured, self.grammar_tokenizer(params.structured))
         prompt = prompt_form(prompt)
-        if isinstance(prompt, str):
+        if isinstance(prompt, str) and params.truncate_prompt_tokens is None:  # (truncated: any length fits)
             refuse_surely_too_long(prompt, params.max_tokens, self.max_seq_len, self.max_token_chars)
         return prompt
 
@@ -238,22 +243,39 @@ class Generator:
               early_stopping: bool = False) -> list["asyncio.Future[Completion]"]:
         """`beam()` for several prompts of one request, queued all together or refused all together (their
         beam tokens summed against the budget)."""
+        return self._searches(jobs, BeamSearch(num_beams, early_stopping=early_stopping), run_best_beam)
+
+    def beam_streams(self, jobs: Sequence[tuple[Prompt, SamplingParams]], search: BeamSearch) -> list[BeamStream]:
+        """Beam searches for several prompts of one request (vLLM's use_beam_search: `search.num_return` choices
+        a prompt), queued or refused together as `beams()`: each prompt's returned beams, best first, as streams
+        of one delta each (text/beam.py's BeamStream), prompt after prompt. Cancelling one stops its search."""
+        return [BeamStream(f, r) for f in self._searches(jobs, search, run_beam) for r in range(search.num_return)]
+
+    def _searches(self, jobs: Sequence[tuple[Prompt, SamplingParams]], search: BeamSearch, run) -> list:
+        """Queue `run(model, ids, params, search, ...)` for every job, or refuse them all: the futures of their
+        results."""
+        num_beams, num_return = search.num_beams, search.num_return
         if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
             raise InvalidRequest(f"num_beams must be an integer >= 1, got {num_beams!r}", param="num_beams")
+        if not 1 <= num_return <= num_beams:
+            raise InvalidRequest(f"beams returned ({num_return}) must be from 1 to num_beams ({num_beams})",
+                                 param="n")
         for _, params in jobs:
             for name in ("structured", "logit_bias", "prompt_logprobs"):  # the decode slots' features, not generate()'s
                 if getattr(params, name) not in (None, {}):
                     raise InvalidRequest(f"{'structured output' if name == 'structured' else name} is not "
                                          "available with beam search", param="num_beams")
+            for name, asked in (("logprobs", params.logprobs is not None), ("echo", params.echo)):
+                if asked:  # (generate()'s beams carry no scores, nor the prompt)
+                    raise InvalidRequest(f"{name} is not available with beam search", param=name)
         model = self.beam_model()
         searches = []
         for prompt, params in jobs:
             ids = self.prepare(prompt, params)
             if params.max_tokens < 1:
                 raise InvalidRequest("max_tokens must be >= 1 for beam search", param="max_tokens")
-            searches.append((beam_cost(num_beams, len(ids), params.max_tokens), run_beam,
-                             (model, ids, params, num_beams, early_stopping, self.eos_token_id, self.decode,
-                              self.token_text)))
+            searches.append((beam_cost(num_beams, len(ids), params.max_tokens), run,
+                             (model, ids, params, search, self.eos_token_id, self.decode, self.token_text)))
         futures = []
         for job in self._beams.submit_all(searches):
             future = asyncio.wrap_future(job.future)
@@ -393,8 +415,14 @@ class Generator:
         """Submit a prepared request; its text state feeds `sink`."""
         settings = self._settings(params)
         hidden = self._added_tokens(prompt, ids) if params.echo else 0
-        state = RequestText(self.tokenizer, self.token_text, ids, self.decode(ids), params, settings, sink, hidden)
+        token_text = _id_text if params.tokens_as_ids else self.token_text
+        state = RequestText(self.tokenizer, token_text, ids, self.decode(ids), params, settings, sink, hidden)
         req = self.engine.submit(ids, settings, state.on_output)
         if isinstance(sink, Collector):
             sink.req = req  # type: ignore[attr-defined]
         return req
+
+
+def _id_text(token_id: int) -> str:
+    """A token as vLLM's return_tokens_as_token_ids names it in logprobs."""
+    return f"token_id:{token_id}"

@@ -9,6 +9,7 @@ lines, library callers) and every check below raises `errors.InvalidRequest` nam
     alternatives, its EOS);
   * `prompt_form(prompt)`: a non-empty text or list of token ids; `refuse_surely_too_long(...)`: a text
     too long to fit however it tokenises, refused without tokenising it;
+  * `truncate_prompt(ids, params, max_seq_len)`: vLLM's truncate_prompt_tokens, once the prompt is tokenised;
   * `check_prompt(ids, max_tokens, vocab_size, max_seq_len)`: the tokenised prompt fits the vocabulary and the
     context (the engine calls it too: these are the slot model's invariants, so it and `check_bad_words` are
     defined with the engine's types, engine/types.py, and re-exported here);
@@ -45,7 +46,7 @@ __all__ = ["BATCH_MAX_N", "LEGACY_MAX_LOGPROBS", "MAX_ABS_LOGIT_BIAS", "MAX_BAD_
            "MAX_LOGIT_BIAS", "MAX_LOGPROBS", "MAX_N",
            "MAX_NO_REPEAT_NGRAM", "MAX_PROMPTS", "MAX_STOP", "MAX_STOP_TOKEN_IDS", "ModelLimits", "Prompt",
            "SamplingParams", "check_bad_words", "check_for_model", "check_logit_bias", "check_n", "check_prompt",
-           "prompt_form", "refuse_surely_too_long", "stop_ids"]
+           "prompt_form", "refuse_surely_too_long", "stop_ids", "truncate_prompt"]
 
 
 @dataclasses.dataclass
@@ -83,6 +84,13 @@ class SamplingParams:
     logit_bias: Optional[dict[int, float]] = None
     # structured output: what the text must follow (structured.py)
     structured: Optional[StructuredOutput] = None
+    # vLLM's truncate_prompt_tokens: keep this many of the tokenised prompt's tokens (None: all), the last ones
+    # (truncation_side "left", vLLM's default) or the first ("right"); -1: as many as fit beside max_tokens
+    truncate_prompt_tokens: Optional[int] = None
+    truncation_side: str = "left"
+    # vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:<id>" rather than by its text, for
+    # clients that map them back to ids (a token's text may not say which id it was)
+    tokens_as_ids: bool = False
 
     @property
     def scored(self) -> bool:
@@ -128,6 +136,12 @@ class SamplingParams:
         if self.prompt_logprobs is not None:
             _integer("prompt_logprobs", self.prompt_logprobs, 0, max_logprobs)
         check_logit_bias(self.logit_bias)
+        if self.truncate_prompt_tokens is not None:
+            _integer("truncate_prompt_tokens", self.truncate_prompt_tokens, -1)
+        if self.truncation_side not in ("left", "right"):
+            raise InvalidRequest(f"truncation_side must be \"left\" or \"right\", got {self.truncation_side!r:.40}",
+                                 param="truncation_side")
+        _flag("tokens_as_ids", self.tokens_as_ids)
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise InvalidRequest(f"structured must be a StructuredOutput, got {self.structured!r:.60}",
                                  param="structured_outputs")
@@ -202,6 +216,25 @@ def refuse_surely_too_long(text: str, max_tokens: int, max_seq_len: int, max_tok
         raise ContextLengthExceeded(f"this model's maximum context length is {max_seq_len} tokens, but the "
                                     f"prompt has {len(text)} characters, more than {room} tokens (with "
                                     f"max_tokens {max_tokens}) can hold; it was not tokenised")
+
+
+def truncate_prompt(ids: list[int], params: SamplingParams, max_seq_len: int) -> list[int]:
+    """The prompt's ids as `truncate_prompt_tokens` keeps them (vLLM's meaning: the last ones, or the first with
+    truncation_side "right"; -1: as many as fit beside max_tokens); InvalidRequest when more are asked to be kept
+    than fit beside max_tokens (vLLM refuses that too)."""
+    keep = params.truncate_prompt_tokens
+    room = max_seq_len - params.max_tokens
+    if keep is None or room < 1:  # (no room at all: check_prompt says the context is exceeded)
+        return ids
+    if keep == -1:
+        keep = room
+    elif keep > room:
+        raise InvalidRequest(f"truncate_prompt_tokens ({keep}) must be at most this model's maximum context length "
+                             f"({max_seq_len}) minus max_tokens ({params.max_tokens}): {room}",
+                             param="truncate_prompt_tokens")
+    if len(ids) <= keep:
+        return ids
+    return ids[len(ids) - keep:] if params.truncation_side == "left" else ids[:keep]
 
 
 def check_logit_bias(bias: Any) -> None:

@@ -5,7 +5,9 @@ A model folder carries OPT's GPT-2 byte-level BPE as vocab.json + merges.txt
 (gpt2-vocab.json + gpt2-merges.txt, e.g. ../shared/opt-assets) loads in place.
 OPT prepends </s> (id 2) to every prompt; tokenizer_config.json says so, and a
 folder without one gets the same settings here, so "Hello world" encodes as
-OPT does: [2, 31414, 232].
+OPT does: [2, 31414, 232]. A chat template in the folder (`chat_template` in
+tokenizer_config.json, or chat_template.jinja) comes with the tokenizer
+(`tokenizer.chat_template`; text/chat.py renders chat requests with it).
 """
 from __future__ import annotations
 
@@ -68,6 +70,9 @@ def load_tokenizer(path: str | os.PathLike | None = None):
     if not (folder / "tokenizer.json").is_file() and not (folder / "vocab.json").is_file():
         # metaseq's file names: read in place (the folder may be read-only, e.g. ../shared/opt-assets)
         vocab, merges = (str(folder / name) for name in METASEQ_FILES)
+        template = folder / "chat_template.jinja"  # (what from_pretrained reads beside the files it knows)
+        if template.is_file():
+            settings["chat_template"] = template.read_text(encoding="utf-8")
         return transformers.GPT2Tokenizer(vocab=vocab, merges=merges, **settings)
     if (folder / "tokenizer_config.json").is_file():
         return transformers.AutoTokenizer.from_pretrained(folder)
