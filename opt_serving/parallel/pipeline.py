@@ -132,7 +132,7 @@ class StageActor:
     weights."""
 
     def __init__(self, cfg, spec, source, dtype, tp, rows, groups, max_seq_len, name="", quantize=None,
-                 prefix_blocks=0):
+                 prefix_blocks=0, lora=None):
 
         import jax
 
@@ -156,7 +156,7 @@ class StageActor:
         backend, params = load_stage(source, cfg, spec, dtype, mesh, quantize)
         self._loaded = {"load_s": time.perf_counter() - t0, "before": before, **process_memory()}
         self.slots = StageSlots(cfg, params, spec, rows, groups, max_seq_len, backend=backend,
-                                prefix_blocks=prefix_blocks)
+                                prefix_blocks=prefix_blocks, lora=lora)
         self.reset_stats()
 
     def memory(self) -> dict:
@@ -259,7 +259,7 @@ class RayStages:
     def __init__(self, cfg: OPTConfig, plan, folder=None, dtype="float32", seed: int = 0, rows: int = 1,
                  groups: int = 1, max_seq_len: int | None = None, cpus_per_stage: float = 1,
                  placement_timeout_s: float = 120, quantize: str | None = None, prefix_blocks: int = 0,
-                 handoff: str = "auto"):
+                 handoff: str = "auto", lora=None):
         import ray
         if handoff not in HANDOFFS:
             raise ValueError(f"handoff must be one of {', '.join(HANDOFFS)}, not {handoff!r}")
@@ -303,7 +303,7 @@ class RayStages:
                 name=f"{STAGE_NAME_PREFIX}{tag}-{i}",
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, i)).remote(
                     cfg, spec, source, dtype, plan.tp, rows, groups, max_seq_len, _describe(i, spec), quantize,
-                    prefix_blocks))
+                    prefix_blocks, lora))
         # replies nobody waits for (insert, free, drop): their errors surface later. The engine thread and a
         # beam search's thread (generation_model) both call in: the list has a lock
         self._sent: list = []

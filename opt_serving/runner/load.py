@@ -27,13 +27,14 @@ log = logging.getLogger(__name__)
 
 def load_slots(spec: ModelSpec, dtype: str = "auto", num_slots: int = 16, max_seq_len: Optional[int] = None,
                device_memory=None, micro_batches: Optional[int] = None, prefix_caching: bool = True,
-               handoff: str = "auto") -> Slots:
+               handoff: str = "auto", lora=None) -> Slots:
     """Slots over the spec's weights: a numpy folder (or its parent holding `<size>-np/`), or random weights
     of its size drawn from its seed. `micro_batches`: decode slot groups of a pipelined plan (default: pp, at
     most one per slot). `spec.quantize="int8"`: int8 weights (model/quantize.py; an alpa/ plan's are split as
     its float ones, each pipeline stage quantizing its own). `prefix_caching`: keep prompts' KV for the prompts
     that start the same way (runner/prefix.py; every stage keeps its layers'). `handoff`: how a pipelined plan's
-    stages hand hidden states on (pipeline.RayStages: "auto", "cgraph", "refs").
+    stages hand hidden states on (pipeline.RayStages: "auto", "cgraph", "refs"). `lora`: slots for LoRA adapters
+    (model/lora.py's LoraConfig; Slots.loras serves them), every stage holding its layers' share.
     """
     spec = spec.for_engine()
     dtype = resolve_dtype(dtype, cluster=spec.parallel)
@@ -53,11 +54,11 @@ def load_slots(spec: ModelSpec, dtype: str = "auto", num_slots: int = 16, max_se
             blocks = prefix_blocks(cfg, num_slots, max_seq_len, prefix_caching)
             stages = RayStages(cfg, plan, source, dtype=dtype, seed=spec.weights.seed or 0, rows=num_slots // groups,
                                groups=groups, max_seq_len=max_seq_len, quantize=spec.quantize, prefix_blocks=blocks,
-                               handoff=handoff)
+                               handoff=handoff, lora=lora)
             return Slots(cfg, stages, num_slots, groups, max_seq_len, plan=plan, prefix_blocks=blocks)
         m = parallel.tensor_parallel_model(cfg, plan, source, dtype, spec.weights.seed or 0, spec.quantize)
-    return local_slots(m.config, m.fused_params, num_slots, max_seq_len, plan=m.plan,
-                       backend=m.backend, prefix_blocks=prefix_blocks(m.config, num_slots, max_seq_len, prefix_caching))
+    return local_slots(m.config, m.fused_params, num_slots, max_seq_len, plan=m.plan, backend=m.backend,
+                       prefix_blocks=prefix_blocks(m.config, num_slots, max_seq_len, prefix_caching), lora=lora)
 
 
 def prefix_blocks(cfg, num_slots: int, max_seq_len: Optional[int], on: bool = True) -> int:
@@ -79,9 +80,10 @@ def resolve_dtype(dtype: str, cluster: bool = False) -> str:
 
 
 def local_slots(cfg, params, num_slots: int = 8, max_seq_len: Optional[int] = None, plan=None,
-                backend: Optional[Backend] = None, prefix_blocks: int = 0) -> Slots:
+                backend: Optional[Backend] = None, prefix_blocks: int = 0, lora=None) -> Slots:
     """Slots over a whole model's params in this process (one device, or a tensor-parallel mesh): in the
     checkpoint's layout, or with `backend` already in its runtime layout (an OPTModel's fused_params).
-    `prefix_blocks`: the prefix cache's blocks (0: none)."""
-    stage = StageSlots(cfg, params, opt.StageSpec.whole(cfg), num_slots, 1, max_seq_len, backend, prefix_blocks)
+    `prefix_blocks`: the prefix cache's blocks (0: none); `lora`: slots for LoRA adapters (LoraConfig)."""
+    stage = StageSlots(cfg, params, opt.StageSpec.whole(cfg), num_slots, 1, max_seq_len, backend, prefix_blocks,
+                       lora)
     return Slots(cfg, LocalStages([stage]), num_slots, 1, max_seq_len, plan=plan, prefix_blocks=prefix_blocks)

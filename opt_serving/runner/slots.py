@@ -41,6 +41,7 @@ import numpy as np
 
 from opt_serving.model import kv_cache
 from opt_serving.runner.generate import Generation
+from opt_serving.runner.lora import Adapters, SlotAdapters
 from opt_serving.runner.prefix import BLOCK_SIZE, PrefixCache
 from opt_serving.runner.stage import (LocalStages, Stages, cache_bucket, chunk_width, chunk_widths, job_size,
                                       job_sizes, prefill_bucket, prefill_buckets)
@@ -105,6 +106,10 @@ class Slots(SlotModel):
         self._joins: list[list] = [[] for _ in range(groups)]  # per group: (slot, tokens, settings) for its next step
         self.prefix = PrefixCache(prefix_blocks) if prefix_blocks else None
         self.hit_chunk = HIT_CHUNK  # (warmup sets the engine's chunk)
+        # LoRA adapters, where the stages hold slots for them: each decode slot's and prefilled request's adapter
+        layouts = stages.get([stages.call(i, "lora_layout") for i in range(stages.n)])
+        self.loras = Adapters(cfg, layouts) if layouts[0] is not None else None  # the adapters served
+        self.adapters = SlotAdapters(stages, num_slots, self.loras)
 
     def group_of(self, slot: int) -> tuple[int, int]:
         """(group, row) of a slot: consecutive slots alternate groups."""
@@ -147,6 +152,9 @@ class Slots(SlotModel):
         except BaseException:  # what the passes would have written never came: their blocks hold nothing
             if self.prefix is not None:
                 self.prefix.forget([b for _, (_, _, kept) in passes for b in kept])
+            for _, (handles, _, _) in passes:
+                for handle in handles:
+                    self.adapters.drop(handle)
             raise
         return out
 
@@ -162,11 +170,18 @@ class Slots(SlotModel):
             mask[j, :len(tokens)] = 1
             lengths[j] = len(tokens)
         handles = [next(self._handles) for _ in prompts]
+        try:
+            adapters = self.adapters.pass_rows([self.adapters.hold(h, s) for h, s in zip(handles, settings)], rows)
+        except BaseException:
+            for handle in handles:
+                self.adapters.drop(handle)
+            raise
         x = ids
         for i in range(self.stages.n):
-            x = self.stages.call(i, "prefill", handles, x, ids, mask, lengths, list(settings), state_rows)
+            x = self.stages.call(i, "prefill", handles, x, ids, mask, lengths, list(settings), state_rows, adapters)
         size = cache_bucket(bucket, self.max_seq_len)
-        kept = [b for handle, tokens in zip(handles, prompts) for b in self._keep_prefix(handle, tokens, size)]
+        kept = [b for handle, tokens, s in zip(handles, prompts, settings)
+                for b in self._keep_prefix(handle, tokens, size, self._keys(tokens, s))]
         return handles, x, kept
 
     # ---- the prefix cache ----
@@ -174,12 +189,16 @@ class Slots(SlotModel):
         """The prompt tokens a prefill of it would compute now: those after its cached prefix."""
         return len(tokens) - self._cached_tokens(len(self._cached_blocks(tokens, settings, touch=False)), settings)
 
+    def _keys(self, tokens: Sequence[int], settings: SlotSettings) -> list:
+        """The prompt's prefix-cache keys, which start with its LoRA adapter's (none: the base model's)."""
+        return self.prefix.keys(tokens, self.adapters.salt(settings)) if self.prefix is not None else []
+
     def _cached_blocks(self, tokens: Sequence[int], settings: SlotSettings, touch: bool = True,
                        keys: Optional[list] = None) -> list[int]:
         """The pool blocks of the prompt's cached prefix."""
         if self.prefix is None or len(tokens) <= BLOCK_SIZE:
             return []
-        keys = keys if keys is not None else self.prefix.keys(tokens)
+        keys = keys if keys is not None else self._keys(tokens, settings)
         usable = keys[:(len(tokens) - 1) // BLOCK_SIZE]  # the last token is always computed: it gives the first
         return self.prefix.match(usable, scored=settings.prompt_logprobs, touch=touch)
 
@@ -189,12 +208,12 @@ class Slots(SlotModel):
         computed again (its hidden state scores the next token)."""
         return max(blocks * BLOCK_SIZE - settings.prompt_logprobs, 0)
 
-    def _keep_prefix(self, handle: int, tokens: Sequence[int], size: int, keys: Optional[list] = None) -> list[int]:
+    def _keep_prefix(self, handle: int, tokens: Sequence[int], size: int, keys: list) -> list[int]:
         """Claim pool blocks for the prompt's full blocks not cached yet and have every stage write them from
         the request's cache (`size` entries) -> the blocks claimed."""
         if self.prefix is None or size < BLOCK_SIZE or len(tokens) < BLOCK_SIZE:
             return []
-        claims = self.prefix.claim(keys if keys is not None else self.prefix.keys(tokens))
+        claims = self.prefix.claim(keys)
         if claims:
             ids = np.full(size // BLOCK_SIZE, self.prefix.blocks, np.int32)  # past the pool: not written
             for j, b in claims:
@@ -202,12 +221,12 @@ class Slots(SlotModel):
             self._to_all("store_prefix", handle, ids)
         return [b for _, b in claims]
 
-    def _keep_scores(self, tokens: Sequence[int], scores: tuple) -> None:
+    def _keep_scores(self, tokens: Sequence[int], scores: tuple, settings: SlotSettings) -> None:
         """Keep a prompt's echo scores (per token: logprob [n], rank [n], top ids and logprobs [n, K]) with its cached
         blocks that have none."""
         if self.prefix is None:
             return
-        keys = self.prefix.keys(tokens)
+        keys = self._keys(tokens, settings)
         bs = BLOCK_SIZE
         for j, b in enumerate(self.prefix.match(keys, touch=False)):
             if self.prefix.scores(b) is None:
@@ -219,11 +238,13 @@ class Slots(SlotModel):
         """A prompt to prefill `chunk` tokens at a time (`prefill_chunk`) into a cache of its size (`job_size`;
         `size`: another, as warm-up asks), from the end of its cached prefix on; nothing runs yet.
         `discard_partial` lets it go."""
-        keys = self.prefix.keys(tokens) if self.prefix is not None else []
+        keys = self._keys(tokens, settings)
         blocks = self._cached_blocks(tokens, settings, keys=keys)
         done = self._cached_tokens(len(blocks), settings)
         size = size or job_size(len(tokens), self.max_seq_len)
-        return PartialPrefill(list(tokens), settings, min(chunk, self.max_seq_len), size, next(self._handles),
+        handle = next(self._handles)
+        self.adapters.hold(handle, settings)
+        return PartialPrefill(list(tokens), settings, min(chunk, self.max_seq_len), size, handle,
                               done=done, cached=done, blocks=blocks, keys=keys)
 
     def prefill_chunk(self, job: PartialPrefill) -> Optional[Prefix]:
@@ -251,7 +272,8 @@ class Slots(SlotModel):
                      np.array([n], np.int32), job.settings)
         x = ids
         for i in range(self.stages.n):
-            x = self.stages.call(i, "prefill_chunk", job.state, x, start, mask, job.size, final, gather, next_ids)
+            x = self.stages.call(i, "prefill_chunk", job.state, x, start, mask, job.size, final, gather, next_ids,
+                                 self.adapters.pass_rows([self.adapters.held(job.state)], 1))
         first, scores = self.stages.get(x)  # waited for: a decode step sent next runs after it anyway
         job.done = min(start + c, n)
         if scores is not None:
@@ -262,7 +284,7 @@ class Slots(SlotModel):
         prompt = None
         if job.settings.prompt_logprobs:
             per_token = self._job_scores(job)
-            self._keep_scores(job.tokens, per_token)
+            self._keep_scores(job.tokens, per_token, job.settings)
             prompt = _prompt_infos(job.tokens, per_token)
         tok, lp, top_ids, top_lp = first
         return Prefix(length=n, first=_first_info(tok, lp, top_ids, top_lp, 0), prompt=prompt, state=job.state,
@@ -295,6 +317,7 @@ class Slots(SlotModel):
         return out
 
     def discard_partial(self, job: PartialPrefill) -> None:
+        self.adapters.drop(job.state)
         self._to_all("drop", job.state)
 
     def _prefix(self, tokens, s: SlotSettings, handle: int, first, scores, j: int) -> Prefix:
@@ -307,7 +330,7 @@ class Slots(SlotModel):
                          np.concatenate([[0], prank[j, :n - 1]]).astype(np.int32),
                          np.concatenate([np.full((1, ptop.shape[-1]), -1), ptop[j, :n - 1]]).astype(np.int32),
                          np.concatenate([np.zeros((1, ptop.shape[-1])), ptop_lp[j, :n - 1]]).astype(np.float32))
-            self._keep_scores(tokens, per_token)
+            self._keep_scores(tokens, per_token, s)
             prompt = _prompt_infos(tokens, per_token)
         return Prefix(length=len(tokens), first=_first_info(*first, j), prompt=prompt, state=handle, settings=s)
 
@@ -317,6 +340,7 @@ class Slots(SlotModel):
             self.stages.call(i, method, *args)
 
     def discard(self, prefix: Prefix) -> None:
+        self.adapters.drop(prefix.state)
         self._to_all("drop", prefix.state)
 
     def use_tokenizer(self, tokenizer_json: str, eos: int) -> None:
@@ -327,7 +351,8 @@ class Slots(SlotModel):
     # ---- joining: a short prompt's prefill rides in a decode step ----
     def joinable(self, tokens: Sequence[int], settings: SlotSettings) -> bool:
         """Could the prompt join a step whose block is empty? (Short enough, no prompt scores asked.)"""
-        return not settings.prompt_logprobs and 0 < len(tokens) <= min(self.join_prompt_tokens, self.join_tokens)
+        return (not settings.prompt_logprobs and 0 < len(tokens) <= min(self.join_prompt_tokens, self.join_tokens)
+                and self.adapters.can_take(settings))
 
     def join(self, tokens: Sequence[int], settings: SlotSettings, slot: int) -> bool:
         """Let a short prompt take a free slot in its group's next decode step, its tokens in that step's
@@ -337,6 +362,10 @@ class Slots(SlotModel):
         pending = self._joins[g]
         if (not self.joinable(tokens, settings) or len(pending) >= JOIN_PROMPTS
                 or sum(len(t) for _, t, _ in pending) + len(tokens) > self.join_tokens):
+            return False
+        try:
+            self.adapters.of_slot[slot] = self.adapters.take(settings)
+        except Exception:  # (its adapter has no slot now: prefilled instead, which says why it cannot start)
             return False
         pending.append((slot, [int(t) for t in tokens], settings))
         self._want_top[slot] = settings.top_logprobs
@@ -362,8 +391,13 @@ class Slots(SlotModel):
             last[j], last_rows[j] = at + n - 1, row
             prompts[j, :n], mask[j, :n], lengths[j] = tokens, 1, n
             at += n
+        adapters = None
+        if self.adapters.on:  # each token's adapter: its prompt's
+            adapters = np.full(t, -1, np.int32)
+            lengths_of = [len(tokens) for _, tokens, _ in joins]
+            adapters[:at] = np.repeat(self.adapters.of_slot[[slot for slot, _, _ in joins]], lengths_of)
         return JoinBlock(ids, at_rows, entries, seg, last, last_rows, prompts, mask, lengths,
-                         tuple(s for _, _, s in joins))
+                         tuple(s for _, _, s in joins), adapters)
 
     # ---- slots ----
     def _in_flight(self, g: int) -> bool:
@@ -375,6 +409,7 @@ class Slots(SlotModel):
         if self._in_flight(g):
             self._stale.add(slot)
         self._to_all("insert", prefix.state, g, row, keep)
+        self.adapters.insert(prefix.state, slot, keep)
         self._lengths[slot] = prefix.length + 1  # the prompt and the first token
         self._next[slot] = prefix.first.id
         self._want_top[slot] = prefix.settings.top_logprobs
@@ -387,6 +422,7 @@ class Slots(SlotModel):
             self._stale.add(slot)
         self._to_all("free", g, row)
         self._lengths[slot] = 0
+        self.adapters.free(slot)
 
     def window_needed(self, g: int, steps: int = 1) -> int:
         """The cache window a group's next `steps` steps need: the bucket holding every active slot's tokens."""
@@ -407,7 +443,8 @@ class Slots(SlotModel):
         want_scores, want_top = self._wants(slots[sent])
         x, window, read_len = self._next[slots], self.window_needed(g), int(lengths.max())
         for i in range(self.stages.n):
-            x = self.stages.call(i, "decode", g, x, positions, window, read_len, want_scores, want_top, block)
+            x = self.stages.call(i, "decode", g, x, positions, window, read_len, want_scores, want_top, block,
+                                 self.adapters.rows(slots))
         self._flights.append((g, x, slots[sent]))
 
     def _wants(self, slots) -> tuple[bool, bool]:
@@ -442,7 +479,7 @@ class Slots(SlotModel):
         want_scores, want_top = self._wants(sent)
         outs = self.stages.get(self.stages.call(0, "decode_steps", 0, self._next.copy(), positions,
                                                 self.window_needed(0, n), int(lengths.max()), n, want_scores,
-                                                want_top))
+                                                want_top, self.adapters.rows(slots)))
         return [self._result(slots, sent, *(a[i] for a in outs)) for i in range(n)]
 
     def _result(self, slots, rows, tok, lp, top_ids, top_lp) -> StepResult:
@@ -469,6 +506,8 @@ class Slots(SlotModel):
         if prefill_chunk:
             self.hit_chunk = prefill_chunk
         self._to_all("begin_warmup")
+        if self.loras is not None:  # the write of an adapter into its slot (what slot 0 holds, written again)
+            self.stages.get([self.stages.call(i, "set_lora", 0, part) for i, part in enumerate(self.loras.current(0))])
         # first, while a stage holds the fewest compiled programs: the compiles of chunked prefills take the most
         # memory while they run (at OPT-1.3b's stages 94-160 MB above what the stage holds), so they come before
         # the programs of the windows' steps add to it. Prompt scores (echo with logprobs) go a block of
