@@ -21,7 +21,6 @@ for a one-adapter model.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 from typing import Any, NamedTuple, Optional
 
@@ -32,7 +31,8 @@ import numpy as np
 
 from opt_serving.config import OPTConfig
 from opt_serving.model import quantize as quantization
-from opt_serving.model.peft import ATTENTION, TARGETS, AdapterError, LoraAdapter, in_out
+from opt_serving.model.lora_config import LoraConfig, LoraLayout  # noqa: F401 (the transform's vocabulary)
+from opt_serving.model.peft import ATTENTION, AdapterError, LoraAdapter, in_out
 from opt_serving.parallel.sharding import LAYER_AXES, TP_RULES, Rules, spec_for
 
 QKV = ("q_proj", "k_proj", "v_proj")
@@ -42,53 +42,6 @@ class Lora(NamedTuple):
     """What a step takes: the stacked adapters (`stack`'s tree) and each row's (or token's) adapter."""
     weights: dict
     index: Any  # int32 [B] or [B, S]; -1: the base model
-
-
-@dataclasses.dataclass(frozen=True)
-class LoraConfig:
-    """What a served model holds for adapters: `max_loras` of them on the device at once, each of rank up to
-    `max_lora_rank` (vLLM's --max-loras, --max-lora-rank), on the decoder layers `targets`. Every step computes
-    max_loras x max_lora_rank columns on each target, so the targets are the union of the adapters' own."""
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    targets: tuple[str, ...] = TARGETS
-
-    def layout(self, start: int, stop: int, fused: bool, dtype) -> "LoraLayout":
-        """The layout of a stage holding the model's layers [start, stop)."""
-        targets = tuple(t for t in TARGETS if t in self.targets)
-        return LoraLayout(self.max_loras, self.max_lora_rank, targets, start, stop, fused,
-                          jnp.dtype(dtype).name)
-
-
-@dataclasses.dataclass(frozen=True)
-class LoraLayout:
-    """How a stage holds adapters: `slots` of them, of rank up to `rank`, on `targets`, for the model's layers
-    [start, stop) (numbered from 0 in the stage's tree, as its params are); `fused`: its q/k/v are one qkv_proj;
-    `dtype`: its activations' (the adapters run in it)."""
-    slots: int
-    rank: int
-    targets: tuple[str, ...]
-    start: int
-    stop: int
-    fused: bool = False
-    dtype: str = "float32"
-
-    def __post_init__(self):
-        bad = [t for t in self.targets if t not in TARGETS]
-        if bad or not self.targets:
-            raise ValueError(f"LoRA targets must be some of {', '.join(TARGETS)}, got {list(self.targets)}")
-        if self.slots < 1 or self.rank < 1:
-            raise ValueError(f"LoRA needs at least one slot of rank >= 1, got {self.slots} of rank {self.rank}")
-
-    def check(self, adapter: LoraAdapter) -> None:
-        """AdapterError where the adapter does not fit these slots (its rank, its targets)."""
-        if adapter.rank > self.rank:
-            raise AdapterError(f"LoRA adapter {adapter.path}: rank {adapter.rank} is above the largest rank the "
-                               f"server holds, {self.rank} (--max-lora-rank)")
-        extra = [t for t in adapter.targets if t not in self.targets]
-        if extra:
-            raise AdapterError(f"LoRA adapter {adapter.path}: targets {', '.join(extra)}, which this server's "
-                               f"adapters do not cover ({', '.join(self.targets)}; --lora-target-modules)")
 
 
 def _entries(cfg: OPTConfig, layout: LoraLayout) -> list[tuple[tuple, dict]]:

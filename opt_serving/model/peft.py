@@ -55,6 +55,20 @@ def in_out(cfg: OPTConfig, target: str) -> tuple[int, int]:
     return {"fc1": (d, f), "fc2": (f, d)}.get(target, (d, d))
 
 
+def targets_of(path) -> tuple[str, ...]:
+    """The targets of the adapter folder at `path`, from its weights file's header alone (a server sizes its
+    adapter slots before the model is loaded); AdapterError for a folder that is no PEFT adapter."""
+    where = Path(path) / WEIGHTS_FILE
+    try:
+        with open(where, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError) as e:
+        raise AdapterError(f"LoRA adapter {path}: cannot read {WEIGHTS_FILE} ({e})") from None
+    found = {m.group(2) for m in map(_KEY.search, header) if m is not None}
+    return tuple(t for t in TARGETS if t in found)
+
+
 def read_peft(path, cfg: OPTConfig) -> LoraAdapter:
     """The PEFT adapter folder at `path` (or its adapter_config.json) for a model of `cfg` (see the module
     docstring); AdapterError naming what is wrong."""

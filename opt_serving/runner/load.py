@@ -33,10 +33,24 @@ def load_slots(spec: ModelSpec, dtype: str = "auto", num_slots: int = 16, max_se
     most one per slot). `spec.quantize="int8"`: int8 weights (model/quantize.py; an alpa/ plan's are split as
     its float ones, each pipeline stage quantizing its own). `prefix_caching`: keep prompts' KV for the prompts
     that start the same way (runner/prefix.py; every stage keeps its layers'). `handoff`: how a pipelined plan's
-    stages hand hidden states on (pipeline.RayStages: "auto", "cgraph", "refs"). `lora`: slots for LoRA adapters
-    (model/lora.py's LoraConfig; Slots.loras serves them), every stage holding its layers' share.
+    stages hand hidden states on (pipeline.RayStages: "auto", "cgraph", "refs"). `lora`: the LoRA adapters
+    (runner/lora.py's LoraOptions: their slots, every stage holding its layers' share, and those served from the
+    start; Slots.loras serves them).
     """
-    spec = spec.for_engine()
+    options, lora = lora, (None if lora is None else lora.config())
+    slots = _load_slots(spec.for_engine(), dtype, num_slots, max_seq_len, device_memory, micro_batches,
+                        prefix_caching, handoff, lora)
+    for name, path in () if options is None else options.modules:
+        try:
+            slots.loras.add(name, path)
+        except BaseException:
+            slots.close()
+            raise
+    return slots
+
+
+def _load_slots(spec, dtype, num_slots, max_seq_len, device_memory, micro_batches, prefix_caching, handoff,
+                lora) -> Slots:
     dtype = resolve_dtype(dtype, cluster=spec.parallel)
     if not spec.parallel:
         m = loader.local_model(spec, dtype)

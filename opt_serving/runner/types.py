@@ -191,6 +191,7 @@ class SlotModel(abc.ABC):
     many_steps: bool = False       # step_many: n decode steps in one call, each fed the last one's tokens
     masks_tokens: bool = False     # use_tokenizer: structured output's token masks
     runs_generate: bool = False    # generation_model: a model beam search runs generate() on
+    loras = None  # the LoRA adapters served (runner.lora.Adapters; SlotSettings.lora names one), or None
 
     @abc.abstractmethod
     def warmup(self, prefill_chunk: Optional[int] = None, decode_steps: int = 1) -> None:

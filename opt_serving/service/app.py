@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from fastapi.responses import HTMLResponse
 
 from opt_serving.service import protocol as P
-from opt_serving.service import routes_gptj, routes_metaseq, routes_openai, routes_probes
+from opt_serving.service import routes_gptj, routes_lora, routes_metaseq, routes_openai, routes_probes
 from opt_serving.service.errors import install_error_handlers
 from opt_serving.service.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit, DisconnectOnReceiveFailure, DrainUnreadBody
 from opt_serving.service.metrics import CountRequests
@@ -37,13 +37,15 @@ class _App(FastAPI):
 
 def create_app(generator, *, model_name: str | Sequence[str] | None = None, api_keys: Sequence[str] = (),
                request_timeout: float = 600.0, close_generator: bool = False,
-               max_logprobs: int = P.MAX_LOGPROBS, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+               max_logprobs: int = P.MAX_LOGPROBS, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               lora_runtime_updates: bool = False) -> FastAPI:
     """FastAPI app serving `generator` under `model_name` (a name, or several as vLLM's --served-model-name: the
     first is the one answers give; default: the generator's). `api_keys`: if given, POST routes and /v1/models need
     `Authorization: Bearer <one of them>`. `close_generator`: close it when the app shuts down.
     `max_logprobs`: the most top alternatives per token a request may ask for (vLLM's --max-logprobs; the
     engine's model gives at most generator.max_top_logprobs). `max_body_bytes`: larger request bodies are a 413,
-    refused before they are parsed (and then discarded, so every client reads the 413)."""
+    refused before they are parsed (and then discarded, so every client reads the 413). `lora_runtime_updates`:
+    LoRA adapters may be loaded and unloaded while serving (routes_lora.py, vLLM's runtime updating)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -55,7 +57,7 @@ def create_app(generator, *, model_name: str | Sequence[str] | None = None, api_
                   description="OPT language models: OpenAI-, metaseq- and GPT-J-API-compatible completions.",
                   responses={400: {"model": P.ErrorResponse}, 401: {"model": P.ErrorResponse},
                              404: {"model": P.ErrorResponse}, 429: {"model": P.ErrorResponse}})
-    app.state.service = svc = Service(generator, model_name, request_timeout, max_logprobs)
+    app.state.service = svc = Service(generator, model_name, request_timeout, max_logprobs, lora_runtime_updates)
     app.state.api_keys = [k for k in api_keys if k]
     # before anything reads the body; inside the counting, so refusals show in the metrics
     app.add_middleware(BodyLimit, limit=max_body_bytes)
@@ -68,6 +70,7 @@ def create_app(generator, *, model_name: str | Sequence[str] | None = None, api_
     async def index():
         return HTMLResponse(page)
 
-    for router in (routes_probes.router, routes_openai.router, routes_metaseq.router, routes_gptj.router):
+    for router in (routes_probes.router, routes_openai.router, routes_lora.router, routes_metaseq.router,
+                   routes_gptj.router):
         app.include_router(router)
     return app

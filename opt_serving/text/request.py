@@ -83,6 +83,9 @@ class SamplingParams:
     logit_bias: Optional[dict[int, float]] = None
     # structured output: what the text must follow (structured.py)
     structured: Optional[StructuredOutput] = None
+    # the LoRA adapter to run with, by the name it is served under (an OpenAI request names it as its `model`,
+    # as vLLM's do); None: the base model. Whether it is served is the generator's check (check_lora)
+    lora: Optional[str] = None
 
     @property
     def scored(self) -> bool:
@@ -128,6 +131,8 @@ class SamplingParams:
         if self.prompt_logprobs is not None:
             _integer("prompt_logprobs", self.prompt_logprobs, 0, max_logprobs)
         check_logit_bias(self.logit_bias)
+        if self.lora is not None and not (isinstance(self.lora, str) and self.lora):
+            raise InvalidRequest(f"lora must be an adapter's name, got {self.lora!r:.60}", param="model")
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise InvalidRequest(f"structured must be a StructuredOutput, got {self.structured!r:.60}",
                                  param="structured_outputs")
