@@ -30,6 +30,11 @@ blocks' entries (`StageSlots.prefill_chunk` gathers them): only the rest is comp
 scheduler how many tokens that is. Joining prompts (a handful of tokens) neither use nor fill the cache. A
 prompt whose scores are asked (echo with logprobs) reuses only blocks whose scores are kept too, and computes
 from its last cached token on, whose hidden state scores the first token it computes.
+
+LoRA adapters (runner/lora.py; where the stages were made with slots for them): a request's adapter
+(`SlotSettings.lora`) is given a slot when it is prefilled or joins a step, pinned until its request is freed;
+each decode slot's adapter slot rides beside its other per-slot arrays into every step, and a prompt's
+prefix-cache keys start from its adapter's fingerprint.
 """
 from __future__ import annotations
 

@@ -14,7 +14,8 @@ reads only the entries written so far, it only grows (a shrink copies the whole 
 from 256 entries (KERNEL_MIN_WINDOW): smaller windows would cost nothing a step but their compiles.
 
 The last stage also chooses the tokens (`Sampler`): what leaves it is tokens and scores, never
-hidden states. The other stages hand their hidden states on.
+hidden states. The other stages hand their hidden states on. With LoRA adapters (runner/lora.py's StageLora)
+every step takes its rows' adapter slots too, and the stage holds its layers' share of every slot.
 """
 from __future__ import annotations
 
