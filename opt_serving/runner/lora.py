@@ -56,6 +56,12 @@ class StageLora:
         if for_generate:
             self.seq_adapter = slot
 
+    def warm(self) -> None:
+        """Compile the write into a slot (warm-up's: an adapter loaded while serving compiles nothing), writing
+        slot 0's own numbers back."""
+        if self.layout is not None:
+            self.set(0, jax.tree_util.tree_map(lambda w: np.asarray(w[0]), self.weights))
+
     def batch(self, index, rows: int) -> Optional[lora_model.Lora]:
         """What a step of `rows` rows takes, their adapters `index` (int32 [rows], -1: none; None: none)."""
         if self.layout is None:
@@ -185,16 +191,6 @@ class Adapters:
     def release(self, slot: int) -> None:
         with self._lock:
             self._pins[slot] -= 1
-
-    def current(self, slot: int) -> list:
-        """What slot `slot` holds, each stage's part (zeros for none): warm-up writes it again, compiling the
-        write before the first request needs it."""
-        with self._lock:
-            entry = self._held[slot]
-        if entry is not None:
-            return entry.parts
-        blank = LoraAdapter({}, 0, (), b"")
-        return [lora_model.slot_part(blank, self.cfg, layout) for layout in self.layouts]
 
     def resident(self) -> dict[str, int]:
         """Served adapters in a slot: name -> slot."""

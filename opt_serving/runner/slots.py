@@ -511,8 +511,6 @@ class Slots(SlotModel):
         if prefill_chunk:
             self.hit_chunk = prefill_chunk
         self._to_all("begin_warmup")
-        if self.loras is not None:  # the write of an adapter into its slot (what slot 0 holds, written again)
-            self.stages.get([self.stages.call(i, "set_lora", 0, part) for i, part in enumerate(self.loras.current(0))])
         # first, while a stage holds the fewest compiled programs: the compiles of chunked prefills take the most
         # memory while they run (at OPT-1.3b's stages 94-160 MB above what the stage holds), so they come before
         # the programs of the windows' steps add to it. Prompt scores (echo with logprobs) go a block of

@@ -379,6 +379,7 @@ class StageSlots:
     def begin_warmup(self) -> None:
         """Warm-up (Slots.warmup) starts: until end_warmup, each call settles the memory its compiles used."""
         self._warming = True
+        self.lora.warm()
 
     def end_warmup(self) -> None:
         """After warm-up grew group 0's cache to every window (its rows freed): compile the shrinking resizes
