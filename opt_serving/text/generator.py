@@ -46,6 +46,7 @@ from opt_serving.text.beam import BeamQueue, beam_cost, run_beam
 from opt_serving.text.completion import Collector, Completion, Delta, DeltaStream, RequestText, best
 from opt_serving.engine.scheduler import MAX_TOP_LOGPROBS, Engine, EngineRequest, QueueFull, SlotSettings
 from opt_serving.errors import InvalidRequest, NotFound
+from opt_serving.model.peft import AdapterError
 from opt_serving.text.request import (ModelLimits, Prompt, SamplingParams, check_for_model, check_n, check_prompt,
                                  prompt_form, refuse_surely_too_long, stop_ids)
 from opt_serving.runner.grammar import ll_tokenizer, tokenizer_json
@@ -198,8 +199,8 @@ class Generator:
             raise InvalidRequest(f"'{name}' is the base model's name", param="lora_name")
         try:
             self.engine.model.loras.add(name, path)
-        except ValueError as e:  # AdapterError: the file or the fit, named
-            raise e if isinstance(e, InvalidRequest) else InvalidRequest(str(e), param="lora_path") from None
+        except AdapterError as e:  # the file or its fit, named: the request's lora_path is at fault
+            raise InvalidRequest(str(e), param="lora_path") from None
 
     def unload_lora(self, name: str) -> None:
         """Serve `name` no more (NotFound if it is not served); its running requests finish with it."""
