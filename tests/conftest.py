@@ -74,6 +74,16 @@ def xla_slots(cfg, params, **kwargs):
     return local_slots(cfg, fuse_qkv_on_one_device(params), backend=Backend.xla(), **kwargs)
 
 
+def peft_model(cfg, folder, seed=0, hf=None):
+    """Hugging Face's model (hf_model(cfg, seed), or `hf`) with the PEFT LoRA adapter at `folder`, applied by PEFT
+    itself: the reference a LoRA adapter's numbers are checked against."""
+    import peft
+    return peft.PeftModel.from_pretrained(hf if hf is not None else hf_model(cfg, seed), str(folder)).eval()
+
+
+ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
+
+
 @pytest.fixture(scope="module", autouse=True)
 def cpu_kernels_run_on_the_cpu(request):
     """A module marked `pytestmark = pytest.mark.cpu_kernels` tests the CPU kernels, which switch themselves off

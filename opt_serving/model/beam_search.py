@@ -20,6 +20,7 @@ from jax.experimental import io_callback
 
 from opt_serving.backend import Backend, sampling
 from opt_serving.model import kv_cache, opt
+from opt_serving.model.lora import applied
 
 
 class SearchStopped(Exception):
@@ -131,7 +132,15 @@ def beam_step(k, s, length_penalty, early_stop, eos, logits, c, prompt_seen, st)
 
 @partial(jax.jit, static_argnums=(0, 5, 6, 7, 8, 9, 10, 11, 12, 13))
 def search(cfg, params, ids, mask, st, max_new, k, n_return, length_penalty, early_stop,
-           eos, pad, output_scores, backend: Backend, stop_token=None):
+           eos, pad, output_scores, backend: Backend, stop_token=None, lora=None):
+    """`_search` with LoRA adapters applied (model/lora.py's Lora of the rows; None: the base model)."""
+    with applied(lora):
+        return _search(cfg, params, ids, mask, st, max_new, k, n_return, length_penalty, early_stop, eos, pad,
+                       output_scores, backend, stop_token)
+
+
+def _search(cfg, params, ids, mask, st, max_new, k, n_return, length_penalty, early_stop,
+            eos, pad, output_scores, backend: Backend, stop_token=None):
     """The whole search on device: decodes and beam_step in one jitted loop -> ((seqs, beam_idx) of the
     n_return best per prompt, processed log-probs [max_new, B*K, V] (or [0, ...]), their scores).
     `stop_token` (from `stoppable`): before each step the loop asks the host whether to stop (then its

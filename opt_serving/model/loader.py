@@ -14,7 +14,8 @@ from opt_serving import backend as backend_api
 from opt_serving.backend.cpu import products
 from opt_serving.config import config_for, get_config
 from opt_serving.errors import require
-from opt_serving.model import layout, sources, weights
+from opt_serving.model import layout, lora, sources, weights
+from opt_serving.model.peft import read_peft
 from opt_serving.model import quantize as quantization
 from opt_serving.model.weights import resolve_numpy_folder
 from opt_serving.model.wrapper import OPTModel
@@ -34,11 +35,12 @@ def model_dtype(dtype) -> jnp.dtype:
     return jnp.dtype(dtype)
 
 
-def local_model(spec: ModelSpec, dtype="auto", progress: bool = False) -> OPTModel:
+def local_model(spec: ModelSpec, dtype="auto", progress: bool = False, merge_lora=None) -> OPTModel:
     """The Flax model on one device over the spec's weights: its numpy folder or random weights from its seed.
     `spec.quantize="int8"`: every dense weight and the LM head in int8 with a scale per output channel
     (model/quantize.py), from any numpy folder (a quantized one is read as it is). `dtype="bfloat16"` on a CPU
-    with native bfloat16 products keeps float32 activations and runs the products on bfloat16 weights."""
+    with native bfloat16 products keeps float32 activations and runs the products on bfloat16 weights.
+    `merge_lora`: a PEFT LoRA adapter folder merged into the weights as they are read (model/lora.py's merge)."""
     quantize = quantization.check_choice(spec.quantize)
     dtype, fmt = _weights_format(model_dtype(dtype), quantize)
     if spec.weights.random:
@@ -48,20 +50,27 @@ def local_model(spec: ModelSpec, dtype="auto", progress: bool = False) -> OPTMod
             raise ValueError(f"{spec.name}: give path= (the numpy weights folder) or dummy=True")
         folder = resolve_numpy_folder(spec.weights.folder, spec.name)
         cfg, source = config_for(spec.name, folder), sources.FolderSource(folder, quantize)
-    return load_model(cfg, source, dtype, quantize, fmt, progress=progress)
+    merge = None if merge_lora is None else read_peft(merge_lora, cfg)
+    return load_model(cfg, source, dtype, quantize, fmt, progress=progress, merge=merge)
 
 
 def load_model(cfg, source, dtype, quantize: str | None = None, fmt: str = "float32",
-               progress: bool = False) -> OPTModel:
+               progress: bool = False, merge=None) -> OPTModel:
     """The one-device model from a source of tensors (model/sources.py), put in its runtime layout a layer at a
     time as it is read (layout.runtime_parts): the process never holds the checkpoint layout and the runtime
-    one of the whole model at once."""
-    parts = sources.tree_parts(source, cfg, dtype=dtype, quantize=quantize)
+    one of the whole model at once. `merge`: a LoRA adapter (model/peft.py's) merged into each layer read."""
+    parts = lora_merged(sources.tree_parts(source, cfg, dtype=dtype, quantize=quantize), merge)
     if progress:
         from tqdm import tqdm  # optional: only for a progress bar
         parts = tqdm(parts, desc="loading weights", unit="layer", total=cfg.num_hidden_layers + 1)
     backend, params = layout.runtime_parts(parts, jax.devices()[:1], dtype, weights=fmt)
     return OPTModel(cfg, params, backend=backend)
+
+
+def lora_merged(parts, adapter=None):
+    """Groups of a checkpoint-layout tree (sources.tree_parts') with a LoRA adapter merged into each (None: as
+    they are)."""
+    return parts if adapter is None else (lora.merge_part(part, adapter) for part in parts)
 
 
 def _weights_format(dtype, quantize: str | None) -> tuple[jnp.dtype, str]:

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from opt_serving.backend import Backend, sampling
 from opt_serving.model import kv_cache, opt
+from opt_serving.model.lora import applied
 
 
 def processed_choice(logits, state, st, argmax=sampling.argmax):
@@ -44,7 +45,13 @@ def decode_windows(prompt_len: int, total: int) -> list[int]:
 
 
 @partial(jax.jit, static_argnums=(0, 6, 7, 8, 9))
-def search(cfg, params, ids, mask, st, max_new, new_bucket, pad, output_scores, backend: Backend):
+def search(cfg, params, ids, mask, st, max_new, new_bucket, pad, output_scores, backend: Backend, lora=None):
+    """`_search` with LoRA adapters applied (model/lora.py's Lora of the rows; None: the base model)."""
+    with applied(lora):
+        return _search(cfg, params, ids, mask, st, max_new, new_bucket, pad, output_scores, backend)
+
+
+def _search(cfg, params, ids, mask, st, max_new, new_bucket, pad, output_scores, backend: Backend):
     """HF `_sample`: greedy or sampled rows, finished rows filled with pad; stops when all are done.
 
     `max_new` is traced; buffers are sized by the static `new_bucket` >= max_new. The cache

@@ -31,7 +31,8 @@ from opt_serving.parallel.cluster import Cluster, parse_bytes
 from opt_serving.parallel.pipeline import RayStages
 from opt_serving.parallel.planner import Plan, search
 from opt_serving.parallel.sharding import make_mesh, sharded_parts
-from opt_serving.runner.generate import Generation
+from opt_serving.model.peft import read_peft
+from opt_serving.runner.generate import Generation, one_adapter, use_adapter
 from opt_serving.spec import ModelSpec
 
 
@@ -109,10 +110,10 @@ def plan_model(spec: ModelSpec, dtype="float32", device_memory=None, batch_size:
 
 
 def tensor_parallel_model(cfg: OPTConfig, plan: Plan, folder, dtype, seed: int = 0,
-                          quantize: str | None = None) -> wrapper.OPTModel:
+                          quantize: str | None = None, merge=None) -> wrapper.OPTModel:
     """A pp = 1 plan in this process: params sharded over the first tp devices, each device reading its slice
     of the folder or drawing its slice of the random weights (model/sources.py) (`quantize="int8"`: int8
-    weights, model/quantize.py's, split as the float ones are)."""
+    weights, model/quantize.py's, split as the float ones are; `merge`: a LoRA adapter merged into them)."""
     if len(jax.devices()) < plan.tp:
         raise ValueError(f"the plan {plan.name} needs {plan.tp} devices in this process, it sees "
                          f"{len(jax.devices())} (on a CPU: XLA_FLAGS=--xla_force_host_platform_device_count)")
@@ -120,29 +121,35 @@ def tensor_parallel_model(cfg: OPTConfig, plan: Plan, folder, dtype, seed: int =
     dtype = loader.model_dtype(dtype)
     source = sources.RandomSource(seed) if folder is None else sources.FolderSource(folder, quantize)
     # tp = 1: the one device's runtime layout built a layer at a time (a mesh keeps the checkpoint's)
-    backend, params = layout.runtime_parts(sharded_parts(source, cfg, mesh, dtype=dtype, quantize=quantize),
-                                           mesh.devices.flat, dtype, weights=quantize or "float32")
+    parts = loader.lora_merged(sharded_parts(source, cfg, mesh, dtype=dtype, quantize=quantize), merge)
+    backend, params = layout.runtime_parts(parts, mesh.devices.flat, dtype, weights=quantize or "float32")
     return wrapper.OPTModel(cfg, params, backend=backend, mesh=mesh, plan=plan)
 
 
 def get_alpa_model(spec: ModelSpec, dtype="auto", batch_size: int = 1, max_seq_len: int | None = None,
                    cluster: Cluster | None = None, device_memory=None, micro_batches: int | None = None,
-                   handoff: str = "auto", **unused):
+                   handoff: str = "auto", lora=None, merge_lora: bool = False, **unused):
     """An alpa/ model: a plan (the spec's explicit degrees kept) for the Ray cluster, then sharded or pipelined
     (`spec.quantize="int8"`: int8 weights, each stage quantizing its own, or reading them from a quantized
     folder; `handoff`: how pipeline stages hand hidden states on, pipeline.RayStages). The plan has room for
-    generate() calls of `batch_size` rows of `max_seq_len` tokens (planner.search's use="generate")."""
+    generate() calls of `batch_size` rows of `max_seq_len` tokens (planner.search's use="generate"). `lora`: a PEFT
+    LoRA adapter folder every row runs with, beside the base weights, or merged into them (`merge_lora`)."""
     if unused:
         raise TypeError(f"get_model() got unsupported arguments: {sorted(unused)}")
     dtype = cluster_dtype(dtype)
     seed, quantize = spec.weights.seed or 0, spec.quantize
     plan, cfg, folder = plan_model(spec, dtype, device_memory, batch_size, max_seq_len, cluster, use="generate")
+    adapter = None if lora is None else read_peft(lora, cfg)
+    merge, adapter = (adapter, None) if merge_lora else (None, adapter)
     if plan.pp == 1:
-        return Generation.of(tensor_parallel_model(cfg, plan, folder, dtype, seed, quantize))
+        return Generation.of(tensor_parallel_model(cfg, plan, folder, dtype, seed, quantize, merge), adapter)
     # this process only drives the stages (each holds its GPUs' share): no device memory taken ahead of need
     jax_env.apply(jax_env.route_only())
     connect_ray()
     # generate() uses only the stages' whole-sequence caches; their one decode slot as short as the plan counts it
     stages = RayStages(cfg, plan, folder, dtype=jnp.dtype(loader.model_dtype(dtype)).name, seed=seed,
-                       max_seq_len=plan.max_seq_len, quantize=quantize, handoff=handoff)
+                       max_seq_len=plan.max_seq_len, quantize=quantize, handoff=handoff,
+                       lora=None if adapter is None else one_adapter(adapter), merge_lora=merge)
+    if adapter is not None:
+        use_adapter(stages, cfg, adapter)
     return Generation(cfg, stages, plan, micro_batches)

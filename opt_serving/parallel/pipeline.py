@@ -71,18 +71,19 @@ def load_stage_params(source, cfg: OPTConfig, spec, dtype="float32", mesh=None, 
     return sources.merged(_stage_parts(source, cfg, spec, dtype, mesh, quantize))
 
 
-def load_stage(source, cfg: OPTConfig, spec, dtype="float32", mesh=None, quantize=None):
+def load_stage(source, cfg: OPTConfig, spec, dtype="float32", mesh=None, quantize=None, merge_lora=None):
     """load_stage_params in the runtime layout of the backend chosen for where the stage lies ->
     (backend, params): each group (the tensors outside the layers, then each layer) is put in that layout as it
-    is read and its host and checkpoint-layout copies dropped, so the stage never holds its share twice."""
+    is read and its host and checkpoint-layout copies dropped, so the stage never holds its share twice.
+    `merge_lora`: a LoRA adapter (model/peft.py's) merged into the stage's layers as they are read."""
     import jax
     from opt_serving.model import layout
     where = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
-    return layout.runtime_parts(_stage_parts(source, cfg, spec, dtype, mesh, quantize), where,
+    return layout.runtime_parts(_stage_parts(source, cfg, spec, dtype, mesh, quantize, merge_lora), where,
                                 jax.numpy.dtype(dtype), weights=quantize or "float32", head=spec.last)
 
 
-def _stage_parts(source, cfg, spec, dtype, mesh, quantize):
+def _stage_parts(source, cfg, spec, dtype, mesh, quantize, merge_lora=None):
     import jax
     from opt_serving.model import param_tree
     from opt_serving.model import sources
@@ -99,6 +100,9 @@ def _stage_parts(source, cfg, spec, dtype, mesh, quantize):
     # int8: the first and last stages read the embedding (the lookup's table, the head's int8 copy); each
     # keeps only its own part of the two (param_tree.stage_part)
     parts = sharded_parts(source, cfg, mesh, dtype=dtype, names=stage_param_names(cfg, spec), quantize=quantize)
+    if merge_lora is not None:  # (the layers numbered as the model's, before the stage's own numbering)
+        from opt_serving.model.lora import merge_part
+        parts = (merge_part(part, merge_lora) for part in parts)
     try:
         for part in parts:
             yield param_tree.stage_part(part, spec)
@@ -132,7 +136,7 @@ class StageActor:
     weights."""
 
     def __init__(self, cfg, spec, source, dtype, tp, rows, groups, max_seq_len, name="", quantize=None,
-                 prefix_blocks=0):
+                 prefix_blocks=0, lora=None, merge_lora=None):
 
         import jax
 
@@ -153,10 +157,10 @@ class StageActor:
         before, t0 = process_memory(), time.perf_counter()
         # each stage chooses its own backend, for where its params lie, and builds its runtime layout a layer
         # at a time (load_stage)
-        backend, params = load_stage(source, cfg, spec, dtype, mesh, quantize)
+        backend, params = load_stage(source, cfg, spec, dtype, mesh, quantize, merge_lora)
         self._loaded = {"load_s": time.perf_counter() - t0, "before": before, **process_memory()}
         self.slots = StageSlots(cfg, params, spec, rows, groups, max_seq_len, backend=backend,
-                                prefix_blocks=prefix_blocks)
+                                prefix_blocks=prefix_blocks, lora=lora)
         self.reset_stats()
 
     def memory(self) -> dict:
@@ -259,7 +263,7 @@ class RayStages:
     def __init__(self, cfg: OPTConfig, plan, folder=None, dtype="float32", seed: int = 0, rows: int = 1,
                  groups: int = 1, max_seq_len: int | None = None, cpus_per_stage: float = 1,
                  placement_timeout_s: float = 120, quantize: str | None = None, prefix_blocks: int = 0,
-                 handoff: str = "auto"):
+                 handoff: str = "auto", lora=None, merge_lora=None):
         import ray
         if handoff not in HANDOFFS:
             raise ValueError(f"handoff must be one of {', '.join(HANDOFFS)}, not {handoff!r}")
@@ -303,7 +307,7 @@ class RayStages:
                 name=f"{STAGE_NAME_PREFIX}{tag}-{i}",
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, i)).remote(
                     cfg, spec, source, dtype, plan.tp, rows, groups, max_seq_len, _describe(i, spec), quantize,
-                    prefix_blocks))
+                    prefix_blocks, lora, merge_lora))
         # replies nobody waits for (insert, free, drop): their errors surface later. The engine thread and a
         # beam search's thread (generation_model) both call in: the list has a lock
         self._sent: list = []

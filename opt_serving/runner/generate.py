@@ -25,8 +25,24 @@ import numpy as np
 from opt_serving.backend import choose, sampling
 from opt_serving.config import OPTConfig
 from opt_serving.model import beam_search, kv_cache, opt, sample
+from opt_serving.model import lora as lora_model
+from opt_serving.model.lora_config import LoraConfig
+from opt_serving.model.peft import LoraAdapter
 from opt_serving.model.wrapper import OPTModel
 from opt_serving.runner.stage import LocalStages, StageSlots
+
+
+def one_adapter(adapter: LoraAdapter) -> LoraConfig:
+    """The LoRA slots of a model that runs one adapter: one, of its rank, on its targets."""
+    return LoraConfig(1, adapter.rank, adapter.targets)
+
+
+def use_adapter(stages, cfg: OPTConfig, adapter: LoraAdapter) -> None:
+    """Every stage (made with one_adapter's slots) holds its share of `adapter` in slot 0, which generate()'s rows
+    use."""
+    layouts = stages.get([stages.call(i, "lora_layout") for i in range(stages.n)])
+    stages.get([stages.call(i, "set_lora", 0, lora_model.slot_part(adapter, cfg, layout), True)
+                for i, layout in enumerate(layouts)])
 
 
 @dataclasses.dataclass
@@ -91,12 +107,16 @@ class Generation:
         self._keys = itertools.count()
 
     @classmethod
-    def of(cls, model: OPTModel) -> "Generation":
+    def of(cls, model: OPTModel, lora: Optional[LoraAdapter] = None) -> "Generation":
         """generate() for a model on one device or one tensor-parallel mesh: one stage in this process over its
-        params (no copy), holding no slots' cache (a row of the smallest window)."""
+        params (no copy), holding no slots' cache (a row of the smallest window). `lora`: an adapter every row
+        runs with (its low-rank products beside the base weights: model/lora.py)."""
         stage = StageSlots(model.config, model.fused_params, opt.StageSpec.whole(model.config), rows=1,
-                           backend=model.backend)
-        return cls(model.config, LocalStages([stage]), model.plan, model=model)
+                           backend=model.backend, lora=None if lora is None else one_adapter(lora))
+        generation = cls(model.config, LocalStages([stage]), model.plan, model=model)
+        if lora is not None:
+            use_adapter(generation.stages, model.config, lora)
+        return generation
 
     # a model in this process: its OPTModel's (a pipeline's weights live in its stage actors)
     def _local(self) -> OPTModel:

@@ -28,15 +28,30 @@ log = logging.getLogger(__name__)
 
 def load_slots(spec: ModelSpec, dtype: str = "auto", num_slots: int = 16, max_seq_len: Optional[int] = None,
                device_memory=None, micro_batches: Optional[int] = None, prefix_caching: bool = True,
-               handoff: str = "auto") -> Slots:
+               handoff: str = "auto", lora=None) -> Slots:
     """Slots over the spec's weights: a numpy folder (or its parent holding `<size>-np/`), or random weights
     of its size drawn from its seed. `micro_batches`: decode slot groups of a pipelined plan (default: pp, at
     most one per slot). `spec.quantize="int8"`: int8 weights (model/quantize.py; an alpa/ plan's are split as
     its float ones, each pipeline stage quantizing its own). `prefix_caching`: keep prompts' KV for the prompts
     that start the same way (runner/prefix.py; every stage keeps its layers'). `handoff`: how a pipelined plan's
-    stages hand hidden states on (pipeline.RayStages: "auto", "cgraph", "refs").
+    stages hand hidden states on (pipeline.RayStages: "auto", "cgraph", "refs"). `lora`: the LoRA adapters
+    (runner/lora.py's LoraOptions: their slots, every stage holding its layers' share, and those served from the
+    start; Slots.loras serves them).
     """
-    spec = spec.for_engine()
+    options, lora = lora, (None if lora is None else lora.config())
+    slots = _load_slots(spec.for_engine(), dtype, num_slots, max_seq_len, device_memory, micro_batches,
+                        prefix_caching, handoff, lora)
+    for name, path in () if options is None else options.modules:
+        try:
+            slots.loras.add(name, path)
+        except BaseException:
+            slots.close()
+            raise
+    return slots
+
+
+def _load_slots(spec, dtype, num_slots, max_seq_len, device_memory, micro_batches, prefix_caching, handoff,
+                lora) -> Slots:
     dtype = resolve_dtype(dtype, cluster=spec.parallel)
     if not spec.parallel:
         m = loader.local_model(spec, dtype)
@@ -54,13 +69,13 @@ def load_slots(spec: ModelSpec, dtype: str = "auto", num_slots: int = 16, max_se
             blocks = prefix_blocks(cfg, num_slots, max_seq_len, prefix_caching)
             stages = RayStages(cfg, plan, source, dtype=dtype, seed=spec.weights.seed or 0, rows=num_slots // groups,
                                groups=groups, max_seq_len=max_seq_len, quantize=spec.quantize, prefix_blocks=blocks,
-                               handoff=handoff)
+                               handoff=handoff, lora=lora)
             width = 2 if spec.quantize == "int8" or dtype != "float32" else 4  # opt.cache_dtype's rule
             costs = ModelCosts.of(cfg, spec.quantize or dtype, width)
             return Slots(cfg, stages, num_slots, groups, max_seq_len, plan=plan, prefix_blocks=blocks, costs=costs)
         m = parallel.tensor_parallel_model(cfg, plan, source, dtype, spec.weights.seed or 0, spec.quantize)
-    return local_slots(m.config, m.fused_params, num_slots, max_seq_len, plan=m.plan,
-                       backend=m.backend, prefix_blocks=prefix_blocks(m.config, num_slots, max_seq_len, prefix_caching))
+    return local_slots(m.config, m.fused_params, num_slots, max_seq_len, plan=m.plan, backend=m.backend,
+                       prefix_blocks=prefix_blocks(m.config, num_slots, max_seq_len, prefix_caching), lora=lora)
 
 
 def prefix_blocks(cfg, num_slots: int, max_seq_len: Optional[int], on: bool = True) -> int:
@@ -82,11 +97,12 @@ def resolve_dtype(dtype: str, cluster: bool = False) -> str:
 
 
 def local_slots(cfg, params, num_slots: int = 8, max_seq_len: Optional[int] = None, plan=None,
-                backend: Optional[Backend] = None, prefix_blocks: int = 0) -> Slots:
+                backend: Optional[Backend] = None, prefix_blocks: int = 0, lora=None) -> Slots:
     """Slots over a whole model's params in this process (one device, or a tensor-parallel mesh): in the
     checkpoint's layout, or with `backend` already in its runtime layout (an OPTModel's fused_params).
-    `prefix_blocks`: the prefix cache's blocks (0: none)."""
-    stage = StageSlots(cfg, params, opt.StageSpec.whole(cfg), num_slots, 1, max_seq_len, backend, prefix_blocks)
+    `prefix_blocks`: the prefix cache's blocks (0: none); `lora`: slots for LoRA adapters (LoraConfig)."""
+    stage = StageSlots(cfg, params, opt.StageSpec.whole(cfg), num_slots, 1, max_seq_len, backend, prefix_blocks,
+                       lora)
     weights = stage.backend.weights if stage.backend.weights != "float32" else str(opt.param_dtype(stage.params))
     costs = ModelCosts.of(cfg, weights, jax.numpy.dtype(opt.cache_dtype(stage.params, stage.backend)).itemsize)
     return Slots(cfg, LocalStages([stage]), num_slots, 1, max_seq_len, plan=plan, prefix_blocks=prefix_blocks,

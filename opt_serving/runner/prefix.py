@@ -54,9 +54,10 @@ class PrefixCache:
     def __contains__(self, key: bytes) -> bool:
         return key in self._held
 
-    def keys(self, tokens: Sequence[int]) -> list[bytes]:
-        """The chained keys of the prompt's full blocks."""
-        bs, out, key = self.block_size, [], b""
+    def keys(self, tokens: Sequence[int], salt: bytes = b"") -> list[bytes]:
+        """The chained keys of the prompt's full blocks; the chain starts from `salt`, what else the KV depends on
+        (a LoRA adapter's weights: runner/lora.py), so prompts of another salt never share a block."""
+        bs, out, key = self.block_size, [], salt
         ids = np.asarray(tokens, np.int64)
         for j in range(len(tokens) // bs):
             key = hashlib.blake2b(key + ids[j * bs:(j + 1) * bs].tobytes(), digest_size=16).digest()

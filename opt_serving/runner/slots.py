@@ -30,10 +30,16 @@ blocks' entries (`StageSlots.prefill_chunk` gathers them): only the rest is comp
 scheduler how many tokens that is. Joining prompts (a handful of tokens) neither use nor fill the cache. A
 prompt whose scores are asked (echo with logprobs) reuses only blocks whose scores are kept too, and computes
 from its last cached token on, whose hidden state scores the first token it computes.
+
+LoRA adapters (runner/lora.py; where the stages were made with slots for them): a request's adapter
+(`SlotSettings.lora`) is given a slot when it is prefilled or joins a step, pinned until its request is freed;
+each decode slot's adapter slot rides beside its other per-slot arrays into every step, and a prompt's
+prefix-cache keys start from its adapter's fingerprint.
 """
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 from typing import Optional, Sequence
 
@@ -42,6 +48,7 @@ import numpy as np
 from opt_serving.model import kv_cache
 from opt_serving.runner.generate import Generation
 from opt_serving.runner.joins import Joining, Joins, block_sizes
+from opt_serving.runner.lora import Adapters, SlotAdapters
 from opt_serving.runner.prefix import BLOCK_SIZE, PrefixCache
 from opt_serving.runner.stage import (LocalStages, Stages, cache_bucket, chunk_width, chunk_widths, job_size,
                                       job_sizes, prefill_bucket, prefill_buckets)
@@ -107,6 +114,10 @@ class Slots(SlotModel):
         self._cached: dict[int, int] = {}  # slot -> the prompt tokens its joined prompt took from the prefix cache
         self._promised: dict[bytes, int] = {}  # a prefix-cache key -> the slot whose joining prompt computes it
         self.prefix = PrefixCache(prefix_blocks) if prefix_blocks else None
+        # LoRA adapters, where the stages hold slots for them: each decode slot's and prefilled request's adapter
+        layouts = stages.get([stages.call(i, "lora_layout") for i in range(stages.n)])
+        self.loras = Adapters(cfg, layouts) if layouts[0] is not None else None  # the adapters served
+        self.adapters = SlotAdapters(stages, num_slots, self.loras)
         self._set_joins(HIT_CHUNK)  # (warmup sets the engine's chunk)
 
     def _set_joins(self, chunk: int) -> None:
@@ -203,6 +214,9 @@ class Slots(SlotModel):
         except BaseException:  # what the passes would have written never came: their blocks hold nothing
             if self.prefix is not None:
                 self.prefix.forget([b for _, (_, _, kept) in passes for b in kept])
+            for _, (handles, _, _) in passes:
+                for handle in handles:
+                    self.adapters.drop(handle)
             raise
         return out
 
@@ -218,11 +232,18 @@ class Slots(SlotModel):
             mask[j, :len(tokens)] = 1
             lengths[j] = len(tokens)
         handles = [next(self._handles) for _ in prompts]
+        try:
+            adapters = self.adapters.pass_rows([self.adapters.hold(h, s) for h, s in zip(handles, settings)], rows)
+        except BaseException:
+            for handle in handles:
+                self.adapters.drop(handle)
+            raise
         x = ids
         for i in range(self.stages.n):
-            x = self.stages.call(i, "prefill", handles, x, ids, mask, lengths, list(settings), state_rows)
+            x = self.stages.call(i, "prefill", handles, x, ids, mask, lengths, list(settings), state_rows, adapters)
         size = cache_bucket(bucket, self.max_seq_len)
-        kept = [b for handle, tokens in zip(handles, prompts) for b in self._keep_prefix(handle, tokens, size)]
+        kept = [b for handle, tokens, s in zip(handles, prompts, settings)
+                for b in self._keep_prefix(handle, tokens, size, self._keys(tokens, s))]
         return handles, x, kept
 
     # ---- the prefix cache ----
@@ -230,12 +251,16 @@ class Slots(SlotModel):
         """The prompt tokens a prefill of it would compute now: those after its cached prefix."""
         return len(tokens) - self._cached_tokens(len(self._cached_blocks(tokens, settings, touch=False)), settings)
 
+    def _keys(self, tokens: Sequence[int], settings: SlotSettings) -> list:
+        """The prompt's prefix-cache keys, which start with its LoRA adapter's (none: the base model's)."""
+        return self.prefix.keys(tokens, self.adapters.salt(settings)) if self.prefix is not None else []
+
     def _cached_blocks(self, tokens: Sequence[int], settings: SlotSettings, touch: bool = True,
                        keys: Optional[list] = None) -> list[int]:
         """The pool blocks of the prompt's cached prefix."""
         if self.prefix is None or len(tokens) <= BLOCK_SIZE:
             return []
-        keys = keys if keys is not None else self.prefix.keys(tokens)
+        keys = keys if keys is not None else self._keys(tokens, settings)
         usable = keys[:(len(tokens) - 1) // BLOCK_SIZE]  # the last token is always computed: it gives the first
         return self.prefix.match(usable, scored=settings.prompt_logprobs, touch=touch)
 
@@ -245,12 +270,12 @@ class Slots(SlotModel):
         computed again (its hidden state scores the next token)."""
         return max(blocks * BLOCK_SIZE - settings.prompt_logprobs, 0)
 
-    def _keep_prefix(self, handle: int, tokens: Sequence[int], size: int, keys: Optional[list] = None) -> list[int]:
+    def _keep_prefix(self, handle: int, tokens: Sequence[int], size: int, keys: list) -> list[int]:
         """Claim pool blocks for the prompt's full blocks not cached yet and have every stage write them from
         the request's cache (`size` entries) -> the blocks claimed."""
         if self.prefix is None or size < BLOCK_SIZE or len(tokens) < BLOCK_SIZE:
             return []
-        claims = self.prefix.claim(keys if keys is not None else self.prefix.keys(tokens))
+        claims = self.prefix.claim(keys)
         if claims:
             ids = np.full(size // BLOCK_SIZE, self.prefix.blocks, np.int32)  # past the pool: not written
             for j, b in claims:
@@ -258,12 +283,12 @@ class Slots(SlotModel):
             self._to_all("store_prefix", handle, ids)
         return [b for _, b in claims]
 
-    def _keep_scores(self, tokens: Sequence[int], scores: tuple) -> None:
+    def _keep_scores(self, tokens: Sequence[int], scores: tuple, settings: SlotSettings) -> None:
         """Keep a prompt's echo scores (per token: logprob [n], rank [n], top ids and logprobs [n, K]) with its cached
         blocks that have none."""
         if self.prefix is None:
             return
-        keys = self.prefix.keys(tokens)
+        keys = self._keys(tokens, settings)
         bs = BLOCK_SIZE
         for j, b in enumerate(self.prefix.match(keys, touch=False)):
             if self.prefix.scores(b) is None:
@@ -275,11 +300,13 @@ class Slots(SlotModel):
         """A prompt to prefill `chunk` tokens at a time (`prefill_chunk`) into a cache of its size (`job_size`;
         `size`: another, as warm-up asks), from the end of its cached prefix on; nothing runs yet.
         `discard_partial` lets it go."""
-        keys = self.prefix.keys(tokens) if self.prefix is not None else []
+        keys = self._keys(tokens, settings)
         blocks = self._cached_blocks(tokens, settings, keys=keys)
         done = self._cached_tokens(len(blocks), settings)
         size = size or job_size(len(tokens), self.max_seq_len)
-        return PartialPrefill(list(tokens), settings, min(chunk, self.max_seq_len), size, next(self._handles),
+        handle = next(self._handles)
+        self.adapters.hold(handle, settings)
+        return PartialPrefill(list(tokens), settings, min(chunk, self.max_seq_len), size, handle,
                               done=done, cached=done, blocks=blocks, keys=keys)
 
     def prefill_chunk(self, job: PartialPrefill) -> Optional[Prefix]:
@@ -307,7 +334,8 @@ class Slots(SlotModel):
                      np.array([n], np.int32), job.settings)
         x = ids
         for i in range(self.stages.n):
-            x = self.stages.call(i, "prefill_chunk", job.state, x, start, mask, job.size, final, gather, next_ids)
+            x = self.stages.call(i, "prefill_chunk", job.state, x, start, mask, job.size, final, gather, next_ids,
+                                 self.adapters.pass_rows([self.adapters.held(job.state)], 1))
         first, scores = self.stages.get(x)  # waited for: a decode step sent next runs after it anyway
         job.done = min(start + c, n)
         if scores is not None:
@@ -318,7 +346,7 @@ class Slots(SlotModel):
         prompt = None
         if job.settings.prompt_logprobs:
             per_token = self._job_scores(job)
-            self._keep_scores(job.tokens, per_token)
+            self._keep_scores(job.tokens, per_token, job.settings)
             prompt = _prompt_infos(job.tokens, per_token)
         tok, lp, top_ids, top_lp = first
         return Prefix(length=n, first=_first_info(tok, lp, top_ids, top_lp, 0), prompt=prompt, state=job.state,
@@ -351,6 +379,7 @@ class Slots(SlotModel):
         return out
 
     def discard_partial(self, job: PartialPrefill) -> None:
+        self.adapters.drop(job.state)
         self._to_all("drop", job.state)
 
     def _prefix(self, tokens, s: SlotSettings, handle: int, first, scores, j: int) -> Prefix:
@@ -363,7 +392,7 @@ class Slots(SlotModel):
                          np.concatenate([[0], prank[j, :n - 1]]).astype(np.int32),
                          np.concatenate([np.full((1, ptop.shape[-1]), -1), ptop[j, :n - 1]]).astype(np.int32),
                          np.concatenate([np.zeros((1, ptop.shape[-1])), ptop_lp[j, :n - 1]]).astype(np.float32))
-            self._keep_scores(tokens, per_token)
+            self._keep_scores(tokens, per_token, s)
             prompt = _prompt_infos(tokens, per_token)
         return Prefix(length=len(tokens), first=_first_info(*first, j), prompt=prompt, state=handle, settings=s)
 
@@ -373,6 +402,7 @@ class Slots(SlotModel):
             self.stages.call(i, method, *args)
 
     def discard(self, prefix: Prefix) -> None:
+        self.adapters.drop(prefix.state)
         self._to_all("drop", prefix.state)
 
     def use_tokenizer(self, tokenizer_json: str, eos: int) -> None:
@@ -383,8 +413,8 @@ class Slots(SlotModel):
     # ---- joining: a prompt's prefill rides in decode steps (runner/joins.py) ----
     def joinable(self, tokens: Sequence[int], settings: SlotSettings) -> bool:
         """Could the prompt join a step whose block is empty? (No prompt scores asked; without ragged steps a
-        short prompt.)"""
-        return self.joins.fits(tokens, settings)
+        short prompt; its LoRA adapter, if any, can have a slot.)"""
+        return self.joins.fits(tokens, settings) and self.adapters.can_take(settings)
 
     def join(self, tokens: Sequence[int], settings: SlotSettings, slot: int) -> bool:
         """Let a prompt take a free slot, its tokens in the next decode steps' passes (`JoinBlock`); the step
@@ -395,9 +425,14 @@ class Slots(SlotModel):
         joining = Joining(slot, row, [int(t) for t in tokens], settings)
         if not self.joins.add(g, joining):
             return False
+        try:
+            self.adapters.of_slot[slot] = self.adapters.take(settings)
+        except Exception:  # (its adapter has no slot now: prefilled instead, which says why it cannot start)
+            self.joins.remove(g, slot)
+            return False
         self._cached[slot] = 0
         if self.ragged and self.prefix is not None:
-            joining.keys = self.prefix.keys(joining.tokens)
+            joining.keys = self._keys(joining.tokens, settings)
             self._match(g, joining)
         self._want_top[slot] = settings.top_logprobs
         self._want_lp[slot] = settings.logprob
@@ -441,8 +476,15 @@ class Slots(SlotModel):
             del self._promised[k]
 
     def _block(self, parts) -> JoinBlock:
-        """The stages' view of a step's joining parts (runner/joins.py)."""
-        return self.joins.block(parts)
+        """The stages' view of a step's joining parts (runner/joins.py), each token with its prompt's adapter."""
+        block = self.joins.block(parts)
+        if self.adapters.on:
+            adapters, at = np.full(len(block.ids), -1, np.int32), 0
+            for p in parts:
+                adapters[at:at + p.end - p.start] = self.adapters.of_slot[p.joining.slot]
+                at += p.end - p.start
+            block = dataclasses.replace(block, adapters=adapters)
+        return block
 
     # ---- slots ----
     def _in_flight(self, g: int) -> bool:
@@ -454,6 +496,7 @@ class Slots(SlotModel):
         if self._in_flight(g):
             self._stale.add(slot)
         self._to_all("insert", prefix.state, g, row, keep)
+        self.adapters.insert(prefix.state, slot, keep)
         self._lengths[slot] = prefix.length + 1  # the prompt and the first token
         self._next[slot] = prefix.first.id
         self._want_top[slot] = prefix.settings.top_logprobs
@@ -471,6 +514,7 @@ class Slots(SlotModel):
             self._stale.add(slot)
         self._to_all("free", g, row)
         self._lengths[slot] = 0
+        self.adapters.free(slot)
 
     def window_needed(self, g: int, steps: int = 1, entries: int = 0) -> int:
         """The cache window a group's next `steps` steps need: the bucket holding every active slot's tokens (and
@@ -495,7 +539,8 @@ class Slots(SlotModel):
         x, read_len = self._next[slots], int(lengths.max())
         window = self.window_needed(g, entries=max((p.end for p in parts), default=0))
         for i in range(self.stages.n):
-            x = self.stages.call(i, "decode", g, x, positions, window, read_len, want_scores, want_top, block)
+            x = self.stages.call(i, "decode", g, x, positions, window, read_len, want_scores, want_top, block,
+                                 self.adapters.rows(slots))
         self._flights.append((g, x, slots[sent]))
         for p in parts:  # a prompt's blocks into the prefix cache once the step wrote them
             if p.final and self.ragged:
@@ -506,7 +551,7 @@ class Slots(SlotModel):
         its row (a window's worth of block ids)."""
         if self.prefix is None or len(joining.tokens) < BLOCK_SIZE:
             return
-        claims = self.prefix.claim(joining.keys or self.prefix.keys(joining.tokens))
+        claims = self.prefix.claim(joining.keys or self._keys(joining.tokens, joining.settings))
         if claims:
             ids = np.full(window // BLOCK_SIZE, self.prefix.blocks, np.int32)  # past the pool: not written
             for j, b in claims:
@@ -546,7 +591,7 @@ class Slots(SlotModel):
         want_scores, want_top = self._wants(sent)
         outs = self.stages.get(self.stages.call(0, "decode_steps", 0, self._next.copy(), positions,
                                                 self.window_needed(0, n), int(lengths.max()), n, want_scores,
-                                                want_top))
+                                                want_top, self.adapters.rows(slots)))
         return [self._result(slots, sent, *(a[i] for a in outs)) for i in range(n)]
 
     def _result(self, slots, rows, tok, lp, top_ids, top_lp) -> StepResult:

@@ -14,7 +14,8 @@ reads only the entries written so far, it only grows (a shrink copies the whole 
 from 256 entries (KERNEL_MIN_WINDOW): smaller windows would cost nothing a step but their compiles.
 
 The last stage also chooses the tokens (`Sampler`): what leaves it is tokens and scores, never
-hidden states. The other stages hand their hidden states on.
+hidden states. The other stages hand their hidden states on. With LoRA adapters (runner/lora.py's StageLora)
+every step takes its rows' adapter slots too, and the stage holds its layers' share of every slot.
 """
 from __future__ import annotations
 
@@ -29,7 +30,9 @@ from opt_serving import xla_cache
 from opt_serving.backend import Backend
 from opt_serving.backend.cpu import heap
 from opt_serving.model import beam_search, kv_cache, layout, opt, sample
+from opt_serving.model.lora import with_lora
 from opt_serving.model import quantize as quantization
+from opt_serving.runner.lora import StageLora
 from opt_serving.runner.prefix import BLOCK_SIZE as PREFIX_BLOCK
 from opt_serving.runner.sampler import Sampler, split_rows
 from opt_serving.runner.types import PREFILL_MIN_BUCKET, JoinBlock, SlotSettings
@@ -129,12 +132,14 @@ class StageSlots:
     """One stage's layers over `groups` groups of `rows` decode slots (see the module docstring)."""
 
     def __init__(self, cfg, params, stage: opt.StageSpec, rows: int, groups: int = 1,
-                 max_seq_len: Optional[int] = None, backend: Optional[Backend] = None, prefix_blocks: int = 0):
+                 max_seq_len: Optional[int] = None, backend: Optional[Backend] = None, prefix_blocks: int = 0,
+                 lora=None):
         """`params` in the checkpoint's layout, put here in the runtime layout of the backend chosen where
         they lie (layout.runtime_params: on one device q/k/v as one matmul, on a CPU packed; a tensor-parallel
         stage's stay split by heads; int8 ones as model/quantize.py made them); or, with `backend`, already in
         its runtime layout. `prefix_blocks`: the prefix cache's pool blocks (of PREFIX_BLOCK entries) for this
-        stage's layers (0: no prefix cache)."""
+        stage's layers (0: no prefix cache). `lora`: slots for LoRA adapters (model/lora.py's LoraConfig; None:
+        none), each step's rows naming theirs (runner/lora.py: every step takes one more argument, last)."""
         if backend is None:
             backend, params = layout.runtime_params(params, weights=quantization.weights_of(params))
         self.cfg, self.spec, self.params, self.backend = cfg, stage, params, backend
@@ -167,6 +172,7 @@ class StageSlots:
         if self.pool is not None and self._device is not None:  # placed as the pools its stores make
             self.pool = jax.device_put(self.pool, self._device)
         self.sampler = Sampler(cfg, backend, rows, groups, self.max_seq_len) if stage.last else None
+        self.lora = StageLora(cfg, lora, stage, params)  # (lora None: every step takes None, traces no LoRA)
 
         def prefill(params, x, mask):
             """k right-padded prompts (ids [k, n], or the previous stage's hidden states [k, n, D]) in one
@@ -220,13 +226,13 @@ class StageSlots:
             return opt.decode_step(cfg, params, cache, x, positions, write_index, stage=stage, backend=backend)
 
         self.seqs: dict = {}  # key -> a whole-sequence cache (generate() over a pipeline)
-        self._seq_prefill = jax.jit(seq_prefill, static_argnums=(4,), donate_argnums=(1,))
-        self._seq_decode = jax.jit(seq_decode, donate_argnums=(1,))
+        self._seq_prefill = jax.jit(with_lora(seq_prefill), static_argnums=(4,), donate_argnums=(1,))
+        self._seq_decode = jax.jit(with_lora(seq_decode), donate_argnums=(1,))
         self._seq_reorder = jax.jit(kv_cache.reorder, donate_argnums=(0,))
-        self._prefill = jax.jit(prefill)
-        self._chunk = jax.jit(chunk, donate_argnums=(1,))
-        self._step = jax.jit(step, donate_argnums=(1,))
-        self._step_joining = jax.jit(step_joining, donate_argnums=(1,))
+        self._prefill = jax.jit(with_lora(prefill))
+        self._chunk = jax.jit(with_lora(chunk), donate_argnums=(1,))
+        self._step = jax.jit(with_lora(step), donate_argnums=(1,))
+        self._step_joining = jax.jit(with_lora(step_joining), donate_argnums=(1,))
         if stage.first and stage.last:  # the whole model here: n steps can feed each other in one call
             choose = self.sampler.choose_rows
 
@@ -244,7 +250,7 @@ class StageSlots:
                 (cache, _, _, _, state), outs = jax.lax.scan(one, (cache, x, pos, read_len, state), length=n)
                 return cache, state, outs
 
-            self._steps = jax.jit(steps, static_argnums=(10,), donate_argnums=(1, 5))
+            self._steps = jax.jit(with_lora(steps), static_argnums=(10,), donate_argnums=(1, 5))
         self._insert_cache = jax.jit(lambda cache, pcache, row: kv_cache._insert(cache, pcache, row),
                                      donate_argnums=(0,))
         self._gather = jax.jit(kv_cache.gather_blocks)  # one compile per cache size
@@ -257,10 +263,11 @@ class StageSlots:
     # ---- prefill ----
     @_settles
     def prefill(self, handles: Sequence[int], x, ids, mask, lengths, settings: Sequence[SlotSettings],
-                state_rows: int):
+                state_rows: int, adapters=None):
         """One prefill pass: keep each request's cache rows under its handle. A stage that is not last
-        returns its hidden states for the next; the last returns the first tokens (see Sampler.prefill)."""
-        caches, h = self._prefill(self.params, x, mask)
+        returns its hidden states for the next; the last returns the first tokens (see Sampler.prefill).
+        `adapters`: each row's LoRA adapter (int32 [rows], -1: none)."""
+        caches, h = self._prefill(self.params, x, mask, self.lora.batch(adapters, mask.shape[0]))
         for handle, cache in zip(handles, caches):
             self.pending[handle] = cache
         if self.sampler is None:
@@ -268,7 +275,8 @@ class StageSlots:
         return self.sampler.prefill(self.params, handles, h, ids, mask, lengths, settings, state_rows)
 
     @_settles
-    def prefill_chunk(self, handle: int, x, start: int, mask, size: int, final=None, gather=None, next_ids=None):
+    def prefill_chunk(self, handle: int, x, start: int, mask, size: int, final=None, gather=None, next_ids=None,
+                      adapter=None):
         """One chunk of a prompt prefilled in chunks (x: its ids [1, C], or the previous stage's hidden states
         [1, C, D]; mask [1, C] its real tokens) at positions start.., into the request's batch-1 cache of
         `size` entries, kept under `handle` as `prefill` keeps it. The cache is new at start 0, or with
@@ -276,7 +284,8 @@ class StageSlots:
         that is not last returns its hidden states; the last returns (first, scores): on the last chunk
         (`final`: the whole prompt's ids, mask [1, L] and length, its last position in the chunk, its
         settings) the first token as `prefill` returns it, else None; with `next_ids` [1, C] (the token after
-        each position) the chunk's prompt scores (Sampler.chunk_scores), else None."""
+        each position) the chunk's prompt scores (Sampler.chunk_scores), else None. `adapter`: its LoRA adapter
+        (int32 [1])."""
         if gather is not None:
             cache = self._gather(self.pool, *gather)
         elif start == 0:
@@ -285,7 +294,8 @@ class StageSlots:
                 cache = jax.device_put(cache, self._device)
         else:
             cache = self.pending[handle]
-        h, self.pending[handle] = self._chunk(self.params, cache, x, np.int32(start), mask)
+        h, self.pending[handle] = self._chunk(self.params, cache, x, np.int32(start), mask,
+                                              self.lora.batch(adapter, 1))
         if self.sampler is None:
             return h
         scores = None if next_ids is None else self.sampler.chunk_scores(self.params, h, next_ids)
@@ -316,28 +326,29 @@ class StageSlots:
     # ---- decode ----
     @_settles
     def decode(self, group: int, x, positions, window: int, read_len: int, want_scores: bool = True,
-               want_top: bool = True, join: Optional[JoinBlock] = None):
+               want_top: bool = True, join: Optional[JoinBlock] = None, adapters=None):
         """One decode step of a group's rows: x is the newest tokens [rows] (first stage) or the previous
         stage's hidden states [rows, D]; positions [rows] (0 for free rows). The cache is fitted to
         `window` first. With `join`, prompts joining free rows ride in the same pass (hidden states then
         [rows + T, D] between stages) and their rows' tokens are their first. Returns hidden states, or on
-        the last stage the chosen tokens and their scores."""
+        the last stage the chosen tokens and their scores. `adapters`: each row's LoRA adapter (int32 [rows])."""
         self._fit_cache(group, window, shrink=not self.backend.attention)
         prefix = self._prefix(group)
         if join is None:
             h, self.caches[group] = self._step(self.params, self.caches[group], x, positions, np.int32(read_len),
-                                               prefix)
+                                               prefix, self.lora.batch(adapters, positions.shape[0]))
         else:
             block = (join.ids, join.rows, join.entries, join.seg)
             h, self.caches[group] = self._step_joining(self.params, self.caches[group], x, positions,
-                                                       np.int32(read_len), block, join.last, join.last_rows, prefix)
+                                                       np.int32(read_len), block, join.last, join.last_rows, prefix,
+                                                       self.lora.joining(adapters, positions.shape[0], join))
         if self.sampler is None:
             return h
         return self.sampler.choose(self.params, group, h, want_scores, want_top, join)
 
     @_settles
     def decode_steps(self, group: int, x, positions, window: int, read_len: int, n: int, want_scores: bool = True,
-                     want_top: bool = True):
+                     want_top: bool = True, adapters=None):
         """`n` decode steps of a group in one call, on a stage that is the whole model: as `decode` n times,
         each step given the tokens of the one before (free rows' positions move on too: their entries are
         overwritten when a request is inserted). -> each step's chosen tokens and scores, [n, rows, ...].
@@ -347,13 +358,15 @@ class StageSlots:
         if s.constrained(group):
             outs = []
             for i in range(n):
-                outs.append(self.decode(group, x, positions + i, window, read_len + i, want_scores, want_top))
+                outs.append(self.decode(group, x, np.where(positions >= 0, positions + i, -1), window, read_len + i,
+                                        want_scores, want_top, adapters=adapters))
                 x = outs[-1][0]
             return tuple(np.stack(a) for a in zip(*outs))
         self._fit_cache(group, window, shrink=not self.backend.attention)
         self.caches[group], s.state[group], out = self._steps(
             self.params, self.caches[group], x, positions, np.int32(read_len), s.state[group], s.settings[group],
-            s.active[group], np.bool_(want_scores), np.bool_(want_top), n, self._prefix(group))
+            s.active[group], np.bool_(want_scores), np.bool_(want_top), n, self._prefix(group),
+            self.lora.batch(adapters, len(positions)))
         return tuple(np.asarray(a) for a in out)
 
     def _prefix(self, group: int):
@@ -390,6 +403,13 @@ class StageSlots:
         if self.sampler is not None:
             self.sampler.use_tokenizer(tokenizer_json, eos)
 
+    def set_lora(self, slot: int, part, for_generate: bool = False) -> None:
+        """LoRA slot `slot` holds `part` from the next step on (StageLora.set)."""
+        self.lora.set(slot, part, for_generate)
+
+    def lora_layout(self):
+        return self.lora.layout
+
     @_settles
     def free(self, group: int, row: int) -> None:
         self.plen[group][row] = 0
@@ -421,6 +441,7 @@ class StageSlots:
     def begin_warmup(self) -> None:
         """Warm-up (Slots.warmup) starts: until end_warmup, each call settles the memory its compiles used."""
         self._warming = True
+        self.lora.warm()
 
     def end_warmup(self) -> None:
         """After warm-up grew group 0's cache to every window (its rows freed): compile the shrinking resizes
@@ -453,12 +474,14 @@ class StageSlots:
 
     def seq_prefill(self, key, x, mask, all_logits: bool = False):
         """-> hidden states [B, S, D], or on the last stage logits [B, V] (all positions: [B, S, V])."""
-        out, self.seqs[key] = self._seq_prefill(self.params, self.seqs[key], x, mask, all_logits)
+        out, self.seqs[key] = self._seq_prefill(self.params, self.seqs[key], x, mask, all_logits,
+                                                self.lora.generating(mask.shape[0]))
         return np.asarray(out) if self.spec.last else out
 
     def seq_decode(self, key, x, positions, write_index):
         """-> hidden states [B, D], or on the last stage logits [B, V]."""
-        out, self.seqs[key] = self._seq_decode(self.params, self.seqs[key], x, positions, write_index)
+        out, self.seqs[key] = self._seq_decode(self.params, self.seqs[key], x, positions, write_index,
+                                               self.lora.generating(positions.shape[0]))
         return np.asarray(out) if self.spec.last else out
 
     def seq_reorder(self, key, index) -> None:
@@ -477,7 +500,8 @@ class StageSlots:
         """Greedy or sampled rows (left-padded ids, mask [B, S]; sampling.make_settings' `settings`) -> (history
         [B, S + new_bucket], steps taken, processed scores [new_bucket, B, V] or [0, ...]): model/sample.py."""
         return sample.search(self.cfg, self.params, jnp.asarray(ids), jnp.asarray(mask), settings,
-                             jnp.int32(max_new), new_bucket, pad, output_scores, self.backend)
+                             jnp.int32(max_new), new_bucket, pad, output_scores, self.backend,
+                             self.lora.generating(len(ids)))
 
     def seq_beam_search(self, ids, mask, settings, max_new: int, k: int, n_return: int, length_penalty: float,
                         early_stop: bool, eos: int, pad: int, output_scores: bool, token=None):
@@ -485,7 +509,7 @@ class StageSlots:
         `token`: beam_search.stoppable's, asked before every step (a stage in the asking process only)."""
         return beam_search.search(self.cfg, self.params, jnp.asarray(ids), jnp.asarray(mask), settings, max_new, k,
                                   n_return, length_penalty, early_stop, eos, pad, output_scores, self.backend,
-                                  None if token is None else jnp.int32(token))
+                                  None if token is None else jnp.int32(token), self.lora.generating(len(ids)))
 
 
 class Stages(Protocol):

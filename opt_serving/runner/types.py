@@ -64,6 +64,8 @@ class SlotSettings:
     # structured output: an llguidance grammar (a JSON string, runner/grammar.py) every token must follow; the
     # stage that samples keeps a matcher for the request and masks each step's logits with it
     grammar: Optional[str] = None
+    # the LoRA adapter the request runs with, by the name it is served under (runner/lora.py); None: the base model
+    lora: Optional[str] = None
 
 
 @dataclasses.dataclass
@@ -126,6 +128,7 @@ class JoinBlock:
     mask: np.ndarray         # int32 [J, W] its real tokens
     lengths: np.ndarray      # int32 [J]
     settings: tuple          # the prompts' SlotSettings
+    adapters: Optional[np.ndarray] = None  # int32 [T] each token's LoRA adapter slot (-1: none; None: no adapters)
 
 
 @dataclasses.dataclass
@@ -186,6 +189,7 @@ STAGE_CALLS = {"prefill": True, "prefill_chunk": True, "decode": True, "decode_s
                "insert": False, "store_prefix": False, "use_prefix": False, "store_row": False, "drop": False,
                "free": False, "use_tokenizer": False, "is_ragged": False,
                "begin_warmup": False, "end_warmup": False, "cache_windows": False, "platform": False, "ready": False,
+               "set_lora": False, "lora_layout": False,  # LoRA adapters (runner/lora.py)
                # whole-sequence caches: generate() over a pipeline (runner/generate.py)
                "seq_open": False, "seq_prefill": True, "seq_decode": True, "seq_reorder": False, "seq_close": False,
                # a whole generate() in one compiled loop, on a stage that is the whole model (never an actor's)
@@ -211,6 +215,7 @@ class SlotModel(abc.ABC):
     joins_in_parts: bool = False   # join takes any prompt, its tokens riding several steps (chunked prefill)
     masks_tokens: bool = False     # use_tokenizer: structured output's token masks
     runs_generate: bool = False    # generation_model: a model beam search runs generate() on
+    loras = None  # the LoRA adapters served (runner.lora.Adapters; SlotSettings.lora names one), or None
 
     @abc.abstractmethod
     def warmup(self, prefill_chunk: Optional[int] = None, decode_steps: int = 1) -> None:

@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from fastapi.responses import HTMLResponse
 
 from opt_serving.service import protocol as P
-from opt_serving.service import routes_chat, routes_gptj, routes_metaseq, routes_openai, routes_probes
+from opt_serving.service import routes_chat, routes_gptj, routes_lora, routes_metaseq, routes_openai, routes_probes
 from opt_serving.service.errors import install_error_handlers
 from opt_serving.service.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit, DisconnectOnReceiveFailure, DrainUnreadBody
 from opt_serving.service.metrics import CountRequests
@@ -38,7 +38,7 @@ class _App(FastAPI):
 def create_app(generator, *, model_name: str | Sequence[str] | None = None, api_keys: Sequence[str] = (),
                request_timeout: float = 600.0, close_generator: bool = False,
                max_logprobs: int = P.MAX_LOGPROBS, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               chat_template: str | None = None) -> FastAPI:
+               chat_template: str | None = None, lora_runtime_updates: bool = False) -> FastAPI:
     """FastAPI app serving `generator` under `model_name` (a name, or several as vLLM's --served-model-name: the
     first is the one answers give; default: the generator's). `api_keys`: if given, POST routes and /v1/models need
     `Authorization: Bearer <one of them>`. `close_generator`: close it when the app shuts down.
@@ -46,7 +46,8 @@ def create_app(generator, *, model_name: str | Sequence[str] | None = None, api_
     engine's model gives at most generator.max_top_logprobs). `max_body_bytes`: larger request bodies are a 413,
     refused before they are parsed (and then discarded, so every client reads the 413). `chat_template`: the
     Jinja template /v1/chat/completions renders messages with (text/chat.py; None: the tokenizer's own, and a
-    tokenizer without one answers chat requests 400 naming --chat-template)."""
+    tokenizer without one answers chat requests 400 naming --chat-template). `lora_runtime_updates`: LoRA
+    adapters may be loaded and unloaded while serving (routes_lora.py, vLLM's runtime updating)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -58,7 +59,8 @@ def create_app(generator, *, model_name: str | Sequence[str] | None = None, api_
                   description="OPT language models: OpenAI-, metaseq- and GPT-J-API-compatible completions.",
                   responses={400: {"model": P.ErrorResponse}, 401: {"model": P.ErrorResponse},
                              404: {"model": P.ErrorResponse}, 429: {"model": P.ErrorResponse}})
-    app.state.service = svc = Service(generator, model_name, request_timeout, max_logprobs, chat_template)
+    app.state.service = svc = Service(generator, model_name, request_timeout, max_logprobs, chat_template,
+                                      lora_runtime_updates)
     app.state.api_keys = [k for k in api_keys if k]
     # before anything reads the body; inside the counting, so refusals show in the metrics
     app.add_middleware(BodyLimit, limit=max_body_bytes)
@@ -71,7 +73,7 @@ def create_app(generator, *, model_name: str | Sequence[str] | None = None, api_
     async def index():
         return HTMLResponse(page)
 
-    for router in (routes_probes.router, routes_openai.router, routes_chat.router, routes_metaseq.router,
-                   routes_gptj.router):
+    for router in (routes_probes.router, routes_openai.router, routes_chat.router, routes_lora.router,
+                   routes_metaseq.router, routes_gptj.router):
         app.include_router(router)
     return app

@@ -25,7 +25,7 @@ def sampling(svc: Service, req: P.OpenAISampling, max_tokens: int, logprobs: Opt
     return dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                 presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
                 seed=req.seed, stop=req.stops, logprobs=svc.check_logprobs(logprobs), echo=echo,
-                bad_words_ids=_bad_words(svc, req.bad_words), **req.extensions())
+                bad_words_ids=_bad_words(svc, req.bad_words), lora=svc.lora_of(req.model), **req.extensions())
 
 
 def _bad_words(svc: Service, words: Optional[list[str]]) -> list[list[int]]:

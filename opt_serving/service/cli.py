@@ -20,6 +20,7 @@ from opt_serving.engine.admission import DECODE_STEPS, PREFILL_BUDGET, PREFILL_C
 from opt_serving.config import get_config
 from opt_serving.parallel import ray_address
 from opt_serving.parallel.planner import NoFeasiblePlan
+from opt_serving.service import lora_args
 from opt_serving.service.deployment import ServeArgs, build_app, check_model_args
 from opt_serving.service.ports import free_port
 from opt_serving.settings import Settings
@@ -78,6 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", action="append", default=[],
                    help="accept only requests with `Authorization: Bearer KEY` (repeatable; also "
                         "$OPT_SERVING_API_KEYS, comma separated)")
+    lora_args.add_arguments(p)
     _plan_and_ray_arguments(p)
 
 
@@ -231,7 +233,8 @@ def serve_args_from(args: argparse.Namespace):
                      graceful_shutdown_timeout_s=args.drain_timeout,
                      tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel,
                      device_memory=args.device_memory, micro_batches=args.micro_batches, handoff=args.handoff,
-                     max_logprobs=args.max_logprobs, max_body_bytes=args.max_body_bytes, chat_template=template)
+                     max_logprobs=args.max_logprobs, max_body_bytes=args.max_body_bytes, chat_template=template,
+                     **lora_args.serve_args(args))
 
 
 def check_args(serve_args) -> str | None:

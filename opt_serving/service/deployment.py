@@ -15,6 +15,7 @@ from opt_serving.text.fake import fake_generator
 from opt_serving.text.loading import check_model_args as check_model_names
 from opt_serving.text.loading import load_generator
 from opt_serving.parallel.pipeline import stage_bundles
+from opt_serving.service import lora_args
 from opt_serving.service import protocol as P
 from opt_serving.service.app import create_app
 from opt_serving.service.limits import DEFAULT_MAX_BODY_BYTES
@@ -70,6 +71,13 @@ class ServeArgs(BaseModel):
     # tokenizer's own (OPT has none: chat requests are then a 400 naming --chat-template)
     chat_template: Optional[str] = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # LoRA adapters (service/lora_args.py: vLLM's flags): adapters served as models a request may name
+    enable_lora: bool = False
+    lora_modules: list[str] | str = []   # name=path (or JSON), a list or comma separated
+    max_loras: Optional[int] = None      # on the device at once (None: as many as lora_modules, at least 1)
+    max_lora_rank: int = 16
+    lora_target_modules: list[str] | str | None = None  # None: those of lora_modules, or every linear layer
+    enable_lora_runtime_updates: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter
 
     def key_list(self) -> list[str]:
         keys = self.api_keys.split(",") if isinstance(self.api_keys, str) else self.api_keys
@@ -80,6 +88,11 @@ class ServeArgs(BaseModel):
         names = self.served_model_name or []
         names = names.split(",") if isinstance(names, str) else names
         return [n.strip() for n in names if n.strip()] or [n for n in (self.model,) if n]
+
+    def lora_options(self):
+        """The LoRA adapters served (model/lora_config.py's LoraOptions), or None; ValueError naming the flag."""
+        return lora_args.options(self.enable_lora, self.lora_modules, self.max_loras, self.max_lora_rank,
+                                 self.lora_target_modules, self.enable_lora_runtime_updates)
 
     def plan_args(self) -> dict:
         """What load_engine takes about the plan (alpa/ models only)."""
@@ -96,10 +109,13 @@ def check_model_args(args: ServeArgs) -> None:
         if args.path is not None or args.dummy or args.tokenizer is not None:
             raise ValueError("the fake engine (--engine fake) takes no weights or tokenizer (--path, --dummy, "
                              "--tokenizer)")
+        if args.lora_options() is not None:
+            raise ValueError("the fake engine (--engine fake) serves no LoRA adapters")
         return
     if args.fake_step_s:
         raise ValueError("fake_step_s goes with the fake engine (engine: fake)")
     check_model_names(args.model, args.path, args.dummy, args.tokenizer)
+    args.lora_options()
 
 
 def build_generator(args: ServeArgs):
@@ -113,7 +129,7 @@ def build_generator(args: ServeArgs):
                           max_seq_len=args.max_seq_len, max_queue=args.max_queue, dummy=args.dummy, seed=args.seed,
                           tokenizer=args.tokenizer, quantize=args.quantize, prefill_chunk=args.prefill_chunk,
                           prefill_budget=args.prefill_budget, decode_steps=args.decode_steps,
-                          prefix_caching=args.prefix_caching, **args.plan_args())
+                          prefix_caching=args.prefix_caching, lora=args.lora_options(), **args.plan_args())
 
 
 def placement(args: ServeArgs) -> dict:
@@ -253,7 +269,8 @@ def build_app(args: ServeArgs | dict | None = None):
             return create_app(self.generator, model_name=self.args.model_names(), api_keys=self.args.key_list(),
                               request_timeout=self.args.request_timeout, close_generator=True,
                               max_logprobs=self.args.max_logprobs, max_body_bytes=self.args.max_body_bytes,
-                              chat_template=self.chat_template)
+                              chat_template=self.chat_template,
+                              lora_runtime_updates=self.args.enable_lora_runtime_updates)
 
         def check_health(self):
             """Serve replaces the replica when this raises: a dead or stuck engine, a dead pipeline stage."""

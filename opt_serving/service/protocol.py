@@ -120,6 +120,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "opt_serving"
     max_model_len: Optional[int] = None
+    root: Optional[str] = None    # vLLM's: a LoRA adapter's folder (the model's own name for the base model)
+    parent: Optional[str] = None  # vLLM's: the base model a LoRA adapter runs on (None for the base model)
 
 
 class ModelList(BaseModel):
@@ -234,6 +236,18 @@ def error_json(message: str, type: str = "invalid_request_error", param: str | N
 
 
 # ---------------------------------------------------------------- vLLM's /tokenize and /detokenize
+class LoadLoraAdapterRequest(Request):
+    """vLLM's `POST /v1/load_lora_adapter`: serve the PEFT adapter folder at `lora_path` as `lora_name`."""
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapterRequest(Request):
+    """vLLM's `POST /v1/unload_lora_adapter`."""
+    lora_name: str
+    lora_int_id: Optional[int] = None  # (vLLM's; adapters are named here)
+
+
 class TokenizeRequest(Request):
     model: Optional[str] = None
     prompt: str

@@ -1,6 +1,8 @@
 """OpenAI's legacy completions API: `POST /v1/completions` (JSON, or server-sent events with `stream`) and
 `GET /v1/models`, as the `openai` client calls them; and vLLM's `POST /tokenize` and `POST /detokenize` beside
-them. A request naming a model this server does not serve (by none of its --served-model-name names) is a 404."""
+them. A request naming a model this server does not serve (by none of its --served-model-name names, nor a LoRA
+adapter's) is a 404; one naming a LoRA adapter runs with it (vLLM's way), and /v1/models lists each adapter with
+its `parent`."""
 from __future__ import annotations
 
 import asyncio
@@ -21,7 +23,10 @@ router = APIRouter(dependencies=AUTH)
 
 @router.get("/v1/models", response_model=P.ModelList)
 async def models(svc: Service = Depends(service)):
-    return P.ModelList(data=[P.ModelCard(id=name, max_model_len=svc.max_seq_len) for name in svc.model_names])
+    cards = [P.ModelCard(id=name, root=name, max_model_len=svc.max_seq_len) for name in svc.model_names]
+    cards += [P.ModelCard(id=name, root=svc.g.lora_path(name), parent=svc.model_name, max_model_len=svc.max_seq_len)
+              for name in svc.lora_names()]
+    return P.ModelList(data=cards)
 
 
 @router.post("/v1/completions", response_model=P.CompletionResponse,

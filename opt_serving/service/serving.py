@@ -26,10 +26,11 @@ class Service:
     """The generator plus what every route needs: sampling-parameter mapping, concurrency, metrics."""
 
     def __init__(self, generator, model_name: str | Sequence[str] | None = None, request_timeout: float = 600.0,
-                 max_logprobs: int = P.MAX_LOGPROBS, chat_template: Optional[str] = None):
+                 max_logprobs: int = P.MAX_LOGPROBS, chat_template: Optional[str] = None, lora_updates: bool = False):
         """`model_name`: the name (or names, vLLM's --served-model-name) requests may call the model by; the
         first is the one answers give when a request names none. Default: the generator's. `chat_template`: the
-        Jinja template chat messages are rendered with (None: the tokenizer's own, if it has one)."""
+        Jinja template chat messages are rendered with (None: the tokenizer's own, if it has one). `lora_updates`:
+        LoRA adapters may be loaded and unloaded while serving (routes_lora.py)."""
         self.g = generator
         self.SamplingParams = SamplingParams
         names = [model_name] if isinstance(model_name, str) else list(model_name or [])
@@ -41,15 +42,25 @@ class Service:
         self.max_logprobs = min(max_logprobs, getattr(generator, "max_top_logprobs", max_logprobs))
         self.metrics = ServiceMetrics(generator.stats)
         self.chat = ChatTemplate(generator.tokenizer, chat_template)
+        self.lora_updates = lora_updates
 
     def served_name(self, name: Optional[str]) -> str:
         """The name an answer gives for a request naming `name` (None: the first served name); NotFound (404)
         for a model not served here, as OpenAI and vLLM answer."""
         if name is None:
             return self.model_name
-        if name not in self.model_names:
+        if name not in self.model_names and name not in self.lora_names():
             raise NotFound(f"The model `{name}` does not exist.", param="model", code="model_not_found")
         return name
+
+    def lora_names(self) -> list[str]:
+        """The LoRA adapters served, each a model a request may name (vLLM's shape)."""
+        names = getattr(self.g, "lora_names", None)
+        return [] if names is None else names()
+
+    def lora_of(self, name: Optional[str]) -> Optional[str]:
+        """The LoRA adapter a request's `model` names (None: the base model, by one of its names or none)."""
+        return None if name is None or name in self.model_names else name
 
     def check_logprobs(self, logprobs: Optional[int], param: str = "logprobs") -> Optional[int]:
         if logprobs is not None and logprobs > self.max_logprobs:

@@ -45,7 +45,8 @@ import numpy as np
 from opt_serving.text.beam import BeamQueue, BeamSearch, BeamStream, beam_cost, run_beam, run_best_beam
 from opt_serving.text.completion import Collector, Completion, Delta, DeltaStream, RequestText, best
 from opt_serving.engine.scheduler import MAX_TOP_LOGPROBS, Engine, EngineRequest, QueueFull, SlotSettings
-from opt_serving.errors import InvalidRequest
+from opt_serving.errors import InvalidRequest, NotFound
+from opt_serving.model.peft import AdapterError
 from opt_serving.text.request import (ModelLimits, Prompt, SamplingParams, check_for_model, check_n, check_prompt,
                                  prompt_form, refuse_surely_too_long, stop_ids, truncate_prompt)
 from opt_serving.runner.grammar import ll_tokenizer, tokenizer_json
@@ -169,12 +170,48 @@ class Generator:
         """Every check that needs no tokenising; the prompt as text or as a list of ids."""
         params.validate()
         check_for_model(params, self.limits)
+        self.check_lora(params.lora)
         if params.structured is not None:
             check_grammar(params.structured, self.grammar_tokenizer(params.structured))
         prompt = prompt_form(prompt)
         if isinstance(prompt, str) and params.truncate_prompt_tokens is None:  # (truncated: any length fits)
             refuse_surely_too_long(prompt, params.max_tokens, self.max_seq_len, self.max_token_chars)
         return prompt
+
+    # ---- LoRA adapters (the engine's slot model serves them: runner/lora.py) ----
+    def lora_names(self) -> list[str]:
+        """The LoRA adapters served, by name (none where the model serves none)."""
+        loras = self.engine.model.loras
+        return [] if loras is None else loras.names()
+
+    def check_lora(self, name: Optional[str]) -> None:
+        """NotFound (404) for an adapter this model does not serve."""
+        if name is not None and name not in self.lora_names():
+            raise NotFound(f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+    def lora_path(self, name: str) -> Optional[str]:
+        adapter = None if self.engine.model.loras is None else self.engine.model.loras.adapter(name)
+        return None if adapter is None else adapter.path
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at `path` as `name` (blocking: it is read and converted in this thread, off the
+        engine's; its first request puts it on the device, between two steps). InvalidRequest where the model
+        serves no adapters, the name is taken or the adapter does not fit (model.peft.AdapterError's message)."""
+        if self.engine.model.loras is None:
+            raise InvalidRequest(f"{self.model_name} serves no LoRA adapters (start it with --enable-lora)",
+                                 param="lora_name")
+        if name == self.model_name:
+            raise InvalidRequest(f"'{name}' is the base model's name", param="lora_name")
+        try:
+            self.engine.model.loras.add(name, path)
+        except AdapterError as e:  # the file or its fit, named: the request's lora_path is at fault
+            raise InvalidRequest(str(e), param="lora_path") from None
+
+    def unload_lora(self, name: str) -> None:
+        """Serve `name` no more (NotFound if it is not served); its running requests finish with it."""
+        if self.engine.model.loras is None:
+            raise NotFound(f"The lora adapter '{name}' cannot be found.", param="lora_name")
+        self.engine.model.loras.remove(name)
 
     def grammar_tokenizer(self, so: StructuredOutput):
         """llguidance's view of the tokenizer (runner.grammar.ll_tokenizer), made at the first structured-output
@@ -261,10 +298,10 @@ class Generator:
             raise InvalidRequest(f"beams returned ({num_return}) must be from 1 to num_beams ({num_beams})",
                                  param="n")
         for _, params in jobs:
-            for name in ("structured", "logit_bias", "prompt_logprobs"):  # the decode slots' features, not generate()'s
+            for name in ("structured", "logit_bias", "prompt_logprobs", "lora"):  # the slots' features, not generate()'s
                 if getattr(params, name) not in (None, {}):
-                    raise InvalidRequest(f"{'structured output' if name == 'structured' else name} is not "
-                                         "available with beam search", param="num_beams")
+                    what = {"structured": "structured output", "lora": "a LoRA adapter"}.get(name, name)
+                    raise InvalidRequest(f"{what} is not available with beam search", param="num_beams")
             for name, asked in (("logprobs", params.logprobs is not None), ("echo", params.echo)):
                 if asked:  # (generate()'s beams carry no scores, nor the prompt)
                     raise InvalidRequest(f"{name} is not available with beam search", param=name)
@@ -408,7 +445,7 @@ class Generator:
             prompt_logprobs=(params.echo and params.logprobs is not None) or params.prompt_logprobs is not None,
             logprob=params.scored, top_logprobs=bool(params.logprobs),
             logit_bias=tuple(sorted((params.logit_bias or {}).items())),
-            grammar=None if params.structured is None else grammar_of(params.structured))
+            grammar=None if params.structured is None else grammar_of(params.structured), lora=params.lora)
 
     def _start(self, prompt: Prompt, params: SamplingParams, sink: Callable[[Any], None],
                ids: list[int]) -> EngineRequest:

@@ -42,7 +42,7 @@ def load_generator(model: Optional[str], path=None, dtype: str = "auto", max_bat
                    dummy: bool = False, seed: int = 0, tokenizer=None, prefill_chunk: Optional[int] = PREFILL_CHUNK,
                    prefill_budget: Optional[int] = None, decode_steps: int = DECODE_STEPS, prefix_caching: bool = True,
                    tensor_parallel: Optional[int] = None, pipeline_parallel: Optional[int] = None,
-                   quantize: Optional[str] = None, **plan) -> Generator:
+                   quantize: Optional[str] = None, lora=None, **plan) -> Generator:
     """The named model's weights from `path` (a numpy folder, or its parent holding `<size>-np/`) with the
     tokenizer from the same folder; random weights of the named size from `seed` with `dummy` (no `path`);
     the embedded tiny model with neither. `tokenizer`: a folder to take the
@@ -54,7 +54,7 @@ def load_generator(model: Optional[str], path=None, dtype: str = "auto", max_bat
     decode steps in one call while nobody waits for a slot (engine.Engine), `prefix_caching`: prompts that start
     as earlier ones did reuse their KV cache (runner/prefix.py). `tensor_parallel`, `pipeline_parallel` and
     `plan` (device_memory, micro_batches, handoff): an alpa/ model's plan (`load_engine`); `quantize="int8"`: int8
-    weights.
+    weights; `lora`: LoRA adapters (runner/lora.py's LoraOptions).
     ValueError (naming the argument) for arguments that do not go together; OSError for missing files."""
     check_model_args(model, path, dummy, tokenizer)
     if dummy:
@@ -69,7 +69,7 @@ def load_generator(model: Optional[str], path=None, dtype: str = "auto", max_bat
     engine = load_engine(spec, dtype=dtype, num_slots=max_batch_size, max_seq_len=max_seq_len,
                          max_queue=max_queue, warmup=warmup, prefill_chunk=prefill_chunk,
                          prefill_budget=prefill_budget, decode_steps=decode_steps, prefix_caching=prefix_caching,
-                         **plan)
+                         lora=lora, **plan)
     return Generator(engine, tok, max_seq_len=max_seq_len, model_name=model)
 
 
@@ -79,15 +79,15 @@ def load_engine(model: Union[str, ModelSpec], path=None, dtype: str = "auto", nu
                 decode_steps: int = DECODE_STEPS, prefix_caching: bool = True, dummy: bool = False, seed: int = 0,
                 tensor_parallel: Optional[int] = None, pipeline_parallel: Optional[int] = None,
                 quantize: Optional[str] = None, device_memory=None, micro_batches: Optional[int] = None,
-                handoff: str = "auto") -> Engine:
+                handoff: str = "auto", lora=None) -> Engine:
     """An engine over `runner.load.load_slots` of a model spec, or of a name with its weights (`path`, or
     `dummy` random ones from `seed`) and plan (`tensor_parallel`, `pipeline_parallel`, `quantize`) parsed into
     one here: every plan (one device, a tensor-parallel mesh, pipeline stages on a Ray cluster;
     `device_memory`, `micro_batches`, `handoff`: parallel.pipeline.RayStages), compiled before it returns when
     `warmup` (the
     chunked prefill's step and `decode_steps` steps in one call too: `prefill_chunk`, `prefill_budget`,
-    `decode_steps`, see engine.Engine; `prefix_caching`, runner/prefix.py). What it compiles is kept
-    on disk for the next start (xla_cache)."""
+    `decode_steps`, see engine.Engine; `prefix_caching`, runner/prefix.py; `lora`: LoRA adapters, runner/lora.py's
+    LoraOptions). What it compiles is kept on disk for the next start (xla_cache)."""
     # JAX is imported where a model is loaded, not with this module: the fake engine's server and a process that
     # only checks arguments or routes requests never import it
     from opt_serving.runner.load import load_slots
@@ -97,7 +97,7 @@ def load_engine(model: Union[str, ModelSpec], path=None, dtype: str = "auto", nu
     xla_cache.enable()
     slots = load_slots(spec, dtype=dtype, num_slots=num_slots, max_seq_len=max_seq_len,
                        device_memory=device_memory, micro_batches=micro_batches, prefix_caching=prefix_caching,
-                       handoff=handoff)
+                       handoff=handoff, lora=lora)
     engine = Engine(slots, max_queue=max_queue, start=False, prefill_chunk=prefill_chunk,
                     prefill_budget=prefill_budget, decode_steps=decode_steps)
     try:

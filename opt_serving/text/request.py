@@ -91,6 +91,9 @@ class SamplingParams:
     # vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:<id>" rather than by its text, for
     # clients that map them back to ids (a token's text may not say which id it was)
     tokens_as_ids: bool = False
+    # the LoRA adapter to run with, by the name it is served under (an OpenAI request names it as its `model`,
+    # as vLLM's do); None: the base model. Whether it is served is the generator's check (check_lora)
+    lora: Optional[str] = None
 
     @property
     def scored(self) -> bool:
@@ -142,6 +145,8 @@ class SamplingParams:
             raise InvalidRequest(f"truncation_side must be \"left\" or \"right\", got {self.truncation_side!r:.40}",
                                  param="truncation_side")
         _flag("tokens_as_ids", self.tokens_as_ids)
+        if self.lora is not None and not (isinstance(self.lora, str) and self.lora):
+            raise InvalidRequest(f"lora must be an adapter's name, got {self.lora!r:.60}", param="model")
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise InvalidRequest(f"structured must be a StructuredOutput, got {self.structured!r:.60}",
                                  param="structured_outputs")
