@@ -166,8 +166,9 @@ def where_time_goes(before: dict, after: dict, bounds: dict, dtype: str) -> list
     if busy > 0:
         out.append(f"  the engine's busy time: prefill {pre_s / busy:.0%}, decode {dec_s / busy:.0%}; "
                    f"{passes / max(steps, 1):.2f} prefill passes a decode step")
-    for key, what in (("queue_wait_seconds", "wait before the first prefill pass"),
-                      ("decode_gap_seconds", "gap between decode steps (rows running)")):
+    for key, what in (("queue_wait_seconds", "wait for a slot (or a prefill pass)"),
+                      ("prompt_seconds", "from the start to the first token"),
+                      ("decode_gap_seconds", "from one decode call to the next (rows running)")):
         count = d(key + "_count")
         if count:
             b = [(le, c - dict(before.get(P + key, [])).get(le, 0.0)) for le, c in after.get(P + key, [])]

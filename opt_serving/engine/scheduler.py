@@ -82,8 +82,8 @@ class Engine:
         # where the thread's time goes (EngineStats)
         self._prefill_s = self._decode_s = 0.0
         self._prefill_passes = self._computed = self._joined_tokens = self._decode_kv = 0
-        self._queue_wait, self._decode_gap = Durations(), Durations()
-        self._last_step_end: Optional[float] = None  # when the latest decode step ended, rows still running
+        self._queue_wait, self._prompt_time, self._decode_gap = Durations(), Durations(), Durations()
+        self._last_step_at: Optional[float] = None  # when the latest decode step began, rows still running
         if start:
             self.start()
 
@@ -162,7 +162,8 @@ class Engine:
                 active_per_step=dict(self._active_hist),
                 prefill_s=self._prefill_s, prefill_passes=self._prefill_passes, computed_tokens=self._computed,
                 joined_tokens=self._joined_tokens, decode_s=self._decode_s, decode_kv_entries=self._decode_kv,
-                queue_wait=self._queue_wait.copy(), decode_gap=self._decode_gap.copy(),
+                queue_wait=self._queue_wait.copy(), prompt_time=self._prompt_time.copy(),
+                decode_gap=self._decode_gap.copy(),
                 costs=None if self.model.costs is None else dataclasses.asdict(self.model.costs))
 
     def close(self, timeout: float = 30.0) -> None:
@@ -326,9 +327,9 @@ class Engine:
     def _started(self, req: EngineRequest) -> None:
         """The request's first computation begins: its wait in the queue ends."""
         if not req.started:
-            req.started = True
+            req.started, req.started_at = True, time.perf_counter()
             with self._cv:
-                self._queue_wait.observe(time.perf_counter() - req.submitted)
+                self._queue_wait.observe(req.started_at - req.submitted)
 
     def _count_passes(self, seconds: float, passes: int, computed: int) -> None:
         with self._cv:
@@ -365,8 +366,8 @@ class Engine:
         with self._cv:  # several steps in one call while no queued request could take a slot meanwhile
             hurry = bool(self._queue and None in self._slots) or self._chunked.held > 0
         t = time.perf_counter()
-        if self._last_step_end is not None:  # a running stream waited this long since its last token
-            self._decode_gap.observe(t - self._last_step_end)
+        if self._last_step_at is not None:  # a running stream's tokens come this far apart
+            self._decode_gap.observe(t - self._last_step_at)
         if (self.decode_steps > 1 and self.model.many_steps and not hurry
                 and 0 < self.decode_steps * self._step_s <= self.decode_call_s):  # (the first step alone)
             results = self.model.step_many(self.decode_steps)
@@ -391,7 +392,7 @@ class Engine:
             self._decode_kv += sum(n * (len(r.prompt) + r.generated) + n * (n - 1) // 2 for r in active)
         for req in active:
             self._deliver(req, [result.token(req.slot, req.settings.logprob) for result in results])
-        self._last_step_end = time.perf_counter() if any(self._slots) else None
+        self._last_step_at = t if any(self._slots) else None
 
     def _deliver(self, req: EngineRequest, toks: list[TokenInfo]) -> None:
         """Hand the request its new tokens (one a step, in one output) and free its slot if it finished: the
@@ -400,6 +401,9 @@ class Engine:
             self._release(req)
             return
         s, out, reason = req.settings, [], None
+        if req.generated == 0 and req.started:  # its first token: the prompt took this long since it started
+            with self._cv:
+                self._prompt_time.observe(time.perf_counter() - req.started_at)
         if req.joined and req.generated == 0:  # its prompt was computed in the steps, past its cached prefix
             req.cached_tokens = self.model.cached_of(req.slot)
             with self._cv:

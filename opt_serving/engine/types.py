@@ -68,12 +68,13 @@ class EngineRequest:
         self.cancelled = False
         self.done = False
         self.submitted = 0.0   # the engine's clock when it was queued
-        self.started = False   # its first prefill pass (or the decode step it joined) has begun
+        self.started = False   # it took a slot: joined the decode steps, or its prefill began
+        self.started_at = 0.0  # (the perf_counter then)
         self.joined = False    # its prompt joined decode steps (runner: SlotModel.join)
 
 
-# bounds (seconds) of the engine's duration histograms: a request's wait for its first prefill pass, and the gap
-# a running stream waits between two decode steps (prefill passes between them lengthen it)
+# bounds (seconds) of the engine's duration histograms: a request's wait for a slot, its prompt's time to its first
+# token, and the time between two decode calls while streams run (prefill passes between them lengthen it)
 DURATION_BOUNDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -127,8 +128,10 @@ class EngineStats:
     joined_tokens: int = 0        # prompt tokens computed inside decode steps (prompts that joined them)
     decode_s: float = 0.0         # seconds in decode calls
     decode_kv_entries: int = 0    # KV entries the decode steps attended over, summed over rows and steps
-    queue_wait: Durations = dataclasses.field(default_factory=Durations)  # submit -> its first computation
-    decode_gap: Durations = dataclasses.field(default_factory=Durations)  # between decode steps, rows running
+    queue_wait: Durations = dataclasses.field(default_factory=Durations)  # submit -> a slot (or its prefill) starts
+    prompt_time: Durations = dataclasses.field(default_factory=Durations)  # that start -> its first token
+    decode_gap: Durations = dataclasses.field(default_factory=Durations)  # from one decode call's start to the
+    #                                                                     next's, rows running (prefills between)
     costs: Optional[dict] = None  # the slot model's `costs` (bytes and FLOPs a token: runner.types.ModelCosts)
 
     @property

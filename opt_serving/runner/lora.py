@@ -62,12 +62,13 @@ class StageLora:
         if self.layout is not None:
             self.set(0, jax.tree_util.tree_map(lambda w: np.asarray(w[0]), self.weights))
 
-    def batch(self, index, rows: int) -> Optional[lora_model.Lora]:
-        """What a step of `rows` rows takes, their adapters `index` (int32 [rows], -1: none; None: none)."""
+    def batch(self, index, rows: int, ragged: bool = False) -> Optional[lora_model.Lora]:
+        """What a step of `rows` rows takes, their adapters `index` (int32 [rows], -1: none; None: none).
+        `ragged`: the step is opt.ragged_step, whose rows are one sequence of tokens ([1, rows])."""
         if self.layout is None:
             return None
-        return lora_model.Lora(self.weights, np.full(rows, -1, np.int32) if index is None
-                               else np.asarray(index, np.int32))
+        index = np.full(rows, -1, np.int32) if index is None else np.asarray(index, np.int32)
+        return lora_model.Lora(self.weights, index[None] if ragged else index)
 
     def joining(self, index, rows: int, join) -> Optional[lora_model.Lora]:
         """`batch` of a step with prompts joining (runner.types.JoinBlock): the rows' adapters, then each

@@ -336,7 +336,7 @@ class StageSlots:
         prefix = self._prefix(group)
         if join is None:
             h, self.caches[group] = self._step(self.params, self.caches[group], x, positions, np.int32(read_len),
-                                               prefix, self.lora.batch(adapters, positions.shape[0]))
+                                               prefix, self.lora.batch(adapters, positions.shape[0], self.ragged))
         else:
             block = (join.ids, join.rows, join.entries, join.seg)
             h, self.caches[group] = self._step_joining(self.params, self.caches[group], x, positions,
@@ -366,7 +366,7 @@ class StageSlots:
         self.caches[group], s.state[group], out = self._steps(
             self.params, self.caches[group], x, positions, np.int32(read_len), s.state[group], s.settings[group],
             s.active[group], np.bool_(want_scores), np.bool_(want_top), n, self._prefix(group),
-            self.lora.batch(adapters, len(positions)))
+            self.lora.batch(adapters, len(positions), self.ragged))
         return tuple(np.asarray(a) for a in out)
 
     def _prefix(self, group: int):

@@ -50,9 +50,12 @@ class _EngineCollector:
                 "decode_s": ("decode_seconds", "seconds the engine spent in decode calls"),
                 "decode_kv_entries": ("decode_kv_entries", "KV entries decode steps attended over (rows x "
                                       "context, summed over steps)")}
-    DURATIONS = {"queue_wait": ("queue_wait_seconds", "time from a request's arrival to its first prefill pass "
-                                "(or the decode step it joined)"),
-                 "decode_gap": ("decode_gap_seconds", "time running requests waited between two decode steps")}
+    DURATIONS = {"queue_wait": ("queue_wait_seconds", "time from a request's arrival to its start: a slot to join "
+                                "the decode steps, or its prefill pass"),
+                 "prompt_time": ("prompt_seconds", "time from a request's start to its first token: its prompt's "
+                                 "computation, beside the other requests'"),
+                 "decode_gap": ("decode_gap_seconds", "time from one decode call's start to the next's while "
+                                "requests run: their inter-token latency in the engine")}
     COSTS = {"dense_flops": ("model_dense_flops_per_token", "FLOPs of the dense layers a token"),
              "head_flops": ("model_head_flops_per_token", "FLOPs of the LM head a token it is applied to"),
              "weight_bytes": ("model_weight_bytes", "bytes of weights a pass reads once"),
