@@ -58,14 +58,18 @@ def anchors(path: Path) -> set[str]:
 
 
 def links(path: Path):
-    """(line number, target) of every link in a markdown file's prose."""
-    for n, line in prose_lines(path.read_text()):
+    """(line number, target) of every link in a markdown file's prose; a link's text may run over lines."""
+    numbered = list(prose_lines(path.read_text()))
+    text, starts = "", []
+    for n, line in numbered:
         reference = REFERENCE.match(line)
         if reference:
             yield n, reference.group(1)
-            continue
-        for m in LINK.finditer(INLINE_CODE.sub("", line)):
-            yield n, m.group(1)
+            line = ""
+        starts.append((len(text), n))
+        text += INLINE_CODE.sub(lambda m: " " * len(m.group(0)), line) + "\n"  # (code blanked, offsets kept)
+    for m in LINK.finditer(text):
+        yield next(n for at, n in reversed(starts) if at <= m.start()), m.group(1)
 
 
 def broken(path: Path, target: str, cache: dict) -> str | None:
@@ -116,6 +120,7 @@ def test_the_checker_sees_broken_links(tmp_path, monkeypatch):
     (tmp_path / "a.md").write_text("# Title\n\n## The `x` step: one (two)\n\n## Title\n")
     doc = tmp_path / "b.md"
     doc.write_text("[ok](a.md#the-x-step-one-two) [dup](a.md#title-1) [self](#here) [web](https://example.com)\n"
-                   "# Here\n[gone](nope.md) [bad](a.md#nowhere) [out](../x.md)\n```\n[in code](nope.md)\n```\n")
+                   "# Here\n[gone](nope.md) [bad](a.md#nowhere) [out](../x.md)\n```\n[in code](nope.md)\n```\n"
+                   "`[in inline code](nope.md)` and [a text over\ntwo lines](nope.md)\n")
     cache: dict = {}
-    assert [n for n, t in links(doc) if broken(doc, t, cache)] == [3, 3, 3]
+    assert [n for n, t in links(doc) if broken(doc, t, cache)] == [3, 3, 3, 7]
