@@ -2,7 +2,7 @@
 
 The ground floor (no other opt_serving import): the backend reads it where a model is loaded, packing.py at its
 import, xla_cache.enable() before the first compile, model/embedded.py for its cache folder and the service's command
-line for API keys. README.md lists the switches; a new one is a field here and a row there.
+line for API keys. docs/operating.md lists the switches; a new one is a field here and a row there.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The import graph of opt_serving, read from the source with `ast` (module-level imports; an import inside a
-function runs late and is allowed for optional or heavy dependencies, see README's Architecture): no circles,
+function runs late and is allowed for optional or heavy dependencies, see docs/architecture.md): no circles,
 production code never imports opt_serving.testing, and every import points to the same or a lower layer."""
 import ast
 from pathlib import Path
