@@ -60,7 +60,7 @@ serve: build
 	$(PY) -m opt_serving serve --host $(HOST) --port $(PORT)
 
 test: build $(VENV)/.chromium
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=10 $(PYTEST_ARGS)
 
 clean:
 	rm -rf build *.egg-info opt_serving/_speedups*.so opt_serving/_cpu_kernels.so opt_serving/_speedups.c opt_serving/*.stamp

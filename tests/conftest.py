@@ -22,6 +22,21 @@ def _no_foreign_ray_clusters():
     yield
 
 
+# The files whose tests start clusters, servers or 8-device children, the longest first (their totals in the
+# durations `make test` prints): the Makefile hands files to its two workers in collection order
+# (--no-loadscope-reorder, where pytest-xdist would order them by their number of tests), so the long ones start
+# first and the short ones fill in around them instead of one worker finishing a long file alone at the end.
+LONG_FILES = ["test_service_pipeline.py", "test_parallel_backend.py", "test_engine.py", "test_prefix.py",
+              "test_service_replica_kill.py", "test_runner.py", "test_gpu_check.py", "test_parallel_handoff.py",
+              "test_lora_parallel.py", "test_chaos.py", "test_engine_alpa.py", "test_service_cli_cluster.py",
+              "test_serve_deploy.py", "test_service_signals.py"]
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
+
+
 # Ray's temp folder of this test process's own (short: Ray's socket paths must be), for every Ray the tests
 # start and the servers, workers and children those start: the address file a simulated cluster writes there
 # (ray.cluster_utils.Cluster, `ray start`) is never found by another program or another xdist worker, nor

@@ -1015,8 +1015,9 @@ def test_warmup_compiles_the_chunked_prefill(model):
 
 def test_the_prefill_chunk_option_reaches_the_engine(monkeypatch):
     """load_engine / load_generator (`opt-serving batch --prefill-chunk`, ServeArgs.prefill_chunk) set it:
-    256 by default, 0 for whole prefills; a slot model without chunked prefill gets whole ones."""
+    admission.PREFILL_CHUNK by default, 0 for whole prefills; a slot model without chunked prefill gets whole ones."""
     import argparse
+    from opt_serving.engine.admission import PREFILL_CHUNK
     from opt_serving import batch
     from opt_serving.text import loading
     from opt_serving.model.embedded import ensure_embedded_model
@@ -1024,7 +1025,7 @@ def test_the_prefill_chunk_option_reaches_the_engine(monkeypatch):
     from opt_serving.service.deployment import ServeArgs, build_generator
     from opt_serving.engine.fake import FakeSlots
     folder = ensure_embedded_model()
-    for chunk, want in ((None, 256), (0, None), (64, 64)):
+    for chunk, want in ((None, PREFILL_CHUNK), (0, None), (64, 64)):
         kw = {} if chunk is None else {"prefill_chunk": chunk}
         e = loading.load_engine("jax/opt-tiny", folder, num_slots=2, max_seq_len=16, warmup=False, **kw)
         e.close()
@@ -1032,7 +1033,7 @@ def test_the_prefill_chunk_option_reaches_the_engine(monkeypatch):
     parser = argparse.ArgumentParser()
     batch.add_arguments(parser)
     files = ["--input", "in.jsonl", "--output", "out.jsonl"]
-    assert parser.parse_args(files).prefill_chunk == 256
+    assert parser.parse_args(files).prefill_chunk == PREFILL_CHUNK
     assert parser.parse_args(files + ["--prefill-chunk", "0"]).prefill_chunk == 0
     seen = {}
     monkeypatch.setattr(deployment, "load_generator", lambda *a, **kw: seen.update(kw))
