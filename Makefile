@@ -3,6 +3,7 @@ PYTHON_BOOT ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
@@ -14,13 +15,18 @@ GPU ?=
 
 .PHONY: setup build serve test clean
 
-$(STAMP): requirements.txt requirements-dev.txt setup.py pyproject.toml
+# serving's packages (requirements.txt: no torch, no test tools); `make test` adds requirements-dev.txt's
+$(STAMP): requirements.txt setup.py pyproject.toml
 	@test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade "pip>=24"
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
+	$(PY) -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
+	@touch $@
+
+$(TEST_STAMP): requirements-dev.txt | $(STAMP)
 	# the [torch] extra (tests, the .pt converter), the CPU build first, alone, so nothing pulls a CUDA build
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements-dev.txt
-	$(PY) -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
 	@touch $@
 
 $(VENV)/.gpu-cuda12: requirements-gpu.txt | $(STAMP)
@@ -42,7 +48,7 @@ setup: $(STAMP) $(GPU_STAMP)
 
 # The web page test drives Debian's headless Chromium. Installed when missing and
 # we may (root, apt available); otherwise that one test skips with its reason.
-$(VENV)/.chromium: | $(STAMP)
+$(VENV)/.chromium: | $(TEST_STAMP)
 	@if [ ! -x /usr/bin/chromium ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	  echo "installing chromium for the web page test"; \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) \
@@ -59,7 +65,7 @@ build: opt_serving/_speedups.so.stamp
 serve: build
 	$(PY) -m opt_serving serve --host $(HOST) --port $(PORT)
 
-test: build $(VENV)/.chromium
+test: build $(TEST_STAMP) $(VENV)/.chromium
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=10 $(PYTEST_ARGS)
 
 clean:

@@ -12,6 +12,8 @@
 """
 from __future__ import annotations
 
+import difflib
+import inspect
 from pathlib import Path
 
 from opt_serving.errors import require
@@ -39,6 +41,7 @@ def get_model(model_name: str, path: str | Path | None = None, dtype="auto",
     as they are read (no cost a step; int8 weights are merged, then quantized again). facebook/ applies it with
     PEFT itself (the reference; peft must be installed)."""
     quantize = quantization.check_choice(quantize)
+    _check_options(model_name, kwargs)
     spec = ModelSpec.parse(model_name, path, dummy=dummy, seed=seed, tensor_parallel=tensor_parallel,
                            pipeline_parallel=pipeline_parallel, quantize=quantize)
     if spec.parallel:
@@ -52,6 +55,25 @@ def get_model(model_name: str, path: str | Path | None = None, dtype="auto",
     m = loader.local_model(spec, dtype, progress=kwargs.get("progress", False),
                            merge_lora=lora if merge_lora else None)
     return Generation.of(m, None if lora is None or merge_lora else read_peft(lora, m.config))
+
+
+# what get_model takes beyond its own parameters: an alpa/ model's planner options (parallel/backend.py)
+PLANNER_OPTIONS = ("batch_size", "max_seq_len", "cluster", "device_memory", "micro_batches", "handoff")
+
+
+def _check_options(model_name: str, kwargs: dict) -> None:
+    """A keyword the model would not use is refused, naming it (a misspelt option silently dropped would load a
+    model other than the one asked for)."""
+    used = {"progress"} | (set(PLANNER_OPTIONS) if model_name.startswith("alpa/") else set())
+    unknown = sorted(set(kwargs) - used)
+    if not unknown:
+        return
+    known = [n for n in inspect.signature(get_model).parameters if n != "kwargs"] + ["progress", *PLANNER_OPTIONS]
+    hints = [f"{n!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(n, known, 1)) else repr(n)
+             for n in unknown]
+    planner = [n for n in unknown if n in PLANNER_OPTIONS]
+    why = f"; {', '.join(planner)}: the planner's options, for alpa/ models only" if planner else ""
+    raise TypeError(f"get_model({model_name!r}) got arguments it does not use: {', '.join(hints)}{why}")
 
 
 def _reference_lora(model, lora, merge: bool):

@@ -194,3 +194,23 @@ def test_the_stage_actor_offers_exactly_the_declared_stage_calls_and_the_runner_
         assert actor._calls == (1 if step else 0), name  # the steps count as the stage's busy time
     sent = set(re.findall(r'(?:call\([^,]+, |_to_all\()"([a-z_]+)"', inspect.getsource(slots)))
     assert sent and sent <= set(STAGE_CALLS), sent - set(STAGE_CALLS)
+
+
+def test_a_placement_no_node_could_hold_is_refused_naming_the_resources():
+    """never_placed: a plan whose stage bundles the cluster's nodes could never hold (even idle) is refused when
+    it is made (RayStages, serve's placement), naming what it needs and what the nodes have; one they could hold
+    is not, however busy they are now (Ray waits for room then)."""
+    from opt_serving.parallel.pipeline import never_placed
+    node = lambda cpus, gpus=0, alive=True: {"Alive": alive, "Resources": {"CPU": cpus, "memory": 1e9,
+                                                                             **({"GPU": gpus} if gpus else {})}}
+    four = [{"CPU": 1.0}] * 4
+    why = never_placed(four, "SPREAD", [node(2)])  # pipeline_parallel=4 on a 2-CPU local Ray
+    assert why is not None and "CPU 4" in why and "CPU 2" in why
+    assert never_placed(four, "SPREAD", [node(2), node(2)]) is None
+    assert never_placed(four, "STRICT_SPREAD", [node(8), node(8)]) is not None  # one stage a node: 2 nodes for 4
+    assert never_placed(four, "STRICT_SPREAD", [node(1)] * 4) is None
+    assert never_placed(four, "SPREAD", [node(2), node(2, alive=False)]) is not None  # a dead node holds nothing
+    gpu = [{"CPU": 1.0, "GPU": 2.0}] * 2
+    assert "GPU 4" in never_placed(gpu, "PACK", [node(16, gpus=2)])
+    assert never_placed(gpu, "PACK", [node(16, gpus=4)]) is None
+    assert never_placed([{"CPU": 3.0}], "PACK", [node(2), node(2)]) is not None  # a bundle lies on one node

@@ -210,3 +210,16 @@ def test_any_name_works_with_a_folder_that_has_a_config(tmp_path):
                                       np.asarray(ref.generate(ids, max_new_tokens=4)))
     with pytest.raises(ValueError, match="any name works with a folder that has a config.json, and .*nowhere has none"):
         wrapper.get_model("jax/my-finetune", path=tmp_path / "nowhere")
+
+
+def test_a_keyword_the_model_does_not_use_is_refused_naming_it():
+    """A misspelt option is not dropped (the model loaded would not be the one asked for): refused before any
+    loading, naming each unknown keyword, the option it resembles, and the planner's options as alpa/'s only."""
+    with pytest.raises(TypeError) as e:
+        wrapper.get_model("jax/opt-tiny", "/nonexistent", tensor_paralel=2, foo=1)
+    msg = str(e.value)
+    assert "'tensor_paralel' (did you mean 'tensor_parallel'?)" in msg and "'foo'" in msg
+    with pytest.raises(TypeError, match="'device_memory'.*the planner's options, for alpa/ models only"):
+        wrapper.get_model("jax/opt-tiny", "/nonexistent", device_memory="1GB")
+    with pytest.raises(TypeError, match="'batch_sise' \\(did you mean 'batch_size'\\?\\)"):
+        wrapper.get_model("alpa/opt-tiny", dummy=True, batch_sise=2)

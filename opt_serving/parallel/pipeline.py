@@ -257,6 +257,32 @@ def stage_bundles(plan, gpus: bool, cpus_per_stage: float = 1, extra_cpus: float
     return bundles, "STRICT_SPREAD" if nodes >= plan.pp else "SPREAD"
 
 
+def never_placed(bundles: list[dict], strategy: str, nodes: list[dict]) -> str | None:
+    """Why the cluster's nodes (ray.nodes()) could never hold `bundles`, even with nothing else running on them
+    (None: they could): each bundle must fit one node's total resources, on a node of its own under
+    STRICT_SPREAD. First fit, largest bundle first, which decides these few equal-sized stage bundles."""
+    free = [dict(n.get("Resources", {})) for n in nodes if n.get("Alive")]
+    have = "; ".join(", ".join(f"{k} {v:g}" for k, v in sorted(r.items()) if k in ("CPU", "GPU")) or "nothing"
+                     for r in free) or "no live node"
+    used = [False] * len(free)
+    for b in sorted(bundles, key=lambda b: -sum(b.values())):
+        for i, r in enumerate(free):
+            if (strategy != "STRICT_SPREAD" or not used[i]) and all(r.get(k, 0) >= v for k, v in b.items()):
+                for k, v in b.items():
+                    r[k] -= v
+                used[i] = True
+                break
+        else:
+            return (f"{len(bundles)} bundles need {_totals(bundles)} in all; the live nodes have: [{have}] "
+                    f"(give the plan fewer stages, or start the cluster with more nodes or CPUs)")
+    return None
+
+
+def _totals(bundles: list[dict]) -> str:
+    keys = sorted({k for b in bundles for k in b})
+    return ", ".join(f"{k} {sum(b.get(k, 0) for b in bundles):g}" for k in keys)
+
+
 class RayStages:
     """`runner.slots.Stages` over pp Ray actors placed as the plan says (see the module docstring)."""
 
@@ -277,6 +303,9 @@ class RayStages:
         pg, own = get_current_placement_group(), False
         if pg is None or len(pg.bundle_specs) != self.n:  # not a replica of ours (app._placement): our own group
             bundles, strategy = stage_bundles(plan, gpus, cpus_per_stage=cpus_per_stage)
+            never = never_placed(bundles, strategy, ray.nodes())
+            if never:  # refused now, not after the placement timeout
+                raise RuntimeError(f"the Ray cluster cannot place {self.n} stages ({bundles}, {strategy}): {never}")
             pg, own = placement_group(bundles, strategy=strategy), True
             try:
                 _wait_or_make_room(pg, placement_timeout_s)

@@ -14,7 +14,7 @@ from opt_serving.engine.admission import DECODE_STEPS, PREFILL_CHUNK
 from opt_serving.text.fake import fake_generator
 from opt_serving.text.loading import check_model_args as check_model_names
 from opt_serving.text.loading import load_generator
-from opt_serving.parallel.pipeline import stage_bundles
+from opt_serving.parallel.pipeline import never_placed, stage_bundles
 from opt_serving.service import lora_args
 from opt_serving.service import protocol as P
 from opt_serving.service.app import create_app
@@ -178,6 +178,10 @@ def placement(args: ServeArgs) -> dict:
     # do too); CPU nodes are the planner's devices: one stage a node where there are enough of them. The
     # replica only drives the stages (each holds its own GPUs' share): it needs no GPU
     bundles, strategy = stage_bundles(plan, gpus, extra_cpus=args.num_cpus)
+    import ray
+    never = never_placed(bundles, strategy, ray.nodes())
+    if never:  # refused now: Serve would wait for the placement group for ever
+        raise ValueError(f"the plan's {plan.pp} stages ({bundles}, {strategy}) cannot be placed: {never}")
     return {"ray_actor_options": _actor_options(args.num_cpus, 0, _jax_env(0) if gpus else {}),
             "placement_group_bundles": bundles, "placement_group_strategy": strategy}
 
