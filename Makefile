@@ -18,7 +18,8 @@ GPU ?=
 # serving's packages (requirements.txt: no torch, no test tools); `make test` adds requirements-dev.txt's
 $(STAMP): requirements.txt setup.py pyproject.toml
 	@test -x $(PY) || $(PYTHON_BOOT) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check --upgrade "pip>=24"
+	# setuptools 70 and newer build the editable install without the wheel package (--no-build-isolation)
+	$(PY) -m pip install -q --disable-pip-version-check --upgrade "pip>=24" "setuptools>=70"
 	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
 	$(PY) -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
 	@touch $@
