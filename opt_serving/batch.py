@@ -267,7 +267,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="alpa/ models: what each device may hold, e.g. 16GB")
     parser.add_argument("--handoff", default="auto", choices=["auto", "cgraph", "refs"],
                         help="pipelined plans: how stages hand hidden states on: a Ray Compiled Graph (cgraph), "
-                             "Ray object refs (refs), or auto: cgraph when every stage is on one node")
+                             "Ray object refs (refs), or auto: refs, the one measured faster "
+                             "(pipeline.choose_handoff says why)")
 
 
 def _interrupt(*_):

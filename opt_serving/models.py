@@ -41,9 +41,9 @@ def get_model(model_name: str, path: str | Path | None = None, dtype="auto",
     as they are read (no cost a step; int8 weights are merged, then quantized again). facebook/ applies it with
     PEFT itself (the reference; peft must be installed)."""
     quantize = quantization.check_choice(quantize)
-    _check_options(model_name, kwargs)
     spec = ModelSpec.parse(model_name, path, dummy=dummy, seed=seed, tensor_parallel=tensor_parallel,
                            pipeline_parallel=pipeline_parallel, quantize=quantize)
+    _check_options(spec, kwargs)
     if spec.parallel:
         loader.check_quantize_dtype(quantize, dtype)
         return parallel.get_alpa_model(spec, dtype=dtype, lora=lora, merge_lora=merge_lora, **kwargs)
@@ -61,10 +61,10 @@ def get_model(model_name: str, path: str | Path | None = None, dtype="auto",
 PLANNER_OPTIONS = ("batch_size", "max_seq_len", "cluster", "device_memory", "micro_batches", "handoff")
 
 
-def _check_options(model_name: str, kwargs: dict) -> None:
-    """A keyword the model would not use is refused, naming it (a misspelt option silently dropped would load a
-    model other than the one asked for)."""
-    used = {"progress"} | (set(PLANNER_OPTIONS) if model_name.startswith("alpa/") else set())
+def _check_options(spec: ModelSpec, kwargs: dict) -> None:
+    """A keyword the model would not use is refused, naming it, before anything loads (a misspelt option silently
+    dropped would load a model other than the one asked for)."""
+    used = {"progress"} | (set(PLANNER_OPTIONS) if spec.parallel else set())
     unknown = sorted(set(kwargs) - used)
     if not unknown:
         return
@@ -73,7 +73,7 @@ def _check_options(model_name: str, kwargs: dict) -> None:
              for n in unknown]
     planner = [n for n in unknown if n in PLANNER_OPTIONS]
     why = f"; {', '.join(planner)}: the planner's options, for alpa/ models only" if planner else ""
-    raise TypeError(f"get_model({model_name!r}) got arguments it does not use: {', '.join(hints)}{why}")
+    raise TypeError(f"get_model({spec.name!r}) got arguments it does not use: {', '.join(hints)}{why}")
 
 
 def _reference_lora(model, lora, merge: bool):

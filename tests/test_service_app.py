@@ -524,6 +524,7 @@ def test_a_pipelined_deployment_holds_a_bundle_per_stage(monkeypatch):
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 128.0, "GPU": 32.0})
     monkeypatch.setattr(cluster, "cluster_from_ray", lambda *a, **k: cluster.parse_cluster("4x8x16GB"))
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 32.0, "GPU": 8.0}}] * 4)
     args = ServeArgs(model="alpa/opt-175b", max_batch_size=8, max_seq_len=1024, num_cpus=2)
     opts = placement(args)
     assert args.dtype == "float16"  # "auto" on a GPU cluster
@@ -534,6 +535,11 @@ def test_a_pipelined_deployment_holds_a_bundle_per_stage(monkeypatch):
     assert bundles[1:] == [{"CPU": 1.0, "GPU": float(args.tensor_parallel)}] * (len(bundles) - 1)
     # the replica drives the stages, which hold the GPUs: it sees none
     assert opts["ray_actor_options"] == {"num_cpus": 2, "runtime_env": {"env_vars": {"JAX_PLATFORMS": "cpu"}}}
+    # the same plan where only one of the four nodes is alive: refused when it is made, not left to Serve's wait
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 32.0, "GPU": 8.0}}] +
+                        [{"Alive": False, "Resources": {"CPU": 32.0, "GPU": 8.0}}] * 3)
+    with pytest.raises(ValueError, match=r"cannot be placed: .*GPU 32.*CPU 32, GPU 8"):
+        placement(ServeArgs(model="alpa/opt-175b", max_batch_size=8, max_seq_len=1024, num_cpus=2))
 
 
 def test_gptj_generate_with_a_negative_seed_is_answered():

@@ -97,7 +97,7 @@ def _plan_and_ray_arguments(p: argparse.ArgumentParser) -> None:
                    help="pipelined plans: decode slot groups in flight through the stages (default: pp)")
     p.add_argument("--handoff", default="auto", choices=["auto", "cgraph", "refs"],
                    help="pipelined plans: how stages hand hidden states on: a Ray Compiled Graph (cgraph), Ray "
-                        "object refs (refs), or auto: cgraph when every stage is on one node, refs across nodes")
+                        "object refs (refs), or auto: refs, the one measured faster (pipeline.choose_handoff says why)")
     p.add_argument("--max-logprobs", type=int, default=20,
                    help="most top alternatives a request may ask for per token (vLLM's --max-logprobs)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20,
