@@ -56,7 +56,6 @@ CTranslate2 is a benchmark-only dependency: nothing in opt_serving imports it.
 from __future__ import annotations
 
 import argparse
-import functools
 import hashlib
 import json
 import os
@@ -702,30 +701,10 @@ def prefill_table(rows: list[dict]) -> str:
 
 
 def read_bandwidth_gbs(threads: int, gib: float = 1.0, reps: int = 5) -> float:
-    """This machine's memory read bandwidth (GB/s): `threads` threads each summing its part of a `gib` GiB array
-    (numpy releases the GIL), the best of `reps` passes; what a decode step at batch 1 is bound by."""
-    import threading
-
-    import numpy as np
-    a = _ones(int(gib * 2**30) // 8)
-    parts = np.array_split(a, threads)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        ts = [threading.Thread(target=np.sum, args=(part,)) for part in parts]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        best = min(best, time.perf_counter() - t0)
-    return a.nbytes / best / 1e9
-
-
-@functools.cache
-def _ones(n: int):
-    """The array read_bandwidth_gbs reads, made once (its pages written, so reads measure memory)."""
-    import numpy as np
-    return np.ones(n, np.int64)
+    """This machine's memory read bandwidth (GB/s), what a decode step at batch 1 is bound by: machine_bounds.py's
+    reading (imported here, not at the top: the peers' runner processes never need it)."""
+    from machine_bounds import read_bandwidth_gbs as read
+    return read(threads, gib, reps)
 
 
 def weight_bytes_per_token(cfg: dict, dtype: str) -> float:
