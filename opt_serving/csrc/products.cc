@@ -427,6 +427,11 @@ static ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ffi::Bu
                  has_bias ? bias.typed_data() : nullptr, relu, y->typed_data());
       return ffi::Error::Success();
     }
+    if (f32_fma_takes(m, k) && f32_fma_reads(wd, k, n)) {
+      f32_fma(x.typed_data(), m, k, n, static_cast<const float*>(packed.untyped_data()),
+              has_bias ? bias.typed_data() : nullptr, relu, y->typed_data());
+      return ffi::Error::Success();
+    }
     dnnl::matmul prim = matmul_for(m, k, n, has_bias, relu);
     dnnl::engine& eng = cpu_engine();
     std::unordered_map<int, dnnl::memory> args{
