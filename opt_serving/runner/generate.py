@@ -29,6 +29,7 @@ from opt_serving.model import lora as lora_model
 from opt_serving.model.lora_config import LoraConfig
 from opt_serving.model.peft import LoraAdapter
 from opt_serving.model.wrapper import OPTModel
+from opt_serving.runner import speculative
 from opt_serving.runner.stage import LocalStages, StageSlots
 
 
@@ -105,6 +106,7 @@ class Generation:
         # a pipeline: this process picks the tokens from the logits the last stage sends back
         self.argmax = choose(jax.devices()[:1], jnp.float32).argmax
         self._keys = itertools.count()
+        self.last_speculation: Optional[speculative.SpeculationStats] = None  # the last speculative generate()'s
 
     @classmethod
     def of(cls, model: OPTModel, lora: Optional[LoraAdapter] = None) -> "Generation":
@@ -157,12 +159,31 @@ class Generation:
                  top_p=1.0, num_beams=1, num_return_sequences=1, repetition_penalty=1.0,
                  no_repeat_ngram_size=0, bad_words_ids=None, eos_token_id=None, pad_token_id=None,
                  output_scores=False, return_dict_in_generate=False, seed=None,
-                 length_penalty=1.0, early_stopping=False, should_stop=None, **unused):
+                 length_penalty=1.0, early_stopping=False, should_stop=None, assistant_model=None,
+                 prompt_lookup_num_tokens=None, num_assistant_tokens=None, num_assistant_tokens_schedule="adaptive",
+                 max_matching_ngram_size=2, **unused):
         """transformers' generate(). Beyond it: `should_stop`, a function asked before every step of a beam
         search (num_beams > 1); once it returns True the search ends at once with
-        beam_search.SearchStopped (a server stops the search of a client that has gone)."""
+        beam_search.SearchStopped (a server stops the search of a client that has gone).
+
+        Speculative decoding, as transformers' assisted generation (one sequence): `assistant_model` (a jax/ or
+        alpa/ model sharing the tokenizer) drafts `num_assistant_tokens` (default 4) tokens a round, or
+        `prompt_lookup_num_tokens` tokens are drafted from the sequence's own earlier n-grams (up to
+        `max_matching_ngram_size`); the target checks them in one pass (runner/speculative.py). Greedy output is
+        the non-speculative output; sampled tokens have the target's distribution. `num_assistant_tokens_schedule`
+        "adaptive" (default) picks each round's draft length from the acceptance rate and the measured costs,
+        drafting nothing while that does not pay; "constant" always drafts the full length. The round's figures
+        are left in `last_speculation`."""
         if unused:
             raise TypeError(f"generate() got unsupported arguments: {sorted(unused)}")
+        if assistant_model is not None or prompt_lookup_num_tokens:
+            return self._generate_speculative(
+                input_ids, attention_mask, max_length, max_new_tokens, min_length, min_new_tokens, do_sample,
+                temperature, top_k, top_p, num_beams, num_return_sequences, eos_token_id, output_scores,
+                return_dict_in_generate, seed, assistant_model, prompt_lookup_num_tokens, num_assistant_tokens,
+                num_assistant_tokens_schedule, max_matching_ngram_size,
+                dict(repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
+                     bad_words_ids=bad_words_ids))
         cfg = self.config
         ids, mask, max_new_tokens, is_torch = prepare_inputs(cfg, input_ids, attention_mask,
                                                              max_length, max_new_tokens)
@@ -194,6 +215,53 @@ class Generation:
                                                            num_return_sequences, pad, output_scores)
             seq_scores = None
         return _outputs(seqs, scores, seq_scores, n_steps, is_torch, output_scores, return_dict_in_generate)
+
+    def _generate_speculative(self, input_ids, attention_mask, max_length, max_new_tokens, min_length,
+                              min_new_tokens, do_sample, temperature, top_k, top_p, num_beams, num_return_sequences,
+                              eos_token_id, output_scores, return_dict_in_generate, seed, assistant_model,
+                              prompt_lookup_num_tokens, num_assistant_tokens, schedule, max_ngram, unsupported):
+        """generate() with an assistant model or prompt lookup (runner/speculative.py) -> its usual outputs."""
+        cfg = self.config
+        ids, mask, max_new_tokens, is_torch = prepare_inputs(cfg, input_ids, attention_mask, max_length,
+                                                             max_new_tokens)
+        if assistant_model is not None and prompt_lookup_num_tokens:
+            raise ValueError("give assistant_model or prompt_lookup_num_tokens, not both")
+        if ids.shape[0] != 1 or not mask.all():
+            raise ValueError(f"speculative decoding (assistant_model, prompt_lookup_num_tokens) continues one "
+                             f"unpadded sequence, as transformers' assisted generation; got {ids.shape[0]} rows"
+                             + ("" if mask.all() else " with padding"))
+        off = {"num_beams": num_beams > 1, "num_return_sequences": num_return_sequences > 1,
+               "output_scores": bool(output_scores), "repetition_penalty": unsupported["repetition_penalty"] != 1.0,
+               "no_repeat_ngram_size": bool(unsupported["no_repeat_ngram_size"]),
+               "bad_words_ids": bool(unsupported["bad_words_ids"])}
+        if any(off.values()):
+            raise NotImplementedError("speculative decoding does not take " +
+                                      ", ".join(n for n, on in off.items() if on))
+        if schedule not in ("adaptive", "constant"):
+            raise ValueError(f"num_assistant_tokens_schedule must be 'adaptive' or 'constant', got {schedule!r}")
+        if do_sample and temperature <= 0:
+            raise ValueError(f"do_sample needs temperature > 0, got {temperature}")
+        if assistant_model is not None:
+            if not isinstance(assistant_model, Generation):
+                raise TypeError(f"assistant_model must be a jax/ or alpa/ model (get_model), got "
+                                f"{type(assistant_model).__name__}")
+            if assistant_model.config.vocab_size != cfg.vocab_size:
+                raise ValueError(f"the assistant's vocabulary ({assistant_model.config.vocab_size} tokens) is not "
+                                 f"the model's ({cfg.vocab_size}): they must share the tokenizer")
+            drafter, k = speculative.ModelDrafter(assistant_model), num_assistant_tokens or 4
+        else:
+            drafter, k = speculative.PromptLookup(max_ngram), int(prompt_lookup_num_tokens)
+        if k < 1:
+            raise ValueError(f"the draft length must be at least 1, got {k}")
+        eos = cfg.eos_token_id if eos_token_id is None else int(eos_token_id)
+        settings = dict(temperature=temperature if do_sample else 0.0, top_k=(top_k or 0) if do_sample else 0,
+                        top_p=top_p if do_sample else 1.0, min_new_tokens=min_new_tokens or 0,
+                        min_length=min_length or 0)
+        seed = int(np.random.randint(0, 2 ** 31)) if seed is None else seed
+        seq, self.last_speculation = speculative.generate(self, drafter, ids[0], max_new_tokens, settings, eos, seed,
+                                                          k, adaptive=schedule == "adaptive")
+        n_steps = len(seq) - ids.shape[1]
+        return _outputs(seq[None], None, None, n_steps, is_torch, False, return_dict_in_generate)
 
     def _generate_beams(self, ids, mask, settings, seed, max_new_tokens, num_beams, num_return_sequences,
                         length_penalty, early_stopping, eos, pad, output_scores, should_stop=None):

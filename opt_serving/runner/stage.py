@@ -495,6 +495,24 @@ class StageSlots:
     def seq_close(self, key) -> None:
         self.seqs.pop(key, None)
 
+    # ---- speculative decoding (runner/speculative.py): a row's drafted tokens checked in one pass, cut back ----
+    def seq_extend(self, key, x, start, chunk_mask, exclude=None):
+        """Tokens x [B, C] (the previous stage's hidden states [B, C, D] on a stage that is not first) at entries
+        (= positions: unpadded rows) start..start+C-1 of each row, after its valid entries; `chunk_mask` [B, C]
+        marks the real ones (a right-padded chunk) -> hidden states [B, C, D], or on the last stage logits
+        [B, C, V] (opt._extend); with `exclude` [B, C] (int32, -1 none; greedy rows) the last stage's argmax
+        tokens [B, C] instead, each leaving out its excluded token (the screened head: no logits made)."""
+        greedy = exclude is not None
+        fn = _seq_extend_fn(self.cfg, self.spec, self.backend, greedy)
+        ex = np.asarray(exclude if greedy else np.zeros((0, 0)), np.int32)
+        out, self.seqs[key] = fn(self.params, self.seqs[key], x, np.asarray(start, np.int32),
+                                 np.asarray(chunk_mask, np.int32), ex, self.lora.generating(chunk_mask.shape[0]))
+        return np.asarray(out) if self.spec.last else out
+
+    def seq_truncate(self, key, length) -> None:
+        """Only each row's first length[b] entries stay valid (drafted tokens the target did not accept)."""
+        self.seqs[key] = _truncate(self.seqs[key], np.asarray(length, np.int32))
+
     # ---- a whole generate() as one compiled loop, on a stage that is the whole model ----
     def seq_generate(self, ids, mask, settings, max_new: int, new_bucket: int, pad: int, output_scores: bool):
         """Greedy or sampled rows (left-padded ids, mask [B, S]; sampling.make_settings' `settings`) -> (history
@@ -521,6 +539,24 @@ class Stages(Protocol):
     def get(self, futures) -> Any: ...
     def check_health(self) -> None: ...
     def close(self) -> None: ...
+
+
+@functools.lru_cache(maxsize=None)
+def _seq_extend_fn(cfg, stage, backend, greedy: bool):
+    def extend(params, cache, x, start, chunk_mask, exclude):
+        out, cache = opt._extend(cfg, params, cache, x, start, chunk_mask, return_hidden=greedy, stage=stage,
+                                 backend=backend)
+        if greedy and stage.last:  # [B, C, D] -> the tokens [B, C]
+            b, c = chunk_mask.shape
+            out = opt.lm_argmax(params, out.reshape(b * c, -1), exclude.reshape(-1), backend=backend).reshape(b, c)
+        return out, cache
+    return jax.jit(with_lora(extend), donate_argnums=(1,))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _truncate(cache, length):
+    entries = jnp.arange(cache["mask"].shape[1])[None]  # [1, max_len]
+    return dict(cache, mask=cache["mask"] & (entries < length[:, None]))
 
 
 class LocalStages:
