@@ -6,8 +6,9 @@ output and fc2 projections zero): it computes what its first layers and its head
 that: those first layers (same seed, same names, so the same numbers) and the head. So they always agree. The
 "perturbed" targets add random output projections of scale `--perturb` to those layers, so the target's tokens
 drift from the draft's: the acceptance printed beside each row is measured, not assumed. Prompt lookup runs on
-the full-agreement target with a copy-heavy prompt: its own earlier output followed by the prompt that led to it,
-so that what comes next is already in the text, as in an edit, an extraction or a quoting summary.
+a target built to copy (no attention output, no position embeddings: its next token is a function of the current
+one) with a copy-heavy prompt, its own earlier output followed by the prompt that led to it, so that what comes
+next is already in the text, as in an edit, an extraction or a quoting summary.
 `--pp 2` runs the full-agreement target as a pipeline of two stages on two simulated Ray nodes.
 
     python benchmark/bench_speculative.py                       # OPT-1.3b float32 and int8, k = 4
@@ -53,6 +54,20 @@ class AgreeingSource(sources.RandomSource):
         q, s = super().int8(name, shape)
         f = self._factor(name)
         return (q, s) if f is None else (q, s * np.float32(f))
+
+
+class CopyingSource(sources.RandomSource):
+    """A target built to copy: no attention output and no position embeddings, so its next token is a function of
+    the current token alone, and a text it has produced once it produces again from the same token on."""
+
+    def place(self, name, shape, sharding, dtype):
+        out = super().place(name, shape, sharding, dtype)
+        copying = "embed_positions" in name or name.endswith("self_attn.out_proj.weight")
+        return out * np.asarray(0.0, out.dtype) if copying else out
+
+    def int8(self, name, shape):
+        q, s = super().int8(name, shape)
+        return (q, s * np.float32(0.0)) if name.endswith("self_attn.out_proj.weight") else (q, s)
 
 
 def build(name: str, layers: int | None, source, weights: str) -> Generation:
@@ -131,7 +146,7 @@ def main() -> None:
     ap.add_argument("--model", default="opt-1.3b")
     ap.add_argument("--weights", default="float32,int8", help="comma-separated: float32, int8")
     ap.add_argument("--draft-layers", type=int, default=2)
-    ap.add_argument("--perturb", default="0.06,1.0", help="output-projection scales of the perturbed targets")
+    ap.add_argument("--perturb", default="0.01,1.0", help="output-projection scales of the perturbed targets")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=32)
@@ -157,16 +172,19 @@ def main() -> None:
                                                                  assistant_model=draft, num_assistant_tokens=args.k,
                                                                  num_assistant_tokens_schedule="constant")}
             report(args, target, runs, ids, weights, label)
-            if scale == 0.0:  # a copy-heavy request: the prompt already holds the text its continuation repeats
-                said = np.asarray(target.generate(ids, max_new_tokens=args.tokens))
-                copy = np.concatenate([said, ids], 1)
-                report(args, target, {
-                    "plain": lambda: target.generate(copy, max_new_tokens=args.tokens),
-                    "prompt lookup": lambda: target.generate(copy, max_new_tokens=args.tokens,
-                                                             prompt_lookup_num_tokens=args.k)},
-                    copy, weights, "copy-heavy prompt")
             target.close()
             del target
+        # a copy-heavy request: the prompt already holds the text its continuation repeats
+        target = build(args.model, None, CopyingSource(args.seed), weights)
+        said = np.asarray(target.generate(ids, max_new_tokens=args.tokens))
+        copy = np.concatenate([said, ids], 1)
+        report(args, target, {
+            "plain": lambda: target.generate(copy, max_new_tokens=args.tokens),
+            "prompt lookup": lambda: target.generate(copy, max_new_tokens=args.tokens,
+                                                     prompt_lookup_num_tokens=args.k)},
+            copy, weights, "copy-heavy prompt")
+        target.close()
+        del target
 
 
 if __name__ == "__main__":

@@ -1,7 +1,6 @@
 // Shared by the CPU kernels (XLA FFI custom calls, built into opt_serving/_cpu_kernels.so by
 // build.sh; loaded by opt_serving/backend/cpu/_lib.py). One file per kind of kernel:
 //   products.cc   oneDNN matrix products on weights packed once at load (float32, bfloat16, int8)
-//   f32_fma.cc    float32 products of a few dozen rows, reading the next block of the weight while computing
 //   argmax.cc     jnp.argmax over a row at memory speed
 //   attention.cc  a decode step's attention over the cache entries written so far
 //   head.cc       greedy tokens from the LM head, screened in int8 or bfloat16 and decided exactly
@@ -102,12 +101,5 @@ inline uint16_t to_bf16(float f) {
 }
 
 double dot_exact(const float* x, const float* w, int64_t k);
-
-// f32_fma.cc: float32 products of a few dozen rows over packed float32 weights, reading the next block of the
-// weight while computing on this one. f32_fma_reads: whether it can read a weight packed as `packed` on this CPU;
-// f32_fma_takes: whether a product of m rows (by K) runs it (opt_f32_fma_rows sets the range).
-bool f32_fma_reads(const dnnl::memory::desc& packed, int64_t k, int64_t n);
-bool f32_fma_takes(int64_t m, int64_t k);
-void f32_fma(const float* x, int64_t m, int64_t k, int64_t n, const float* w, const float* bias, bool relu, float* y);
 
 }  // namespace opt

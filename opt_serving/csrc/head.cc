@@ -52,8 +52,6 @@ struct Radius {
   }
 };
 
-std::atomic<int64_t> head_candidates{0};  // tokens scored exactly, over all rows (opt_head_candidates)
-
 bool is_allowed(const uint32_t* allowed, int64_t j) { return allowed == nullptr || (allowed[j >> 5] >> (j & 31)) & 1u; }
 
 int64_t head_row(const float* x, float* a, const float* e, int64_t k, int64_t n, const Radius& rad, bool all,
@@ -99,7 +97,6 @@ int64_t head_row(const float* x, float* a, const float* e, int64_t k, int64_t n,
       }
     }
   }
-  head_candidates.fetch_add(static_cast<int64_t>(cand.size()), std::memory_order_relaxed);
   int64_t best = cand.empty() ? 0 : cand[0];
   double best_v = -std::numeric_limits<double>::infinity();
   for (int64_t j : cand) {
@@ -390,6 +387,3 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OptGreedyHead8, OnKernelThread<GreedyHead8>::call,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
-
-// Tokens the screens have scored exactly since the last call, over all rows (each an exact dot product)
-extern "C" int64_t opt_head_candidates() { return head_candidates.exchange(0); }

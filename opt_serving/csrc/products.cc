@@ -1,6 +1,6 @@
 // Matrix products against weights packed once at load, for every weight format the CPU backend has:
 //
-//   float32   y = x @ W on float32 weights (oneDNN; a plain stream over the weights for 1-4 rows)
+//   float32   y = x @ W on float32 weights (oneDNN; a plain stream over the weights for 1-8 rows)
 //   bfloat16  the rows rounded to bfloat16, bfloat16 weights, float32 accumulation (AVX512_BF16/AMX; from
 //             opt_bf16_fma_rows rows up, float32 FMAs on the weights widened in registers: bf16_fma below)
 //   int8      each row quantized to int8 with its own scale (max |x| / 127), int8 weights with a
@@ -32,51 +32,57 @@ enum WeightType : int { kF32 = 0, kBF16 = 1, kS8 = 2 };
 
 dt packed_type(int type) { return type == kS8 ? dt::s8 : type == kBF16 ? dt::bf16 : dt::f32; }
 
-// A few rows (a decode step at batch 1-4) over the BA16a64b layout oneDNN packs these weights
-// in: oneDNN's kernels take ~15% longer than XLA's matrix-vector products there, and such a
-// step is a plain stream over the weights. In that layout the 64 columns of block nb are
-// contiguous [K_padded, 64] rows: entry (k, n) sits at (n / 64) * K_padded * 64 + k * 64 + n % 64.
-constexpr int64_t kSmallRows = 4;
+// A few rows (a decode step at batch 1-8, a speculative check of a few drafts) over the BA16a64b layout oneDNN
+// packs these weights in: oneDNN's kernels take ~15% longer than XLA's matrix-vector products at 1-4 rows and
+// read the weights at half the memory's speed at 5-8, and such a product is a plain stream over the weights. In
+// that layout the 64 columns of block nb are contiguous [K_padded, 64] rows: entry (k, n) sits at
+// (n / 64) * K_padded * 64 + k * 64 + n % 64. Rows go four at a time over each block, so a block is read from
+// memory once and from cache for the next four.
+constexpr int64_t kSmallRows = 8;
 
 bool streams_as_rows(const dnnl::memory::desc& packed, int64_t k, int64_t n) {
   return packed == dnnl::memory::desc({k, n}, dt::f32, tag::BA16a64b);
 }
 
-// M is a template argument so the accumulators stay in registers.
+// M rows by one block; M is a template argument so the accumulators stay in registers.
 template <int M>
 __attribute__((target_clones("avx512f", "avx2", "default")))
-void small_rows(const float* x, int64_t k, int64_t n, const float* w, const float* bias, bool relu,
-                float* y) {
-  const int64_t k_padded = (k + 15) / 16 * 16, blocks = (n + 63) / 64;
-#pragma omp parallel for schedule(static)
-  for (int64_t nb = 0; nb < blocks; ++nb) {
-    float acc[M][64] = {};
-    const float* block = w + nb * k_padded * 64;
-    for (int64_t kk = 0; kk < k; ++kk) {
-      const float* row = block + kk * 64;
-      for (int r = 0; r < M; ++r) {
-        const float xv = x[r * k + kk];
-#pragma omp simd
-        for (int j = 0; j < 64; ++j) acc[r][j] += xv * row[j];
-      }
-    }
-    const int64_t n0 = nb * 64, cols = std::min<int64_t>(64, n - n0);
+void rows_by_block(const float* x, int64_t k, int64_t n, const float* block, int64_t n0, const float* bias,
+                   bool relu, float* y) {
+  float acc[M][64] = {};
+  for (int64_t kk = 0; kk < k; ++kk) {
+    const float* row = block + kk * 64;
     for (int r = 0; r < M; ++r) {
-      for (int64_t j = 0; j < cols; ++j) {
-        float v = acc[r][j] + (bias ? bias[n0 + j] : 0.f);
-        y[r * n + n0 + j] = relu && v < 0.f ? 0.f : v;
-      }
+      const float xv = x[r * k + kk];
+#pragma omp simd
+      for (int j = 0; j < 64; ++j) acc[r][j] += xv * row[j];
+    }
+  }
+  const int64_t cols = std::min<int64_t>(64, n - n0);
+  for (int r = 0; r < M; ++r) {
+    for (int64_t j = 0; j < cols; ++j) {
+      float v = acc[r][j] + (bias ? bias[n0 + j] : 0.f);
+      y[r * n + n0 + j] = relu && v < 0.f ? 0.f : v;
     }
   }
 }
 
 void small_rows(const float* x, int64_t m, int64_t k, int64_t n, const float* w, const float* bias,
                 bool relu, float* y) {
-  switch (m) {
-    case 1: return small_rows<1>(x, k, n, w, bias, relu, y);
-    case 2: return small_rows<2>(x, k, n, w, bias, relu, y);
-    case 3: return small_rows<3>(x, k, n, w, bias, relu, y);
-    default: return small_rows<4>(x, k, n, w, bias, relu, y);
+  const int64_t k_padded = (k + 15) / 16 * 16, blocks = (n + 63) / 64;
+#pragma omp parallel for schedule(static)
+  for (int64_t nb = 0; nb < blocks; ++nb) {
+    const float* block = w + nb * k_padded * 64;
+    for (int64_t r = 0; r < m; r += 4) {
+      const float* xr = x + r * k;
+      float* yr = y + r * n;
+      switch (std::min<int64_t>(4, m - r)) {
+        case 1: rows_by_block<1>(xr, k, n, block, nb * 64, bias, relu, yr); break;
+        case 2: rows_by_block<2>(xr, k, n, block, nb * 64, bias, relu, yr); break;
+        case 3: rows_by_block<3>(xr, k, n, block, nb * 64, bias, relu, yr); break;
+        default: rows_by_block<4>(xr, k, n, block, nb * 64, bias, relu, yr); break;
+      }
+    }
   }
 }
 
@@ -425,11 +431,6 @@ static ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ffi::Bu
     if (m <= kSmallRows && streams_as_rows(wd, k, n)) {
       small_rows(x.typed_data(), m, k, n, static_cast<const float*>(packed.untyped_data()),
                  has_bias ? bias.typed_data() : nullptr, relu, y->typed_data());
-      return ffi::Error::Success();
-    }
-    if (f32_fma_takes(m, k) && f32_fma_reads(wd, k, n)) {
-      f32_fma(x.typed_data(), m, k, n, static_cast<const float*>(packed.untyped_data()),
-              has_bias ? bias.typed_data() : nullptr, relu, y->typed_data());
       return ffi::Error::Success();
     }
     dnnl::matmul prim = matmul_for(m, k, n, has_bias, relu);

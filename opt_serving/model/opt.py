@@ -19,7 +19,7 @@ The engine-facing functions (cfg is static, the cache is donated):
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 import flax.linen as nn
 import jax
@@ -285,14 +285,22 @@ def _decode_attend(k_cache, v_cache, mask, write_index, read_len=None, backend: 
     return attend
 
 
-def _extend_attend(k_cache, v_cache, mask, start):
+def _extend_attend(k_cache, v_cache, mask, start, per_query: Optional[Backend] = None):
     """A prefill chunk at entries start..start+C-1 of each row (`start` [B]): writes its k/v there (entries
-    past the cache, pads only, are dropped) and attends where `mask` [B, C, max_len] says."""
+    past the cache, pads only, are dropped) and attends where `mask` [B, C, max_len] says. `per_query`: a
+    backend whose decode attention then computes each query as a decode step of its own would (the row's cache
+    repeated per query: for a few queries, a speculative check's, whose tokens must be a decode step's)."""
     def attend(q, k, v):  # each [B, C, H, D]
-        at = start[:, None] + jnp.arange(q.shape[1])  # [B, C]
-        rows = jnp.arange(q.shape[0])[:, None]
+        b, c = q.shape[:2]
+        at = start[:, None] + jnp.arange(c)  # [B, C]
+        rows = jnp.arange(b)[:, None]
         kc = k_cache.at[rows, :, at].set(to_cache(k, k_cache.dtype), mode="drop")  # [B, C, H, D] entries
         vc = v_cache.at[rows, :, at].set(to_cache(v, v_cache.dtype), mode="drop")
+        if per_query is not None:
+            flat = mask.reshape(b * c, -1)  # [B * C, max_len]: query i of row b as row b * C + i
+            ctx = per_query.decode_attention(q.reshape(b * c, *q.shape[2:]), jnp.repeat(kc, c, 0),
+                                             jnp.repeat(vc, c, 0), flat, jnp.max(start) + c, _decode_reference)
+            return ctx.reshape(q.shape), (kc, vc)
         scores = jnp.einsum("bqhd,bhkd->bhqk", q, from_cache(kc, q.dtype))
         probs = _masked_softmax(scores, mask[:, None]).astype(q.dtype)
         return jnp.einsum("bhqk,bhkd->bqhd", probs, from_cache(vc, q.dtype)), (kc, vc)
@@ -327,14 +335,15 @@ def prefill_step(cfg, params, cache, input_ids, attention_mask, all_logits=True,
 
 
 def _extend(cfg, params, cache, x, start, chunk_mask, return_hidden=False, stage: StageSpec | None = None,
-            backend: Backend = XLA):
+            backend: Backend = XLA, per_query: bool = False):
     """Continue a prefill by a chunk of C tokens (ids x [B, C], or on a stage that is not first the previous
     stage's hidden states [B, C, D]) at positions start..start+C-1 (`start` int32, scalar or [B]);
     `chunk_mask` [B, C] marks its real tokens (a prompt's last chunk is right-padded). Each writes its k/v
     at its own entry and attends to the row's valid entries before `start` and causally within the chunk;
     valid afterwards: those and the chunk's real tokens. Chunks of C over a prompt give what `prefill_step` of
-    the whole prompt gives. -> (logits [B, C, V], or with `return_hidden` / on a stage that is not last
-    the hidden states [B, C, D]; cache)."""
+    the whole prompt gives. `per_query`: each token's attention computed as its own decode step's (speculative
+    checks: their tokens are then the ones decode steps give). -> (logits [B, C, V], or with `return_hidden` /
+    on a stage that is not last the hidden states [B, C, D]; cache)."""
     b, c = chunk_mask.shape
     start = jnp.broadcast_to(jnp.asarray(start, jnp.int32), (b,))
     rel = jnp.arange(cache["mask"].shape[1])[None] - start[:, None]  # [B, max_len]: entry - start
@@ -342,7 +351,8 @@ def _extend(cfg, params, cache, x, start, chunk_mask, return_hidden=False, stage
     chunk = (rel >= 0) & (rel < c) & real  # entries the chunk's real tokens fill
     before = cache["mask"] & (rel < 0)
     mask = before[:, None] | (chunk[:, None] & (rel[:, None] <= jnp.arange(c)[None, :, None]))  # [B, C, max_len]
-    attends = [_extend_attend(kc, vc, mask, start) for kc, vc in zip(cache["k"], cache["v"])]
+    attends = [_extend_attend(kc, vc, mask, start, backend if per_query else None)
+               for kc, vc in zip(cache["k"], cache["v"])]
     positions = jnp.where(chunk_mask > 0, start[:, None] + jnp.arange(c), -1)  # pads as prefill's: -1
     out, caches = OPT(cfg, param_dtype(params), is_fused(params), stage, backend).apply(
         {"params": params}, x, positions, attends, return_hidden=return_hidden)

@@ -35,6 +35,7 @@ from opt_serving.backend import sampling
 
 PROBE_EVERY = 8  # plain rounds between probes while speculation does not pay
 EMA = 0.3  # weight of the newest round in the running acceptance rate and timings
+CATCH_UP = 8  # a draft behind by more than 2 tokens (after plain rounds) is fed them this many at a time
 
 
 @dataclasses.dataclass
@@ -90,9 +91,15 @@ class KChooser:
             tested = accepted + (accepted < k)
             sample = accepted / tested if tested else self.rate
             self.rate = (1 - EMA) * self.rate + EMA * sample
-            step = t_draft / k
-            self.t_draft = step if self.t_draft is None else (1 - EMA) * self.t_draft + EMA * step
-        self.t_check = t_check if self.t_check is None else (1 - EMA) * self.t_check + EMA * t_check
+            self.t_draft = _blend(self.t_draft, t_draft / k)
+        self.t_check = _blend(self.t_check, t_check)
+
+
+def _blend(old: Optional[float], new: float) -> float:
+    """A running time: a round far slower than the estimate (a compile of a new shape) leaves it as it was."""
+    if old is None:
+        return new
+    return old if new > 4 * old else (1 - EMA) * old + EMA * new
 
 
 class PromptLookup:
@@ -135,16 +142,21 @@ class ModelDrafter:
         self.gen, self.key, self.done = generation, None, 0
 
     def start(self, prompt: np.ndarray, max_len: int) -> None:
+        """The prompt but its last token prefilled (that one is fed with the first drafts)."""
         self.key = self.gen._open(1, max_len)
-        self.gen.stages.get(self.gen._chain("prefill", self.key, prompt[None], np.ones((1, len(prompt)), np.int32),
-                                            False))
-        self.done = len(prompt)
+        _prefill_all_but_last(self.gen, self.key, prompt)
+        self.done = len(prompt) - 1
 
     def propose(self, history: list[int], k: int, accept: "Acceptance") -> tuple[list[int], Optional[np.ndarray]]:
         """k tokens, each the draft's choice as `accept` makes it -> (tokens, q [k, V]: their distributions; None
         for greedy drafts)."""
         pending = history[self.done:]
-        width = _bucket(len(pending))  # a few compiled widths: right-padded
+        while len(pending) > CATCH_UP:  # behind by plain rounds: fed a chunk at a time, nothing chosen from them
+            self.gen.stages.get(self.gen._chain("extend", self.key, np.asarray([pending[:CATCH_UP]], np.int32),
+                                                np.array([self.done], np.int32), np.ones((1, CATCH_UP), np.int32),
+                                                np.full((1, CATCH_UP), -1, np.int32) if accept.greedy else None))
+            pending, self.done = pending[CATCH_UP:], self.done + CATCH_UP
+        width = 1 if len(pending) == 1 else 2 if len(pending) == 2 else CATCH_UP  # few compiled widths
         x = np.zeros((1, width), np.int32)
         x[0, :len(pending)] = pending
         mask = (np.arange(width) < len(pending)).astype(np.int32)[None]
@@ -176,11 +188,6 @@ class ModelDrafter:
         if self.key is not None:
             self.gen._close([self.key])
             self.key = None
-
-
-def _bucket(n: int) -> int:
-    """Widths 1, 2, 4, 8, ...: a drafter catching up after plain rounds compiles a few shapes, not one each."""
-    return 1 << max(0, (n - 1).bit_length())
 
 
 @jax.jit
@@ -250,38 +257,47 @@ def _point(token: int, v: int) -> np.ndarray:
     return e
 
 
+def _prefill_all_but_last(gen, key, ids: np.ndarray) -> None:
+    if len(ids) > 1:
+        gen.stages.get(gen._chain("prefill", key, np.asarray(ids[None, :-1], np.int32),
+                                  np.ones((1, len(ids) - 1), np.int32), False))
+
+
 def generate(target, drafter, ids: np.ndarray, max_new: int, settings: dict, eos: int, seed: int, k_max: int,
              adaptive: bool = True) -> tuple[np.ndarray, SpeculationStats]:
     """One sequence (ids [S], unpadded) continued by up to `max_new` tokens on `target` (a Generation: its
     stages) with `drafter`'s proposals -> (the sequence [S + new], stats). Stops after EOS (kept, as generate()
     keeps it)."""
     s = len(ids)
-    max_len = s + max_new + k_max + 1  # a check may write k drafts past the last kept token
+    max_len = s + max_new + k_max + CATCH_UP  # a check or a catch-up may write past the last kept token
     accept = Acceptance(settings, eos, s, seed)
     chooser, stats = KChooser(k_max, adaptive), SpeculationStats()
     key = target._open(1, max_len)
     try:
-        logits = target.stages.get(target._chain("prefill", key, ids[None], np.ones((1, s), np.int32), False))
-        first = accept.held([s]) if accept.greedy else None  # (greedy: the argmax, EOS held back as it must be)
-        if first is not None:
-            row = logits[0].astype(np.float32, copy=True)
-            if first[0] >= 0:
-                row[first[0]] = -np.inf
-            history = list(map(int, ids)) + [int(np.argmax(row))]
-        else:
-            history = list(map(int, ids)) + [accept.decide(logits[:1], s - 1, [], None)[0]]
+        if accept.greedy:  # the first token as plain generate() chooses it: the whole prompt, the screened head
+            first = target.stages.get(target._chain("prefill", key, ids[None], np.ones((1, s), np.int32), False,
+                                                    accept.held([s])))
+            history = list(map(int, ids)) + [int(first[0])]
+        else:  # the prompt's last token goes in with the first drafts, its next token chosen by the rule
+            _prefill_all_but_last(target, key, ids)
+            history = list(map(int, ids))
         drafter.start(np.asarray(ids, np.int32), max_len)
-        while len(history) - s < max_new and history[-1] != eos:
+        while len(history) - s < max_new and (len(history) == s or history[-1] != eos):
             k = min(chooser.next_k(), max_new - (len(history) - s))
             t0 = time.perf_counter()
             drafts, q = drafter.propose(history, k, accept) if k > 0 else ([], None)
             t1 = time.perf_counter()
-            x = np.asarray([history[-1]] + drafts, np.int32)[None]
+            # checked at two widths only, 1 and k_max + 1 (right-padded): at batch 1 a check reads the weights
+            # once whatever its width, and every width is a compile of the whole target
+            n = len(drafts) + 1
+            width = 1 if n == 1 else k_max + 1
+            x = np.zeros((1, width), np.int32)
+            x[0, :n] = [history[-1]] + drafts
             start = len(history) - 1
-            exclude = accept.held(start + 1 + np.arange(x.shape[1]))[None] if accept.greedy else None
-            out = target.stages.get(target._chain("extend", key, x, np.array([start], np.int32), np.ones_like(x),
-                                                  exclude))
-            new = accept.decide(out[0], start, drafts, q)
+            exclude = accept.held(start + 1 + np.arange(width))[None] if accept.greedy else None
+            out = target.stages.get(target._chain("extend", key, x, np.array([start], np.int32),
+                                                  (np.arange(width) < n).astype(np.int32)[None], exclude))
+            new = accept.decide(out[0][:n], start, drafts, q)
             t2 = time.perf_counter()
             chooser.observe(len(drafts), len(new) - 1, t1 - t0, t2 - t1)
             stats.rounds += 1

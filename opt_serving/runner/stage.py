@@ -472,8 +472,15 @@ class StageSlots:
     def seq_open(self, key, batch: int, max_len: int) -> None:
         self.seqs[key] = self._new_cache(batch, max_len)
 
-    def seq_prefill(self, key, x, mask, all_logits: bool = False):
-        """-> hidden states [B, S, D], or on the last stage logits [B, V] (all positions: [B, S, V])."""
+    def seq_prefill(self, key, x, mask, all_logits: bool = False, exclude=None):
+        """-> hidden states [B, S, D], or on the last stage logits [B, V] (all positions: [B, S, V]); with
+        `exclude` [B] (int32, -1 none; greedy rows) the last stage's argmax tokens [B] instead, each leaving out its
+        excluded token (the screened head, as generate()'s first greedy token)."""
+        if exclude is not None:
+            fn = _seq_prefill_greedy_fn(self.cfg, self.spec, self.backend)
+            out, self.seqs[key] = fn(self.params, self.seqs[key], x, mask, np.asarray(exclude, np.int32),
+                                     self.lora.generating(mask.shape[0]))
+            return np.asarray(out) if self.spec.last else out
         out, self.seqs[key] = self._seq_prefill(self.params, self.seqs[key], x, mask, all_logits,
                                                 self.lora.generating(mask.shape[0]))
         return np.asarray(out) if self.spec.last else out
@@ -545,12 +552,21 @@ class Stages(Protocol):
 def _seq_extend_fn(cfg, stage, backend, greedy: bool):
     def extend(params, cache, x, start, chunk_mask, exclude):
         out, cache = opt._extend(cfg, params, cache, x, start, chunk_mask, return_hidden=greedy, stage=stage,
-                                 backend=backend)
+                                 backend=backend, per_query=True)
         if greedy and stage.last:  # [B, C, D] -> the tokens [B, C]
             b, c = chunk_mask.shape
             out = opt.lm_argmax(params, out.reshape(b * c, -1), exclude.reshape(-1), backend=backend).reshape(b, c)
         return out, cache
     return jax.jit(with_lora(extend), donate_argnums=(1,))
+
+
+@functools.lru_cache(maxsize=None)
+def _seq_prefill_greedy_fn(cfg, stage, backend):
+    def prefill(params, cache, x, mask, exclude):
+        out, cache = opt.prefill_step(cfg, params, cache, x, mask, all_logits=False, return_hidden=True, stage=stage,
+                                      backend=backend)
+        return (opt.lm_argmax(params, out, exclude, backend=backend) if stage.last else out), cache
+    return jax.jit(with_lora(prefill), donate_argnums=(1,))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

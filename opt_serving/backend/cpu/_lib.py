@@ -55,9 +55,6 @@ def _load() -> Optional[ctypes.CDLL]:
     lib.opt_bf16_fma_rows.argtypes = [ctypes.c_int64]
     lib.opt_s8_vnni_rows.restype = ctypes.c_int64
     lib.opt_s8_vnni_rows.argtypes = [ctypes.c_int64]
-    lib.opt_f32_fma_rows.restype = ctypes.c_int64
-    lib.opt_f32_fma_rows.argtypes = [ctypes.c_int64, ctypes.c_int64]
-    lib.opt_head_candidates.restype = ctypes.c_int64
     for fn in (lib.opt_bf16_fma_reads, lib.opt_s8_vnni_reads):
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_int64, ctypes.c_int64]

@@ -90,20 +90,6 @@ def bf16_fma_reads(k: int, n: int) -> bool:
     return bool(_lib.lib().opt_bf16_fma_reads(k, n))
 
 
-def f32_fma_rows(rows: Optional[tuple[int, int]] = None) -> tuple[int, int]:
-    """The rows [from, to) for which float32 products (of K up to 1024) run our kernel, which reads the next block
-    of the weight while it computes on this one, instead of oneDNN's (from 0: never); `rows` sets it ((-1, -1): the
-    default). The numbers are the same up to the order of the sums."""
-    lo, hi = (-2, -2) if rows is None else (max(rows[0], -1), max(rows[1], -1))
-    both = int(_lib.lib().opt_f32_fma_rows(lo, hi))
-    return both // 65536, both % 65536
-
-
-def f32_fma_reads(k: int, n: int) -> bool:
-    """Whether our float32 kernel can read a packed float32 [k, n] weight on this CPU (its layout, AVX-512)."""
-    return bool(_lib.lib().opt_f32_fma_reads(k, n))
-
-
 def s8_vnni_rows(rows: Optional[int] = None) -> int:
     """From how many rows int8 products run our VNNI kernel instead of oneDNN's (0: never); `rows` sets it
     (negative: the default, Settings.s8_vnni_rows). The numbers are the same either way."""
