@@ -72,7 +72,7 @@ def main(argv=None) -> None:
     from ray import serve
 
     import benchmark_serving
-    from opt_serving.parallel.pipeline import measure_handoff_latency
+    from opt_serving.parallel.handoff_choice import measure_handoff_latency
     from opt_serving.service.deployment import ServeArgs, build_app
     from opt_serving.service.testserver import free_port
     from opt_serving.testing.ray_cluster import simulated_cluster

@@ -250,7 +250,7 @@ def main(argv=None) -> None:
         del ready
         if not args.skip_get_model:
             from opt_serving.model.wrapper import get_model
-            from opt_serving.parallel.pipeline import process_memory
+            from opt_serving.parallel.stage_actor import process_memory
             from opt_serving.text.tokenizer import load_tokenizer
             tok = load_tokenizer(args.tokenizer)
             t0 = time.perf_counter()

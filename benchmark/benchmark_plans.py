@@ -50,7 +50,8 @@ def main() -> int:
     from opt_serving.model import param_tree
     from opt_serving.model.wrapper import OPTModel
     from opt_serving.parallel.cluster import calibrate, cluster_from_jax
-    from opt_serving.parallel.pipeline import RayStages, measure_handoff_latency
+    from opt_serving.parallel.handoff_choice import measure_handoff_latency
+    from opt_serving.parallel.pipeline import RayStages
     from opt_serving.parallel.planner import search
     from opt_serving.parallel.sharding import make_mesh, shard_params
 

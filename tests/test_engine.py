@@ -1050,7 +1050,7 @@ def test_the_prefix_caching_option_reaches_the_slot_model(monkeypatch):
     from opt_serving.text import loading
     from opt_serving.model.embedded import ensure_embedded_model
     from opt_serving.cli import build_parser
-    from opt_serving.service.cli import serve_args_from
+    from opt_serving.service.cli_args import serve_args_from
     from opt_serving.service import deployment
     from opt_serving.service.deployment import ServeArgs, build_generator
     folder = ensure_embedded_model()

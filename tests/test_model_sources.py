@@ -95,7 +95,7 @@ def test_a_drawn_embedding_on_a_cpu_is_a_mapped_file_read_only_where_looked_up()
 def test_any_subset_draws_the_whole_models_numbers(cfg):
     """A pipeline stage's names alone, in any order of stages, give the whole model's tensors for them."""
     from opt_serving.model import param_tree
-    from opt_serving.parallel.pipeline import stage_param_names, stage_specs
+    from opt_serving.parallel.stage_weights import stage_param_names, stage_specs
     whole = param_tree.init_params(cfg, seed=9, dtype="bfloat16")
     for spec in reversed(stage_specs(cfg, 2)):
         alone = param_tree.init_params(cfg, seed=9, dtype="bfloat16", names=stage_param_names(cfg, spec))

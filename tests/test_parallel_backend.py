@@ -256,7 +256,7 @@ class _PeakRSS:
 
     def __enter__(self):
         import threading
-        from opt_serving.parallel.pipeline import process_memory
+        from opt_serving.parallel.stage_actor import process_memory
         self.start = self.peak = process_memory()["rss"]
         self._stop = threading.Event()
 

@@ -54,7 +54,7 @@ def test_a_pipeline_stages_bytes_are_what_its_cut_of_the_params_holds(weights):
     (an int8 last stage holds the head's int8 copy, not the float embedding the first stage looks up)."""
     import jax
     from opt_serving.model import param_tree, quantize
-    from opt_serving.parallel.pipeline import stage_specs
+    from opt_serving.parallel.stage_weights import stage_specs
     cfg = OPT_CONFIGS["tiny"].replace(num_hidden_layers=3)
     tree = param_tree.init_params(cfg)
     tree = quantize.quantize_params(tree) if weights == "int8" else tree

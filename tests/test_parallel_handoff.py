@@ -174,7 +174,7 @@ def test_auto_uses_refs_when_the_stages_span_two_nodes(folder):
     ("auto", 1, False, "refs", "CPUs"), ("cgraph", 2, False, "cgraph", "asked for"),
     ("refs", 1, True, "refs", "asked for")])
 def test_auto_chooses_refs_the_measured_faster_and_a_compiled_graph_when_asked(handoff, nodes, gpus, want, why):
-    from opt_serving.parallel.pipeline import choose_handoff
+    from opt_serving.parallel.handoff_choice import choose_handoff
     got, reason = choose_handoff(handoff, nodes, gpus)
     assert got == want and why in reason
 

@@ -49,7 +49,7 @@ def _check(got, ref):
 def test_local_stages_equal_the_model(reference, split):
     """The model's own modules over each stage's layers (opt.StageSpec), as the stage actors run them."""
     from opt_serving.model import param_tree
-    from opt_serving.parallel.pipeline import stage_specs
+    from opt_serving.parallel.stage_weights import stage_specs
     from opt_serving.runner.stage import StageSlots
     params, ref = reference
     specs = stage_specs(CFG, len(split), split)
@@ -73,7 +73,7 @@ def test_local_stages_equal_the_model(reference, split):
 
 
 def test_split_layers_checks_cover():
-    from opt_serving.parallel.pipeline import split_layers
+    from opt_serving.parallel.stage_weights import split_layers
     assert [len(r) for r in split_layers(10, 3)] == [4, 3, 3]
     with pytest.raises(ValueError, match="does not cover 4 layers"):
         split_layers(4, 2, [1, 2])
@@ -82,7 +82,7 @@ def test_split_layers_checks_cover():
 
 
 def test_a_node_without_the_weights_names_itself_and_the_path(tmp_path):
-    from opt_serving.parallel.pipeline import load_stage_params, stage_specs
+    from opt_serving.parallel.stage_weights import load_stage_params, stage_specs
     missing = tmp_path / "opt-tiny-np"
     with pytest.raises(FileNotFoundError, match=r"node \S+ .*has no numpy weights folder at .*opt-tiny-np"):
         load_stage_params(missing, CFG, stage_specs(CFG, 2)[1])
@@ -117,7 +117,7 @@ def test_a_stage_loaded_alone_equals_its_slice_of_the_whole_model(folders, split
     from opt_serving.model import param_tree, sources
     from opt_serving.model import quantize as quantization
     from opt_serving.model.weights import load_params
-    from opt_serving.parallel.pipeline import load_stage_params, stage_specs
+    from opt_serving.parallel.stage_weights import load_stage_params, stage_specs
     if quantize:
         whole = quantization.load_params(folders / "f32", CFG)
         random_whole = quantization.quantize_params(param_tree.init_params(CFG, seed=4))
@@ -144,7 +144,7 @@ def test_a_stage_loaded_alone_equals_its_slice_of_the_whole_model(folders, split
 def test_stages_built_a_layer_at_a_time_compute_what_their_whole_trees_do(folders, quantize):
     """load_stage (the stage actor's loader: the runtime layout built a layer at a time) chained over the
     stages gives the logits of StageSlots over each stage's checkpoint tree put in that layout at once."""
-    from opt_serving.parallel.pipeline import load_stage, load_stage_params, stage_specs
+    from opt_serving.parallel.stage_weights import load_stage, load_stage_params, stage_specs
     from opt_serving.runner.stage import StageSlots
     specs = stage_specs(CFG, 2)
     chains = []
@@ -174,7 +174,7 @@ def test_the_stage_actor_offers_exactly_the_declared_stage_calls_and_the_runner_
     generated from it (each forwarding to its StageSlots), and every call runner/slots.py sends a stage is in it."""
     import inspect
     import re
-    from opt_serving.parallel.pipeline import StageActor
+    from opt_serving.parallel.stage_actor import StageActor
     from opt_serving.runner import slots
     from opt_serving.runner.stage import StageSlots
     from opt_serving.runner.types import STAGE_CALLS
@@ -200,7 +200,7 @@ def test_a_placement_no_node_could_hold_is_refused_naming_the_resources():
     """never_placed: a plan whose stage bundles the cluster's nodes could never hold (even idle) is refused when
     it is made (RayStages, serve's placement), naming what it needs and what the nodes have; one they could hold
     is not, however busy they are now (Ray waits for room then)."""
-    from opt_serving.parallel.pipeline import never_placed
+    from opt_serving.parallel.placement import never_placed
     node = lambda cpus, gpus=0, alive=True: {"Alive": alive, "Resources": {"CPU": cpus, "memory": 1e9,
                                                                              **({"GPU": gpus} if gpus else {})}}
     four = [{"CPU": 1.0}] * 4

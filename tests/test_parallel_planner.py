@@ -9,7 +9,8 @@ from opt_serving.cli import main
 from opt_serving.config import OPT_CONFIGS
 from opt_serving.parallel import cost
 from opt_serving.parallel.cluster import GB, parse_cluster
-from opt_serving.parallel.planner import NoFeasiblePlan, _peak, _stage_memory, search, slice_layers
+from opt_serving.parallel.planner import NoFeasiblePlan, search, slice_layers
+from opt_serving.parallel.stage_memory import peak_bytes, stage_memory
 
 
 def _check_plan(plan, cfg, cluster):
@@ -234,9 +235,9 @@ def test_a_plan_without_room_for_the_prefix_pool_serves_without_it():
     assert roomy.prefix_pool
     tight = search(cfg, cluster, model="opt-175b", batch_size=8, max_seq_len=2048).best
     assert not tight.prefix_pool and tight.max_memory_bytes <= tight.memory_limit
-    with_pool = _stage_memory(cfg, tight.stages[0].num_layers, True, False, tight.tp, 8, tight.micro_batch_size,
-                              2048, 1, "float16")
-    assert _peak(*with_pool) > tight.memory_limit  # the pool would not have fitted this plan's first stage
+    with_pool = stage_memory(cfg, tight.stages[0].num_layers, True, False, tight.tp, 8, tight.micro_batch_size,
+                             2048, 1, "float16")
+    assert peak_bytes(*with_pool) > tight.memory_limit  # the pool would not have fitted this plan's first stage
     with pytest.raises(NoFeasiblePlan):
         search(cfg, cluster, model="opt-175b", batch_size=64, max_seq_len=2048)
 

@@ -263,7 +263,7 @@ def test_pipeline_stages_keep_their_own_layers_blocks(params):
     """Two stages (layers 0 and 1, in this process) each keep their layers' KV in their own pool under the
     same block numbers: the one-device tokens without a cache, prefixes reused."""
     from opt_serving.model import param_tree
-    from opt_serving.parallel.pipeline import stage_specs
+    from opt_serving.parallel.stage_weights import stage_specs
     from opt_serving.runner.slots import Slots
     from opt_serving.runner.stage import LocalStages, StageSlots
     jobs = shared_prefix_jobs(seed=2, n=4)

@@ -43,7 +43,7 @@ def two_stage_slots(params, num_slots=4, groups=2, xla=False):
     """Two stages in this process (`xla`: on plain XLA, without ragged steps)."""
     from opt_serving.backend import Backend
     from opt_serving.model import param_tree
-    from opt_serving.parallel.pipeline import stage_specs
+    from opt_serving.parallel.stage_weights import stage_specs
     from opt_serving.runner.slots import Slots
     from opt_serving.runner.stage import LocalStages, StageSlots
     stages = [StageSlots(CFG, param_tree.stage_params(params, s), s, num_slots // groups, groups, 64,
@@ -109,7 +109,7 @@ def test_after_warm_up_prompts_joining_each_group_right_after_an_insert_compile_
     # the step after an insert gets the cache the insert made, and the smallest join block is the first that
     # warm-up steps (after a plain step): the two spelled a replicated cache apart, and this compiled again
     from opt_serving.model import sources
-    from opt_serving.parallel.pipeline import load_stage, stage_specs
+    from opt_serving.parallel.stage_weights import load_stage, stage_specs
     from opt_serving.runner.slots import Slots
     from opt_serving.runner.stage import LocalStages, StageSlots
     stages = []

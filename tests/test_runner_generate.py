@@ -18,7 +18,7 @@ CASES = [dict(max_new_tokens=6),
 @pytest.fixture(scope="module")
 def models():
     from opt_serving.model import param_tree, wrapper
-    from opt_serving.parallel.pipeline import stage_specs
+    from opt_serving.parallel.stage_weights import stage_specs
     from opt_serving.runner.generate import Generation
     from opt_serving.runner.stage import LocalStages, StageSlots
     params = param_tree.init_params(CFG, seed=3, std=0.3)

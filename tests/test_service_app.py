@@ -411,12 +411,12 @@ def test_serve_args_from_command_line_strings():
 def test_served_model_names_from_the_command_line():
     import argparse
 
-    from opt_serving.service import cli
+    from opt_serving.service import cli_args
     parser = argparse.ArgumentParser()
-    cli.add_arguments(parser)
+    cli_args.add_arguments(parser)
     args = parser.parse_args(["--model", "jax/opt-125m", "--served-model-name", "opt", "facebook/opt-125m"])
-    assert cli.serve_args_from(args).model_names() == ["opt", "facebook/opt-125m"]
-    assert cli.serve_args_from(parser.parse_args(["--model", "jax/opt-125m"])).model_names() == ["jax/opt-125m"]
+    assert cli_args.serve_args_from(args).model_names() == ["opt", "facebook/opt-125m"]
+    assert cli_args.serve_args_from(parser.parse_args(["--model", "jax/opt-125m"])).model_names() == ["jax/opt-125m"]
 
 
 def test_builder_makes_a_deployment_sized_for_the_engine_queue():

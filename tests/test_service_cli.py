@@ -1,6 +1,6 @@
-"""`opt-serving serve`'s model arguments (opt_serving/service/cli.py): --dummy, --seed and --tokenizer reach the
-generator a replica builds, and bad combinations exit 2 before Ray starts. No Ray here: the Ray round trip is
-tests/test_service_signals.py."""
+"""`opt-serving serve`'s model arguments (opt_serving/service/cli.py, cli_args.py): --dummy, --seed and
+--tokenizer reach the generator a replica builds, and bad combinations exit 2 before Ray starts. No Ray here: the
+Ray round trip is tests/test_service_signals.py."""
 import asyncio
 import json
 import os
@@ -18,7 +18,7 @@ from opt_serving.cli import build_parser, main
 from opt_serving.config import get_config
 from opt_serving.model.embedded import ensure_embedded_model
 from opt_serving.service.deployment import build_generator
-from opt_serving.service.cli import check_args, serve_args_from
+from opt_serving.service.cli_args import check_args, serve_args_from
 from opt_serving.text.tokenizer import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -148,7 +148,7 @@ def _titled_child(title: str) -> subprocess.Popen:
 def test_lower_ray_priority_spares_replicas_idle_workers_and_a_busy_proxy():
     import psutil
 
-    from opt_serving.service.cli import lower_ray_priority, replica_priority_env
+    from opt_serving.service.ray_session import lower_ray_priority, replica_priority_env
     assert replica_priority_env(19) == {"RAY_worker_niceness": "0"} and replica_priority_env(-1) == {}
     titles = ["ray::ServeReplica:opt:OPTServer", "ray::IDLE", "ray::ProxyActor", "ray::ServeController", "raylet"]
     procs = [_titled_child(t) for t in titles]
@@ -176,7 +176,7 @@ def test_a_refused_application_is_printed_with_what_serve_says_of_its_failed_dep
     from ray.serve._private.common import DeploymentStatus, DeploymentStatusTrigger
     from ray.serve.schema import ApplicationStatus, ApplicationStatusOverview, DeploymentStatusOverview, ServeStatus
 
-    from opt_serving.service import cli
+    from opt_serving.service import serve_deploy
 
     def deployment(status, message):
         return DeploymentStatusOverview(status=status, status_trigger=DeploymentStatusTrigger.REPLICA_STARTUP_FAILED,
@@ -186,10 +186,10 @@ def test_a_refused_application_is_printed_with_what_serve_says_of_its_failed_dep
                                                                          "ValueError: the shard is missing"),
                                                  "Router": deployment(DeploymentStatus.HEALTHY, "all well")})
     monkeypatch.setattr(serve, "status", lambda: ServeStatus(applications={"opt": app}))
-    assert cli._deployment_messages("opt") == "\n  OPTServer: ValueError: the shard is missing"
-    assert cli._deployment_messages("someone-else") == ""
+    assert serve_deploy.deployment_messages("opt") == "\n  OPTServer: ValueError: the shard is missing"
+    assert serve_deploy.deployment_messages("someone-else") == ""
 
     def gone():
         raise ConnectionError("the controller died")
     monkeypatch.setattr(serve, "status", gone)
-    assert cli._deployment_messages("opt") == ""
+    assert serve_deploy.deployment_messages("opt") == ""

@@ -15,7 +15,7 @@ from opt_serving.config import config_for
 from opt_serving.model.embedded import ensure_embedded_model
 from opt_serving.models import get_model
 from opt_serving.service.app import create_app
-from opt_serving.service.cli import check_args, serve_args_from
+from opt_serving.service.cli_args import check_args, serve_args_from
 from opt_serving.service.deployment import build_generator
 from opt_serving.service.testserver import serve_in_thread
 from opt_serving.testing.lora import write_adapter

@@ -8,7 +8,7 @@ where 13-25 s is usual, so the test waits for the real condition, a request serv
 limit that only keeps a server that never comes back from hanging the suite.
 
 Before, new requests were refused for 150-190 s, for two reasons in Ray Serve's direct ingress, both fixed
-on our side (opt_serving/service/cli.py direct_ingress_env, deployment.py reuse_replica_port_after_crash):
+on our side (opt_serving/service/ray_session.py direct_ingress_env, deployment.py reuse_replica_port_after_crash):
 - a released replica port is quarantined for 150 s (RAY_SERVE_PORT_QUARANTINE_S, for HAProxy's stale
   workers; there is no HAProxy here), and our port range is that one port: every replacement loaded the model,
   found no port (NoAvailablePortError) and was retried until the quarantine ended;

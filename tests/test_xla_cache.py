@@ -78,7 +78,7 @@ DROP_CHILD = textwrap.dedent("""
     import ctypes, gc, json, jax, jax.numpy as jnp, numpy as np
     from jax import monitoring
     from opt_serving import xla_cache
-    from opt_serving.parallel.pipeline import process_memory
+    from opt_serving.parallel.stage_actor import process_memory
     compiles = []
     monitoring.register_event_duration_secs_listener(
         lambda event, secs, **kw: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)

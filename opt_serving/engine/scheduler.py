@@ -26,8 +26,9 @@ import time
 from typing import Optional, Sequence
 
 from opt_serving.engine import admission
-from opt_serving.engine.types import (Callback, Durations, EngineClosed, EngineRequest, EngineStats, QueueFull,
-                                      SlotModel, check_bad_words, check_prompt)
+from opt_serving.engine.counters import EngineCounters
+from opt_serving.engine.types import (Callback, EngineClosed, EngineRequest, EngineStats, QueueFull, SlotModel,
+                                      check_bad_words, check_prompt)
 from opt_serving.runner.types import MAX_TOP_LOGPROBS, EngineOutput, Prefix, SlotSettings, StepResult, TokenInfo
 
 # the engine's vocabulary (engine/types.py, runner/types.py), re-exported for the generator and the service
@@ -75,14 +76,7 @@ class Engine:
         self._cv = threading.Condition()
         self._closing = False
         self._thread: Optional[threading.Thread] = None
-        self._steps = self._step_calls = self._step_tokens = 0
-        self._prefills = self._joined = self._generated = self._prompt_tokens = self._cached_tokens = 0
-        self._last_batch = 0
-        self._active_hist: collections.Counter[int] = collections.Counter()
-        # where the thread's time goes (EngineStats)
-        self._prefill_s = self._decode_s = 0.0
-        self._prefill_passes = self._computed = self._joined_tokens = self._decode_kv = 0
-        self._queue_wait, self._prompt_time, self._decode_gap = Durations(), Durations(), Durations()
+        self._counts = EngineCounters()  # (under self._cv) what stats() reports
         self._last_step_at: Optional[float] = None  # when the latest decode step began, rows still running
         if start:
             self.start()
@@ -152,19 +146,8 @@ class Engine:
 
     def stats(self) -> EngineStats:
         with self._cv:
-            return EngineStats(
-                queue_length=len(self._queue), running=self._running(),
-                num_slots=self.num_slots, steps=self._steps, step_calls=self._step_calls,
-                step_tokens=self._step_tokens,
-                prefills=self._prefills, joined=self._joined, generated_tokens=self._generated,
-                prompt_tokens=self._prompt_tokens, cached_tokens=self._cached_tokens,
-                last_step_batch=self._last_batch,
-                active_per_step=dict(self._active_hist),
-                prefill_s=self._prefill_s, prefill_passes=self._prefill_passes, computed_tokens=self._computed,
-                joined_tokens=self._joined_tokens, decode_s=self._decode_s, decode_kv_entries=self._decode_kv,
-                queue_wait=self._queue_wait.copy(), prompt_time=self._prompt_time.copy(),
-                decode_gap=self._decode_gap.copy(),
-                costs=None if self.model.costs is None else dataclasses.asdict(self.model.costs))
+            return self._counts.stats(len(self._queue), self._running(), self.num_slots,
+                                      None if self.model.costs is None else dataclasses.asdict(self.model.costs))
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop the thread; queued and running requests finish with EngineClosed."""
@@ -245,9 +228,9 @@ class Engine:
             with self._cv:  # a slot is kept for each prompt being prefilled in chunks
                 free = self._slots.count(None) - self._chunked.held
                 admit = admission.take(self._queue, free, self._chunked)
-            joined = self._joined
+            joined = self._counts.joined
             admit = [req for req in admit if not self._join(req)]
-            joining = self._joined != joined  # prompts ride in this iteration's step
+            joining = self._counts.joined != joined  # prompts ride in this iteration's step
             later = [req for req in admit if self._joins_later(req)]
             if later:  # back to the queue's front: they join the next step, after this one's
                 admit = [req for req in admit if not self._joins_later(req)]
@@ -329,20 +312,15 @@ class Engine:
         if not req.started:
             req.started, req.started_at = True, time.perf_counter()
             with self._cv:
-                self._queue_wait.observe(req.started_at - req.submitted)
+                self._counts.queue_wait.observe(req.started_at - req.submitted)
 
     def _count_passes(self, seconds: float, passes: int, computed: int) -> None:
         with self._cv:
-            self._prefill_s += seconds
-            self._prefill_passes += passes
-            self._computed += computed
+            self._counts.passes(seconds, passes, computed)
 
     def _count_prefill(self, req: EngineRequest, joined: bool = False, cached: int = 0) -> None:
         with self._cv:
-            self._prefills += 1
-            self._joined += joined
-            self._prompt_tokens += len(req.prompt)
-            self._cached_tokens += cached
+            self._counts.prefill(req, joined, cached)
 
     def _admit(self, req: EngineRequest, slot: int, prefix: Prefix) -> None:
         self._count_prefill(req, cached=prefix.cached)
@@ -367,7 +345,7 @@ class Engine:
             hurry = bool(self._queue and None in self._slots) or self._chunked.held > 0
         t = time.perf_counter()
         if self._last_step_at is not None:  # a running stream's tokens come this far apart
-            self._decode_gap.observe(t - self._last_step_at)
+            self._counts.decode_gap.observe(t - self._last_step_at)
         if (self.decode_steps > 1 and self.model.many_steps and not hurry
                 and 0 < self.decode_steps * self._step_s <= self.decode_call_s):  # (the first step alone)
             results = self.model.step_many(self.decode_steps)
@@ -381,15 +359,7 @@ class Engine:
         rows = results[0].rows
         active = [r for r in self._slots if r is not None and (rows is None or rows[r.slot])]
         with self._cv:
-            self._steps += len(results)
-            self._step_calls += 1
-            self._step_tokens += len(active) * len(results)
-            self._last_batch = len(active)
-            self._active_hist[len(active)] += len(results)
-            self._decode_s += end - t
-            # entries a row attends over: its prompt and tokens so far, one more each further step of the call
-            n = len(results)
-            self._decode_kv += sum(n * (len(r.prompt) + r.generated) + n * (n - 1) // 2 for r in active)
+            self._counts.step_call(len(results), active, end - t)
         for req in active:
             self._deliver(req, [result.token(req.slot, req.settings.logprob) for result in results])
         self._last_step_at = t if any(self._slots) else None
@@ -403,12 +373,12 @@ class Engine:
         s, out, reason = req.settings, [], None
         if req.generated == 0 and req.started:  # its first token: the prompt took this long since it started
             with self._cv:
-                self._prompt_time.observe(time.perf_counter() - req.started_at)
+                self._counts.prompt_time.observe(time.perf_counter() - req.started_at)
         if req.joined and req.generated == 0:  # its prompt was computed in the steps, past its cached prefix
             req.cached_tokens = self.model.cached_of(req.slot)
             with self._cv:
-                self._cached_tokens += req.cached_tokens
-                self._joined_tokens += len(req.prompt) - req.cached_tokens
+                self._counts.cached_tokens += req.cached_tokens
+                self._counts.joined_tokens += len(req.prompt) - req.cached_tokens
         for tok in toks:
             req.generated += 1
             if not s.logprob and tok.logprob is not None:  # not asked: the same answer whether or not the
@@ -421,7 +391,7 @@ class Engine:
             if reason is not None:
                 break
         with self._cv:
-            self._generated += len(out)
+            self._counts.generated += len(out)
         if reason is not None:
             self._finish(req, EngineOutput(out, finish_reason=reason))
         elif self._emit(req, EngineOutput(out)):

@@ -1,7 +1,6 @@
 """Alpa's inter-operator dynamic programme: contiguous layers into pipeline stages.
 
-Kept apart from planner.py, which builds the cost and memory tables this solves over,
-so that module stays under the project's ~400-line limit; planner re-exports it.
+A solver on its own: candidate.py builds the cost and memory tables this solves over; planner re-exports it.
 """
 from __future__ import annotations
 

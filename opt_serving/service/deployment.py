@@ -14,7 +14,7 @@ from opt_serving.engine.admission import DECODE_STEPS, PREFILL_CHUNK
 from opt_serving.text.fake import fake_generator
 from opt_serving.text.loading import check_model_args as check_model_names
 from opt_serving.text.loading import load_generator
-from opt_serving.parallel.pipeline import never_placed, stage_bundles
+from opt_serving.parallel.placement import never_placed, stage_bundles
 from opt_serving.service import lora_args
 from opt_serving.service import protocol as P
 from opt_serving.service.app import create_app

@@ -1,4 +1,5 @@
-"""A free TCP port on this machine (for the Serve proxy that direct ingress leaves idle, and test servers)."""
+"""This machine's TCP ports: a free one (for the Serve proxy that direct ingress leaves idle, and test servers), and
+what holds one that is taken (`opt-serving serve` says so before starting a Ray that would fail to bind it)."""
 from __future__ import annotations
 
 import random
@@ -45,3 +46,25 @@ def bindable(port: int) -> bool:
         except OSError:
             return False
         return True
+
+
+def port_holder(host: str, port: int) -> str | None:
+    """None when `port` can be bound on `host`; else what holds it: the listening process (pid and command
+    line) where it can be found, or a plain description."""
+    bind_host = "" if host in ("0.0.0.0", "::") else host
+    with socket.socket(socket.AF_INET6 if ":" in bind_host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed connection's TIME_WAIT is no holder
+        try:
+            s.bind((bind_host, port))
+            return None
+        except OSError as e:
+            reason = e.strerror or str(e)
+    try:
+        import psutil
+        for c in psutil.net_connections("tcp"):
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid:
+                cmd = " ".join(psutil.Process(c.pid).cmdline())
+                return f"process {c.pid} ({cmd[:160]})"
+    except (psutil.Error, OSError):
+        pass
+    return f"another process ({reason})"

@@ -1,0 +1,76 @@
+"""Putting the application on Ray Serve on the Ray just joined, and why that can fail: no plan fits an alpa/ model
+on the cluster, someone else's Serve or application is in the way there, or Serve refuses the application (with what
+it says of the deployments that failed).
+"""
+from __future__ import annotations
+
+import argparse
+
+from opt_serving.parallel.planner import NoFeasiblePlan
+from opt_serving.service.deployment import build_app
+from opt_serving.service.ports import free_port
+
+APP_NAME = "opt"
+
+
+def deploy(args: argparse.Namespace, serve_args, direct: bool, started_ray: bool) -> tuple[str | None, str | None]:
+    """Start Serve on the Ray just joined and run the application on it -> (the name of the application
+    deployed, None) or (None, why not): the planner finds no plan that fits an alpa/ model on the cluster, or
+    a cluster this command did not start already runs Serve elsewhere than --port or an application of our
+    name (never replaced), or Serve refuses the application."""
+    from ray import serve  # after Ray started: Serve reads its settings when imported
+
+    # with direct ingress Serve still starts its proxy: it gets a spare port, the replica owns --port
+    serve.start(http_options={"host": args.host, "port": free_port() if direct else args.port})
+    if not started_ray:
+        problem = _foreign_serve_problem(args)
+        if problem:
+            return None, problem
+    try:
+        app = build_app(serve_args)  # plans alpa/ models for the cluster just joined
+    except NoFeasiblePlan as e:
+        return None, str(e)
+    try:
+        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+    except Exception as e:  # e.g. another application holds the route prefix "/", or a replica failed to start
+        return None, (f"Ray Serve on the cluster at {_cluster_address()} refused the application: {e}"
+                      + deployment_messages(APP_NAME))
+    return APP_NAME, None
+
+
+def deployment_messages(name: str) -> str:
+    """What Serve says of the application's deployments that are not running (a replica's constructor's error,
+    with its traceback), to print beside Serve's one-line refusal; "" where it says nothing more."""
+    from ray import serve
+    try:
+        app = serve.status().applications.get(name)
+    except Exception:  # the controller gone with the failure: the refusal is all there is
+        return ""
+    if app is None:
+        return ""
+    said = [f"{d}: {s.message}" for d, s in app.deployments.items() if s.message and s.status != "HEALTHY"]
+    return "".join(f"\n  {m}" for m in said)
+
+
+def _cluster_address() -> str:
+    import ray
+    return ray.get_runtime_context().gcs_address
+
+
+def _foreign_serve_problem(args: argparse.Namespace) -> str | None:
+    """On a cluster this command did not start: why it cannot serve there (None: it can). Serve keeps the HTTP
+    settings it first started with, so a Serve already running on another port would leave --port
+    unanswered; an application of our name there is someone else's."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+    where, http = _cluster_address(), _get_global_client().http_config
+    if http.port != args.port or http.host != args.host:
+        return (f"Ray Serve already runs on the Ray cluster at {where}, its HTTP proxy on {http.host}:{http.port}, "
+                f"and keeps that: this command cannot serve on {args.host}:{args.port} there. Use --host "
+                f"{http.host} --port {http.port} to serve beside its applications, or --ray-address local for a "
+                "Ray of this command's own")
+    if APP_NAME in serve.status().applications:
+        return (f"the Ray cluster at {where} already runs a Serve application named '{APP_NAME}' that this "
+                "command did not deploy: it is left as it is. Stop it there (`serve shutdown`, or the program "
+                "that deployed it), or use --ray-address local for a Ray of this command's own")
+    return None
