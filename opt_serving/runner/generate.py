@@ -166,14 +166,12 @@ class Generation:
         search (num_beams > 1); once it returns True the search ends at once with
         beam_search.SearchStopped (a server stops the search of a client that has gone).
 
-        Speculative decoding, as transformers' assisted generation (one sequence): `assistant_model` (a jax/ or
-        alpa/ model sharing the tokenizer) drafts `num_assistant_tokens` (default 4) tokens a round, or
-        `prompt_lookup_num_tokens` tokens are drafted from the sequence's own earlier n-grams (up to
-        `max_matching_ngram_size`); the target checks them in one pass (runner/speculative.py). Greedy output is
-        the non-speculative output; sampled tokens have the target's distribution. `num_assistant_tokens_schedule`
-        "adaptive" (default) picks each round's draft length from the acceptance rate and the measured costs,
-        drafting nothing while that does not pay; "constant" always drafts the full length. The round's figures
-        are left in `last_speculation`."""
+        Speculative decoding, as transformers' assisted generation (one sequence; runner/speculative.py):
+        `assistant_model` (a jax/ or alpa/ model with the same tokenizer) drafts `num_assistant_tokens` (4) a
+        round, or `prompt_lookup_num_tokens` are drafted from the sequence's earlier n-grams (up to
+        `max_matching_ngram_size`). `num_assistant_tokens_schedule`: "adaptive" (each round's draft length from
+        the acceptance rate and measured costs, none while that does not pay) or "constant"; `last_speculation`
+        holds the figures."""
         if unused:
             raise TypeError(f"generate() got unsupported arguments: {sorted(unused)}")
         if assistant_model is not None or prompt_lookup_num_tokens:
