@@ -46,16 +46,16 @@ from typing import Optional, Sequence
 import numpy as np
 
 from opt_serving.model import kv_cache
+from opt_serving.runner.buckets import cache_bucket, chunk_width, job_size, prefill_bucket, prefill_buckets
 from opt_serving.runner.generate import Generation
 from opt_serving.runner.joins import Joining, Joins, block_sizes
 from opt_serving.runner.lora import Adapters, SlotAdapters
 from opt_serving.runner.prefix import BLOCK_SIZE, PrefixCache
-from opt_serving.runner.stage import (LocalStages, Stages, cache_bucket, chunk_width, chunk_widths, job_size,
-                                      job_sizes, prefill_bucket, prefill_buckets)
+from opt_serving.runner.stage import LocalStages, Stages
 from opt_serving.runner.types import (ACCELERATOR_JOIN_BLOCKS, JOIN_BLOCKS, JOIN_PROMPT_TOKENS, JOIN_PROMPTS,
                                       MAX_TOP_LOGPROBS, PREFILL_BATCH_TOKENS, JoinBlock, ModelCosts, PartialPrefill,
-                                      Prefix,
-                                      SlotModel, SlotSettings, StepResult, TokenInfo)
+                                      Prefix, SlotModel, SlotSettings, StepResult, TokenInfo)
+from opt_serving.runner.warmup import warm_up
 
 # the chunk a prompt's part past its cached prefix is computed in where the engine prefills it whole (the
 # engine's own prefill_chunk otherwise)
@@ -609,114 +609,10 @@ class Slots(SlotModel):
 
     # ---- life ----
     def warmup(self, prefill_chunk: Optional[int] = None, decode_steps: int = 1) -> None:
-        """Compile every prefill bucket, its insert into every cache window that holds it, the decode step
-        (and `decode_steps` of them in one call, where `step_many` takes them) and free at every window, and the
-        resizes between neighbouring windows (growing only, where steps never shrink the cache); with
-        `prefill_chunk` (and for the part of a prompt after its cached prefix), what chunked prefills run
-        (`_warm_jobs`); with the prefix cache, the writes of every cache size into its pool. Every group's
-        cache has the same shapes: warming group 0 compiles all."""
-        self._set_joins(prefill_chunk)
-        self._to_all("begin_warmup")
-        # first, while a stage holds the fewest compiled programs: the compiles of chunked prefills take the most
-        # memory while they run (at OPT-1.3b's stages 94-160 MB above what the stage holds), so they come before
-        # the programs of the windows' steps add to it. Prompt scores (echo with logprobs) go a block of
-        # positions at a time through one program, whatever the width (Sampler.prompt_scores): one scored prompt
-        # compiles it.
-        self.discard(self._warm_prefill(self.buckets[0] - 1, scored=True))
-        if prefill_chunk or self.prefix is not None:
-            self._warm_jobs(self.hit_chunk)
-        # b - 1 prompt tokens fill prefill bucket b; each a prefix-cache miss, so its blocks are stored. The inserts
-        # below need a prefilled prompt of every cache size: one stage keeps the first of each size (no prefill
-        # again); a pipeline's stages, whose memory is short, let each go at once and prefill one again for its
-        # inserts (holding them all was a third of a stage's KV cache more at its peak, OPT-1.3b at 8 x 256)
-        hold = self.stages.n == 1
-        widths: dict[int, int] = {}  # every cache size a prefill makes -> the smallest prefill width making it
-        held: dict[int, Prefix] = {}
-        for b in self.buckets:
-            c, prefix = cache_bucket(b, self.max_seq_len), self._warm_prefill(b - 1)
-            widths.setdefault(c, b)
-            if hold and c not in held:
-                held[c] = prefix
-            else:
-                self.discard(prefix)
-        stored = [b for b in self.buckets if b > BLOCK_SIZE]
-        if self.prefix is not None and stored:  # the first store again, into the pool as the stores leave it
-            self.discard(self._warm_prefill(stored[0] - 1))
-        joiners = range(self.groups, self.num_slots, self.groups)[:JOIN_PROMPTS]  # group 0's rows after slot 0
-        # the stages' own windows (from 256 where the attention kernel reads only the written entries): a
-        # smaller one would only run its steps again in the stages' smallest
-        windows = sorted(set().union(*self.stages.get([self.stages.call(i, "cache_windows")
-                                                       for i in range(self.stages.n)])))
-        for w in windows:  # growing: each window's inserts, then its step
-            fits = [c for c in sorted(widths) if c <= w]
-            # the largest first grows the cache to w, then goes in again, into the cache that insert made (as
-            # every later insert finds it: one a step made), then each smaller one; one prefill for both of its
-            largest = held[fits[-1]] if hold else self._warm_prefill(widths[fits[-1]] - 1)
-            self.insert(largest, 0, keep=True)
-            self.insert(largest, 0, keep=hold)
-            for c in fits[:-1]:
-                self.insert(held[c] if hold else self._warm_prefill(widths[c] - 1), 0, keep=hold)
-            self._lengths[0] = w  # the step reads the whole window
-            self.step()
-            if decode_steps > 1:  # the steps fill the window
-                self._lengths[0] = max(w - decode_steps + 1, 1)
-                self.step_many(decode_steps)
-            for b in self.join_blocks if joiners else ():  # and steps with prompts joining, each block size
-                self._lengths[0] = w
-                if self.prefix is not None:  # (no prompt reuses another's blocks: each fills its share)
-                    self.prefix.clear()
-                some = joiners[:b]
-                for i, slot in enumerate(some):  # the prompts fill the block: b tokens in all (no two alike: none
-                    n = b // len(some) + (i < b % len(some))  # waits for another's prefix blocks)
-                    filler = (self.cfg.bos_token_id + 2 + i) % self.cfg.vocab_size
-                    if not self.join([self.cfg.bos_token_id] + [filler] * (n - 1), SlotSettings(), slot):
-                        raise RuntimeError(f"warm-up: a prompt did not join a block of {b}")
-                self.step()
-                for slot in some:
-                    self.free(slot)
-            if self.ragged and self.prefix is not None:  # a joined prompt's blocks into the pool (none written)
-                self._to_all("store_row", 0, 0, np.full(w // BLOCK_SIZE, self.prefix.blocks, np.int32))
-            self.free(0)
-        for prefix in held.values():
-            self.discard(prefix)
-        if self.prefix is not None:
-            self.prefix.clear()  # what warm-up wrote is nobody's prefix
-        self._to_all("end_warmup")
-        self.stages.get(self.stages.call(0, "ready"))
-
-    def _warm_prefill(self, n: int, scored: bool = False) -> Prefix:
-        """A prompt of n tokens prefilled whole, as a prefix-cache miss (`scored`: with its prompt scores)."""
-        if self.prefix is not None:
-            self.prefix.clear()
-        return self.prefill([self.cfg.bos_token_id] * n, SlotSettings(prompt_logprobs=scored))
-
-    def _warm_jobs(self, chunk: int) -> None:
-        """Compile what prompts prefilled in chunks of `chunk` run, and those after a cached prefix: into the
-        cache of every job size, a long prompt's first chunk (a new cache) and its last at every width (the
-        cache the first made), and with the prefix cache what a cached prefix leaves at every width (the cache
-        its blocks were gathered into), the blocks' store and gathering; each width's first token and prompt
-        scores. Each job's tokens are its own (the cache is cleared before it), so only the hits asked for hit."""
-        vocab, fresh = self.cfg.vocab_size, itertools.count(self.cfg.bos_token_id + 1)
-
-        def run(n: int, size: int, head: Sequence[int] = (), scored: bool = False, clear: bool = True) -> None:
-            if clear and self.prefix is not None:
-                self.prefix.clear()
-            tokens = list(head) + [next(fresh) % vocab] * (n - len(head))
-            job = self.open_prefill(tokens, SlotSettings(prompt_logprobs=scored), chunk, size=size)
-            self.discard(self._run(job))
-
-        chunk = min(chunk, self.max_seq_len)
-        widths, sizes = chunk_widths(chunk), job_sizes(self.max_seq_len)
-        for size in sizes:
-            for w in (w for w in widths if w < size):
-                if size > chunk:  # a new cache's chunk, then a last one of w into the cache it made
-                    run(min(chunk + w, size), size)
-                if self.prefix is not None and BLOCK_SIZE + w <= size:  # a cached block, then w to compute
-                    head = [next(fresh) % vocab] * BLOCK_SIZE
-                    run(BLOCK_SIZE, size, head)
-                    run(BLOCK_SIZE + w, size, head, clear=False)
-        for w in widths if self.prefix is not None else ():  # each width's prompt scores (scored hits)
-            run(w, sizes[-1], scored=True)
+        """Compile every shape serving runs (runner/warmup.py's `compiled_shapes`): the prefills, inserts, steps
+        (and `decode_steps` of them in one call, where `step_many` takes them), joins and frees; with
+        `prefill_chunk` (and for the part of a prompt after its cached prefix), the chunked prefills."""
+        warm_up(self, prefill_chunk, decode_steps)
 
     @property
     def params(self):
