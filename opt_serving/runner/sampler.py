@@ -18,7 +18,7 @@ import numpy as np
 from opt_serving.backend import Backend, sampling
 from opt_serving.runner.grammar import Matchers
 from opt_serving.runner.types import (MAX_BAD_WORD_LEN, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS,
-                                      SlotSettings)
+                                      DecodeStep, SlotSettings)
 from opt_serving.model import opt
 
 
@@ -297,11 +297,12 @@ class Sampler:
         """Does a request in the group follow a grammar (its steps need their masks one at a time)?"""
         return self.grammar.constrained(group)
 
-    def choose(self, params, group: int, h, want_scores: bool, want_top: bool, join=None):
-        """-> (tokens, logprobs, top ids, top logprobs) of the group's rows, as numpy. With `join` (a
-        `JoinBlock`), its prompts take their rows first: their tokens are their first. Constrained rows choose
-        within their masks, and their matchers take the tokens."""
-        g = group
+    def choose(self, params, h, step: DecodeStep):
+        """-> (tokens, logprobs, top ids, top logprobs) of the step's group's rows (final hidden states h [rows, D]),
+        as numpy. With the step's `join`, its prompts take their rows first: their tokens are their first.
+        Constrained rows choose within their masks, and their matchers take the tokens."""
+        g, join = step.group, step.join
+        want_scores, want_top = np.bool_(step.want_scores), np.bool_(step.want_top)
         if join is not None:  # a constrained prompt's matcher starts with its row
             for j, s in enumerate(join.settings):
                 if s.grammar is not None:
@@ -310,13 +311,12 @@ class Sampler:
         masks = self._masks(constrained, self.rows)
         if join is None:
             self.state[g], out = self._choose(params, h, self.state[g], self.settings[g], self.active[g],
-                                              np.bool_(want_scores), np.bool_(want_top), masks)
+                                              want_scores, want_top, masks)
         else:
             joining = (join.prompts, join.mask, join.lengths, settings_rows(join.settings, join.prompts.shape[0]),
                        join.last_rows)
             self.state[g], self.settings[g], self.active[g], out = self._choose_joining(
-                params, h, self.state[g], self.settings[g], self.active[g], np.bool_(want_scores),
-                np.bool_(want_top), masks, joining)
+                params, h, self.state[g], self.settings[g], self.active[g], want_scores, want_top, masks, joining)
         out = tuple(np.asarray(a) for a in out)
         self.grammar.consume(constrained, out[0])
         return out

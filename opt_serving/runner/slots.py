@@ -53,8 +53,8 @@ from opt_serving.runner.lora import Adapters, SlotAdapters
 from opt_serving.runner.prefix import BLOCK_SIZE, PrefixCache
 from opt_serving.runner.stage import LocalStages, Stages
 from opt_serving.runner.types import (ACCELERATOR_JOIN_BLOCKS, JOIN_BLOCKS, JOIN_PROMPT_TOKENS, JOIN_PROMPTS,
-                                      MAX_TOP_LOGPROBS, PREFILL_BATCH_TOKENS, JoinBlock, ModelCosts, PartialPrefill,
-                                      Prefix, SlotModel, SlotSettings, StepResult, TokenInfo)
+                                      MAX_TOP_LOGPROBS, PREFILL_BATCH_TOKENS, DecodeStep, JoinBlock, ModelCosts,
+                                      PartialPrefill, Prefix, SlotModel, SlotSettings, StepResult, TokenInfo)
 from opt_serving.runner.warmup import warm_up
 
 # the chunk a prompt's part past its cached prefix is computed in where the engine prefills it whole (the
@@ -523,28 +523,35 @@ class Slots(SlotModel):
         return kv_cache.bucket_length(min(max(longest, 1), self.max_seq_len), self.max_seq_len)
 
     def _send_decode(self, g: int) -> None:
+        """Send the group's next step through the stages (`step` awaits its tokens)."""
         slots = self._group_slots(g)
+        step, parts = self._decode_step(g, slots)
+        x = self._next[slots]
+        for i in range(self.stages.n):
+            x = self.stages.call(i, "decode", x, step)
+        self._flights.append((g, x, slots[self._lengths[slots] > 0]))
+        for p in parts:  # a prompt's blocks into the prefix cache once the step wrote them
+            if p.final and self.ragged:
+                self._keep_row(g, p.joining, step.window)
+
+    def _decode_step(self, g: int, slots: np.ndarray) -> tuple[DecodeStep, list]:
+        """The group's next step (its `slots`, in row order), and the joining prompts' parts riding in it. A row
+        whose prompt's last part rides here holds its prompt after this step (its token: +1), and is stepped from
+        the next one on (its position here: -1)."""
         lengths = self._lengths[slots]
-        positions = np.where(lengths > 0, lengths - 1, -1).astype(np.int32)  # -1: a row not stepped
+        positions = np.where(lengths > 0, lengths - 1, -1).astype(np.int32)  # [rows] -1: a row not stepped
         if self.prefix is not None and self.ragged:
             self._resume(g)
         parts = self.joins.take(g)
         block = self._block(parts) if parts else None
-        for p in parts:  # a row whose prompt's last part rides here holds its prompt after this step (its token: +1)
+        for p in parts:
             if p.final:
                 self._lengths[p.joining.slot] = len(p.joining.tokens)
         lengths = self._lengths[slots]
-        sent = lengths > 0
-        want_scores, want_top = self._wants(slots[sent])
-        x, read_len = self._next[slots], int(lengths.max())
+        want_scores, want_top = self._wants(slots[lengths > 0])
         window = self.window_needed(g, entries=max((p.end for p in parts), default=0))
-        for i in range(self.stages.n):
-            x = self.stages.call(i, "decode", g, x, positions, window, read_len, want_scores, want_top, block,
-                                 self.adapters.rows(slots))
-        self._flights.append((g, x, slots[sent]))
-        for p in parts:  # a prompt's blocks into the prefix cache once the step wrote them
-            if p.final and self.ragged:
-                self._keep_row(g, p.joining, window)
+        return DecodeStep(g, positions, window, int(lengths.max()), want_scores, want_top, block,
+                          self.adapters.rows(slots)), parts
 
     def _keep_row(self, g: int, joining: Joining, window: int) -> None:
         """Claim pool blocks for a joined prompt's full blocks not cached yet and have every stage write them from
@@ -589,9 +596,9 @@ class Slots(SlotModel):
         slots, sent = self._group_slots(0), lengths > 0
         positions = np.where(sent, lengths - 1, -1).astype(np.int32)
         want_scores, want_top = self._wants(sent)
-        outs = self.stages.get(self.stages.call(0, "decode_steps", 0, self._next.copy(), positions,
-                                                self.window_needed(0, n), int(lengths.max()), n, want_scores,
-                                                want_top, self.adapters.rows(slots)))
+        step = DecodeStep(0, positions, self.window_needed(0, n), int(lengths.max()), want_scores, want_top,
+                          adapters=self.adapters.rows(slots), steps=n)
+        outs = self.stages.get(self.stages.call(0, "decode_steps", self._next.copy(), step))
         return [self._result(slots, sent, *(a[i] for a in outs)) for i in range(n)]
 
     def _result(self, slots, rows, tok, lp, top_ids, top_lp) -> StepResult:

@@ -19,6 +19,7 @@ every step takes its rows' adapter slots too, and the stage holds its layers' sh
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Optional, Protocol, Sequence
 
@@ -36,7 +37,7 @@ from opt_serving.runner.buckets import KERNEL_MIN_WINDOW, cache_bucket, cache_wi
 from opt_serving.runner.lora import StageLora
 from opt_serving.runner.prefix import BLOCK_SIZE as PREFIX_BLOCK
 from opt_serving.runner.sampler import Sampler, split_rows
-from opt_serving.runner.types import JoinBlock, SlotSettings
+from opt_serving.runner.types import DecodeStep, SlotSettings
 
 
 def _settles(method):
@@ -252,48 +253,49 @@ class StageSlots:
 
     # ---- decode ----
     @_settles
-    def decode(self, group: int, x, positions, window: int, read_len: int, want_scores: bool = True,
-               want_top: bool = True, join: Optional[JoinBlock] = None, adapters=None):
+    def decode(self, x, step: DecodeStep):
         """One decode step of a group's rows: x is the newest tokens [rows] (first stage) or the previous
-        stage's hidden states [rows, D]; positions [rows] (0 for free rows). The cache is fitted to
-        `window` first. With `join`, prompts joining free rows ride in the same pass (hidden states then
-        [rows + T, D] between stages) and their rows' tokens are their first. Returns hidden states, or on
-        the last stage the chosen tokens and their scores. `adapters`: each row's LoRA adapter (int32 [rows])."""
-        self._fit_cache(group, window, shrink=not self.backend.attention)
+        stage's hidden states [rows, D]. The cache is fitted to the step's window first. With its `join`, prompts
+        joining free rows ride in the same pass (hidden states then [rows + T, D] between stages) and their rows'
+        tokens are their first. Returns hidden states, or on the last stage the chosen tokens and their scores."""
+        group, positions, join = step.group, step.positions, step.join
+        self._fit_cache(group, step.window, shrink=not self.backend.attention)
         prefix = self._prefix(group)
         if join is None:
-            h, self.caches[group] = self._step(self.params, self.caches[group], x, positions, np.int32(read_len),
-                                               prefix, self.lora.batch(adapters, positions.shape[0], self.ragged))
+            h, self.caches[group] = self._step(self.params, self.caches[group], x, positions,
+                                               np.int32(step.read_len), prefix,
+                                               self.lora.batch(step.adapters, positions.shape[0], self.ragged))
         else:
             block = (join.ids, join.rows, join.entries, join.seg)
             h, self.caches[group] = self._step_joining(self.params, self.caches[group], x, positions,
-                                                       np.int32(read_len), block, join.last, join.last_rows, prefix,
-                                                       self.lora.joining(adapters, positions.shape[0], join))
+                                                       np.int32(step.read_len), block, join.last, join.last_rows,
+                                                       prefix, self.lora.joining(step.adapters, positions.shape[0],
+                                                                                 join))
         if self.sampler is None:
             return h
-        return self.sampler.choose(self.params, group, h, want_scores, want_top, join)
+        return self.sampler.choose(self.params, h, step)
 
     @_settles
-    def decode_steps(self, group: int, x, positions, window: int, read_len: int, n: int, want_scores: bool = True,
-                     want_top: bool = True, adapters=None):
-        """`n` decode steps of a group in one call, on a stage that is the whole model: as `decode` n times,
-        each step given the tokens of the one before (free rows' positions move on too: their entries are
-        overwritten when a request is inserted). -> each step's chosen tokens and scores, [n, rows, ...].
+    def decode_steps(self, x, step: DecodeStep):
+        """`step.steps` decode steps of a group in one call, on a stage that is the whole model: as `decode` that
+        many times, each step given the tokens of the one before (free rows' positions move on too: their entries
+        are overwritten when a request is inserted). -> each step's chosen tokens and scores, [n, rows, ...].
         While a request of the group follows a grammar, each step's masks need the token before: the steps
         are then taken one at a time here (the engine still gets them in one call)."""
-        s = self.sampler
+        s, group, positions, n = self.sampler, step.group, step.positions, step.steps
         if s.constrained(group):
             outs = []
             for i in range(n):
-                outs.append(self.decode(group, x, np.where(positions >= 0, positions + i, -1), window, read_len + i,
-                                        want_scores, want_top, adapters=adapters))
+                outs.append(self.decode(x, dataclasses.replace(
+                    step, positions=np.where(positions >= 0, positions + i, -1), read_len=step.read_len + i,
+                    steps=1)))
                 x = outs[-1][0]
             return tuple(np.stack(a) for a in zip(*outs))
-        self._fit_cache(group, window, shrink=not self.backend.attention)
+        self._fit_cache(group, step.window, shrink=not self.backend.attention)
         self.caches[group], s.state[group], out = self._steps(
-            self.params, self.caches[group], x, positions, np.int32(read_len), s.state[group], s.settings[group],
-            s.active[group], np.bool_(want_scores), np.bool_(want_top), n, self._prefix(group),
-            self.lora.batch(adapters, len(positions), self.ragged))
+            self.params, self.caches[group], x, positions, np.int32(step.read_len), s.state[group],
+            s.settings[group], s.active[group], np.bool_(step.want_scores), np.bool_(step.want_top), n,
+            self._prefix(group), self.lora.batch(step.adapters, len(positions), self.ragged))
         return tuple(np.asarray(a) for a in out)
 
     def _prefix(self, group: int):
