@@ -31,12 +31,12 @@ from opt_serving import xla_cache
 from opt_serving.backend import Backend
 from opt_serving.backend.cpu import heap
 from opt_serving.model import beam_search, kv_cache, layout, opt, sample
-from opt_serving.model.lora import with_lora
 from opt_serving.model import quantize as quantization
-from opt_serving.runner.buckets import KERNEL_MIN_WINDOW, cache_bucket, cache_windows
+from opt_serving.runner.buckets import KERNEL_MIN_WINDOW, cache_windows
 from opt_serving.runner.lora import StageLora
 from opt_serving.runner.prefix import BLOCK_SIZE as PREFIX_BLOCK
-from opt_serving.runner.sampler import Sampler, split_rows
+from opt_serving.runner.sampler import Sampler
+from opt_serving.runner.stage_programs import stage_programs
 from opt_serving.runner.types import DecodeStep, SlotSettings
 
 
@@ -102,91 +102,12 @@ class StageSlots:
         self.sampler = Sampler(cfg, backend, rows, groups, self.max_seq_len) if stage.last else None
         self.lora = StageLora(cfg, lora, stage, params)  # (lora None: every step takes None, traces no LoRA)
 
-        def prefill(params, x, mask):
-            """k right-padded prompts (ids [k, n], or the previous stage's hidden states [k, n, D]) in one
-            pass -> k batch-1 caches and the hidden states [k, n, D] (final ones on the last stage)."""
-            k, n = mask.shape  # [k, n]: n a prefill width, the cache a coarser size (cache_bucket)
-            cache = self._new_cache(k, cache_bucket(n, self.max_seq_len))
-            h, cache = opt.prefill_step(cfg, params, cache, x, mask, return_hidden=True, stage=stage,
-                                        backend=backend)
-            return split_rows(cache, k), h
-
-        def chunk(params, cache, x, start, mask):
-            """A chunk of a prompt's prefill into its batch-1 cache (opt._extend) -> hidden states [1, C, D]."""
-            return opt._extend(cfg, params, cache, x, start, mask, return_hidden=True, stage=stage, backend=backend)
-
         self.ragged = backend.ragged  # prompts continue rows and cached prefixes are read in place (opt.ragged_step)
-        no_block = (np.zeros(0, np.int32),) * 3
-
-        def step(params, cache, x, pos, read_len, prefix=None):
-            """The newest token (or its hidden state) of each row goes in at its own position; a row at position -1
-            is not stepped (free, or its prompt is being prefilled: ragged steps leave its entries alone)."""
-            if self.ragged:
-                write = jnp.where(pos >= 0, pos, kv_cache.cache_max_len(cache))
-                return opt.ragged_step(cfg, params, cache, x, jnp.maximum(pos, 0), write, no_block, prefix,
-                                       stage=stage, backend=backend)
-            pos = jnp.maximum(pos, 0)
-            return opt.decode_step(cfg, params, cache, x, pos, pos, read_len=read_len, return_hidden=True,
-                                   stage=stage, backend=backend)
-
-        def step_joining(params, cache, x, pos, read_len, block, last, last_rows, prefix=None):
-            # as `step`, with prompts joining rows in the same pass (opt.ragged_step: any part of a prompt, after
-            # what earlier steps or a cached prefix gave its row; else opt.decode_joining_step: short prompts
-            # whole); the last stage hands the sampler each prompt's hidden state at its last token
-            if self.ragged:
-                write = jnp.where(pos >= 0, pos, kv_cache.cache_max_len(cache))
-                h, cache = opt.ragged_step(cfg, params, cache, x, jnp.maximum(pos, 0), write, block[:3], prefix,
-                                           stage=stage, backend=backend)
-            else:
-                pos = jnp.maximum(pos, 0)
-                h, cache = opt.decode_joining_step(cfg, params, cache, x, pos, pos, read_len, block, stage=stage,
-                                                   backend=backend)
-            if stage.last:  # [B + T, D] -> [B, D]
-                b = pos.shape[0]
-                h = h[:b].at[last_rows].set(h[b + last], mode="drop")
-            return h, cache
-
-        def seq_prefill(params, cache, x, mask, all_logits):
-            return opt.prefill_step(cfg, params, cache, x, mask, all_logits=all_logits, stage=stage,
-                                    backend=backend)
-
-        def seq_decode(params, cache, x, positions, write_index):
-            return opt.decode_step(cfg, params, cache, x, positions, write_index, stage=stage, backend=backend)
-
         self.seqs: dict = {}  # key -> a whole-sequence cache (generate() over a pipeline)
-        self._seq_prefill = jax.jit(with_lora(seq_prefill), static_argnums=(4,), donate_argnums=(1,))
-        self._seq_decode = jax.jit(with_lora(seq_decode), donate_argnums=(1,))
-        self._seq_reorder = jax.jit(kv_cache.reorder, donate_argnums=(0,))
-        self._prefill = jax.jit(with_lora(prefill))
-        self._chunk = jax.jit(with_lora(chunk), donate_argnums=(1,))
-        self._step = jax.jit(with_lora(step), donate_argnums=(1,))
-        self._step_joining = jax.jit(with_lora(step_joining), donate_argnums=(1,))
-        if stage.first and stage.last:  # the whole model here: n steps can feed each other in one call
-            choose = self.sampler.choose_rows
-
-            def steps(params, cache, x, pos, read_len, state, settings, active, want_scores, want_top, n, prefix):
-                """`n` decode steps of a group in one call, each fed the tokens the last one chose (as n calls
-                of `step` and Sampler.choose would) -> the cache, the sampling state and each step's
-                (tokens, logprobs, top ids, top logprobs), stacked [n, rows, ...]. Rows at position -1 stay so."""
-                stepped = pos >= 0
-
-                def one(carry, _):
-                    cache, x, pos, read_len, state = carry
-                    h, cache = step(params, cache, x, pos, read_len, prefix)
-                    state, out = choose(params, h, state, settings, active, want_scores, want_top)
-                    return (cache, out[0], jnp.where(stepped, pos + 1, pos), read_len + 1, state), out
-                (cache, _, _, _, state), outs = jax.lax.scan(one, (cache, x, pos, read_len, state), length=n)
-                return cache, state, outs
-
-            self._steps = jax.jit(with_lora(steps), static_argnums=(10,), donate_argnums=(1, 5))
-        self._insert_cache = jax.jit(lambda cache, pcache, row: kv_cache._insert(cache, pcache, row),
-                                     donate_argnums=(0,))
-        self._gather = jax.jit(kv_cache.gather_blocks)  # one compile per cache size
-        self._store = jax.jit(kv_cache.store_blocks, donate_argnums=(0,))
-        self._store_row = jax.jit(lambda pool, cache, row, ids: kv_cache.store_blocks(
-            pool, kv_cache.row_of(cache, row), ids), donate_argnums=(0,))
-        self._resize = jax.jit(lambda cache, n: kv_cache._resize(cache, n), static_argnums=(1,))
-        self._free = jax.jit(kv_cache.free_slot, donate_argnums=(0,))
+        (self._prefill, self._chunk, self._step, self._step_joining, self._steps, self._seq_prefill, self._seq_decode,
+         self._seq_reorder, self._insert_cache, self._gather, self._store, self._store_row, self._resize,
+         self._free) = stage_programs(cfg, stage, backend, self.max_seq_len, self._new_cache,
+                                      self.sampler.choose_rows if stage.first and stage.last else None)
 
     # ---- prefill ----
     @_settles
