@@ -425,7 +425,7 @@ def test_without_ragged_steps_short_prompts_join_whole(xla_model8):
     result = model8.step()
     stage = model8.stages.stages[0]
     assert np.asarray(stage.sampler.active[0]).tolist() == [True, True, False, True, True, False, True, False]
-    assert model8._lengths.tolist() == [4, 4, 0, 4, 5, 0, 2, 0]  # prompt and first token
+    assert model8.table.lengths.tolist() == [4, 4, 0, 4, 5, 0, 2, 0]  # prompt and first token
     mask = np.asarray(stage.caches[0]["mask"])
     assert mask[4, :4].all() and mask[4].sum() == 4  # its prompt (its first token goes in at the next step)
     assert mask[6, :1].all() and mask[6].sum() == 1

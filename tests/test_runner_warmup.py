@@ -70,7 +70,9 @@ def test_after_warm_up_a_mixed_workload_compiles_nothing(slots):
     before = programs(slots)
     long = [2] + list(range(10, 50))
     slots.insert(slots.prefill(long, SlotSettings(max_tokens=6)), 0)
-    slots.insert(slots.prefill_batch([[2, 5], [2, 6, 7]], [SlotSettings(), SlotSettings(temperature=0.8, seed=1)])[1], 1)
+    batch = slots.prefill_batch([[2, 5], [2, 6, 7]], [SlotSettings(), SlotSettings(temperature=0.8, seed=1)])
+    slots.discard(batch[0])
+    slots.insert(batch[1], 1)
     assert slots.join([2, 40, 41], SlotSettings(), 2)
     assert slots.join(long[:33] + [3, 4], SlotSettings(), 3)  # its first two blocks are cached: the rest joins
     for _ in range(4):

@@ -41,6 +41,7 @@ from opt_serving.runner.joins import Joining, Joins, block_sizes
 from opt_serving.runner.lora import Adapters, SlotAdapters
 from opt_serving.runner.prefill import Prefills
 from opt_serving.runner.prefix import BLOCK_SIZE, PrefixCache
+from opt_serving.runner.slot_table import SlotTable
 from opt_serving.runner.stage import LocalStages, Stages
 from opt_serving.runner.types import (ACCELERATOR_JOIN_BLOCKS, JOIN_BLOCKS, JOIN_PROMPT_TOKENS, JOIN_PROMPTS,
                                       MAX_TOP_LOGPROBS, PREFILL_BATCH_TOKENS, DecodeStep, JoinBlock, ModelCosts, Prefix,
@@ -73,8 +74,7 @@ class Slots(Prefills, SlotModel):
         """`prefix_blocks`: the blocks of the prefix cache, as the stages' pools were made (0: none); `costs`: what
         a token costs the model (for the engine's statistics)."""
         self.costs = costs
-        if num_slots % groups:
-            raise ValueError(f"{num_slots} decode slots do not split into {groups} micro-batch groups")
+        self.table = SlotTable(num_slots, groups)  # each slot's tokens, wants, (group, row) and generation
         self.cfg, self.stages, self.plan = cfg, stages, plan
         self.num_slots, self.groups = num_slots, groups
         self.max_seq_len = min(max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -89,12 +89,8 @@ class Slots(Prefills, SlotModel):
         # a batched pass chooses its first tokens over this many rows (padded): sampling costs a pass over
         # [rows, V] per processor, so not the slots' 32 rows for 4 prompts, and one compile for all passes
         self.pass_rows = max(self.batch_rows.values(), default=1)
-        self._lengths = np.zeros(num_slots, np.int64)   # tokens so far (0 = free): window and read length
-        self._next = np.zeros(num_slots, np.int32)      # the newest token, fed to the next decode
-        self._want_top = np.zeros(num_slots, np.bool_)  # does the slot's request want top alternatives
-        self._want_lp = np.zeros(num_slots, np.bool_)   # ... or its tokens' log-probabilities
-        self._flights: collections.deque = collections.deque()  # (group, future, slots sent), oldest first
-        self._stale: set[int] = set()   # slots freed or refilled while their group was in flight
+        # (group, future, slots sent, their generations), oldest first
+        self._flights: collections.deque = collections.deque()
         self._handles = itertools.count()
         # ragged steps (every stage's backend: opt.ragged_step) take any prompt a part at a time, cached prefixes in
         # place; otherwise short prompts join whole (runner/joins.py)
@@ -165,10 +161,7 @@ class Slots(Prefills, SlotModel):
 
     def group_of(self, slot: int) -> tuple[int, int]:
         """(group, row) of a slot: consecutive slots alternate groups."""
-        return slot % self.groups, slot // self.groups
-
-    def _group_slots(self, g: int) -> np.ndarray:
-        return np.arange(g, self.num_slots, self.groups)
+        return self.table.group_of(slot)
 
     def _to_all(self, method: str, *args) -> None:
         """The same call to every stage, in stage order (replies not awaited)."""
@@ -204,8 +197,7 @@ class Slots(Prefills, SlotModel):
         if self.ragged and self.prefix is not None:
             joining.keys = self._keys(joining.tokens, settings)
             self._match(g, joining)
-        self._want_top[slot] = settings.top_logprobs
-        self._want_lp[slot] = settings.logprob
+        self.table.join(slot, settings)
         return True
 
     def cached_of(self, slot: int) -> int:
@@ -263,14 +255,9 @@ class Slots(Prefills, SlotModel):
     def insert(self, prefix: Prefix, slot: int, keep: bool = False) -> None:
         """Put a prefilled request into a slot; with `keep` its prefix can be inserted again (warm-up)."""
         g, row = self.group_of(slot)
-        if self._in_flight(g):
-            self._stale.add(slot)
         self._to_all("insert", prefix.state, g, row, keep)
         self.adapters.insert(prefix.state, slot, keep)
-        self._lengths[slot] = prefix.length + 1  # the prompt and the first token
-        self._next[slot] = prefix.first.id
-        self._want_top[slot] = prefix.settings.top_logprobs
-        self._want_lp[slot] = prefix.settings.logprob
+        self.table.insert(slot, prefix.length + 1, prefix.first.id, prefix.settings)  # the prompt and first token
 
     def free(self, slot: int) -> None:
         g, row = self.group_of(slot)
@@ -280,26 +267,25 @@ class Slots(Prefills, SlotModel):
         held = self._held.pop(slot, None)
         if held:
             self.prefix.release(held)
-        if self._in_flight(g):
-            self._stale.add(slot)
         self._to_all("free", g, row)
-        self._lengths[slot] = 0
+        self.table.free(slot)
         self.adapters.free(slot)
 
     def window_needed(self, g: int, steps: int = 1, entries: int = 0) -> int:
         """The cache window a group's next `steps` steps need: the bucket holding every active slot's tokens (and
         `entries`, those joining prompts' parts fill)."""
-        longest = max(int(self._lengths[self._group_slots(g)].max()) + steps - 1, entries)
+        longest = max(int(self.table.lengths[self.table.group_slots(g)].max()) + steps - 1, entries)
         return kv_cache.bucket_length(min(max(longest, 1), self.max_seq_len), self.max_seq_len)
 
     def _send_decode(self, g: int) -> None:
         """Send the group's next step through the stages (`step` awaits its tokens)."""
-        slots = self._group_slots(g)
+        slots = self.table.group_slots(g)
         step, parts = self._decode_step(g, slots)
-        x = self._next[slots]
+        x = self.table.next[slots]
         for i in range(self.stages.n):
             x = self.stages.call(i, "decode", x, step)
-        self._flights.append((g, x, slots[self._lengths[slots] > 0]))
+        sent = slots[self.table.lengths[slots] > 0]
+        self._flights.append((g, x, sent, self.table.generation[sent]))
         for p in parts:  # a prompt's blocks into the prefix cache once the step wrote them
             if p.final and self.ragged:
                 self._keep_row(g, p.joining, step.window)
@@ -308,7 +294,7 @@ class Slots(Prefills, SlotModel):
         """The group's next step (its `slots`, in row order), and the joining prompts' parts riding in it. A row
         whose prompt's last part rides here holds its prompt after this step (its token: +1), and is stepped from
         the next one on (its position here: -1)."""
-        lengths = self._lengths[slots]
+        lengths = self.table.lengths[slots]
         positions = np.where(lengths > 0, lengths - 1, -1).astype(np.int32)  # [rows] -1: a row not stepped
         if self.prefix is not None and self.ragged:
             self._resume(g)
@@ -316,9 +302,9 @@ class Slots(Prefills, SlotModel):
         block = self._block(parts) if parts else None
         for p in parts:
             if p.final:
-                self._lengths[p.joining.slot] = len(p.joining.tokens)
-        lengths = self._lengths[slots]
-        want_scores, want_top = self._wants(slots[lengths > 0])
+                self.table.lengths[p.joining.slot] = len(p.joining.tokens)
+        lengths = self.table.lengths[slots]
+        want_scores, want_top = self.table.wants(slots[lengths > 0])
         window = self.window_needed(g, entries=max((p.end for p in parts), default=0))
         return DecodeStep(g, positions, window, int(lengths.max()), want_scores, want_top, block,
                           self.adapters.rows(slots)), parts
@@ -336,39 +322,32 @@ class Slots(Prefills, SlotModel):
             self._to_all("store_row", g, joining.row, ids)
         self._unpromise(joining.slot)  # (stored: the prompts waiting for them find them in the cache)
 
-    def _wants(self, slots) -> tuple[bool, bool]:
-        """(want_scores, want_top) of a step over `slots` (indices or a mask): the top alternatives where a
-        request asks for them, the scores where one asks for those or for its tokens' log-probabilities."""
-        want_top = bool(self._want_top[slots].any())
-        return want_top or bool(self._want_lp[slots].any()), want_top
-
     def step(self) -> StepResult:
         for g in range(self.groups):  # every idle group with work goes into the stages
-            if not self._in_flight(g) and (self.joins.waiting(g) or self._lengths[self._group_slots(g)].any()):
+            busy = self.table.lengths[self.table.group_slots(g)].any()
+            if not self._in_flight(g) and (self.joins.waiting(g) or busy):
                 self._send_decode(g)
-        g, future, sent = self._flights.popleft()
-        slots = self._group_slots(g)
-        rows = np.zeros(self.num_slots, np.bool_)
-        rows[[s for s in sent if s not in self._stale]] = True
-        self._stale.difference_update(slots)
-        return self._result(slots, rows, *self.stages.get(future))
+        g, future, sent, generations = self._flights.popleft()
+        rows = np.zeros(self.num_slots, np.bool_)  # a slot freed or refilled since the step was sent takes nothing
+        rows[self.table.current(sent, generations)] = True
+        return self._result(self.table.group_slots(g), rows, *self.stages.get(future))
 
     def step_many(self, n: int) -> list[StepResult]:
         """Up to `n` decode steps of every slot in one call of the stage, each fed the tokens of the one
         before: the host's work of a step (dispatch, reading the tokens back) is paid once for them. Only
         where one stage holds the whole model and the slots are one group, with no prompt waiting to join,
         and room in the context for all n; otherwise one step. -> one StepResult a step."""
-        lengths = self._lengths
+        lengths = self.table.lengths
         # (n steps write entries up to the longest slot's length + n - 2; one count of steps, one compile)
         if (n <= 1 or self.stages.n > 1 or self.groups > 1 or self.joins.waiting(0)
                 or lengths.max() + n - 1 > self.max_seq_len):
             return [self.step()]
-        slots, sent = self._group_slots(0), lengths > 0
+        slots, sent = self.table.group_slots(0), lengths > 0
         positions = np.where(sent, lengths - 1, -1).astype(np.int32)
-        want_scores, want_top = self._wants(sent)
+        want_scores, want_top = self.table.wants(sent)
         step = DecodeStep(0, positions, self.window_needed(0, n), int(lengths.max()), want_scores, want_top,
                           adapters=self.adapters.rows(slots), steps=n)
-        outs = self.stages.get(self.stages.call(0, "decode_steps", self._next.copy(), step))
+        outs = self.stages.get(self.stages.call(0, "decode_steps", self.table.next.copy(), step))
         return [self._result(slots, sent, *(a[i] for a in outs)) for i in range(n)]
 
     def _result(self, slots, rows, tok, lp, top_ids, top_lp) -> StepResult:
@@ -379,9 +358,8 @@ class Slots(Prefills, SlotModel):
         lps = np.zeros((self.num_slots, MAX_TOP_LOGPROBS), np.float32)
         tokens[slots], logprobs[slots], ids[slots], lps[slots] = tok, lp, top_ids, top_lp
         # the top-k ran for every row if one wanted it: the others get none
-        ids = np.where(self._want_top[:, None], ids, -1)
-        self._next[rows] = tokens[rows]
-        self._lengths[rows] += 1
+        ids = np.where(self.table.want_top[:, None], ids, -1)
+        self.table.advance(rows, tokens)
         return StepResult(tokens, logprobs, ids, lps, rows=rows)
 
     # ---- life ----

@@ -170,18 +170,18 @@ class _Runner:
         self.slots.insert(prefix, 0, keep=self.hold)
 
     def decode(self, shape: Shape) -> None:
-        self.slots._lengths[0] = shape.window  # the step reads the whole window
+        self.slots.table.lengths[0] = shape.window  # the step reads the whole window
         self.slots.step()
 
     def decode_steps(self, shape: Shape) -> None:
-        self.slots._lengths[0] = max(shape.window - shape.steps + 1, 1)  # the steps fill the window
+        self.slots.table.lengths[0] = max(shape.window - shape.steps + 1, 1)  # the steps fill the window
         self.slots.step_many(shape.steps)
 
     def join(self, shape: Shape) -> None:
         """Prompts fill the block: `block` tokens in all, no two alike (none waits for another's prefix blocks),
         none reusing another's blocks (each fills its share)."""
         slots, b = self.slots, shape.block
-        slots._lengths[0] = shape.window
+        slots.table.lengths[0] = shape.window
         if slots.prefix is not None:
             slots.prefix.clear()
         some = range(slots.groups, slots.num_slots, slots.groups)[:JOIN_PROMPTS][:b]  # group 0's rows after slot 0
