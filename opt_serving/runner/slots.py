@@ -1,7 +1,7 @@
 """The engine's slot model for every plan: host bookkeeping over a chain of stages.
 
-`Slots` keeps, per decode slot, its token count, its newest token and what its request wants scored,
-and drives the stages (`StageSlots`, runner/stage.py) through a `Stages` object: in this process
+`Slots` keeps, per decode slot, its token count, its newest token and what its request wants scored (its
+`SlotTable`, runner/slot_table.py), builds each decode step's inputs once (a `DecodeStep`), and drives the stages (`StageSlots`, runner/stage.py) through a `Stages` object: in this process
 (`LocalStages`: one device or a tensor-parallel mesh, a stage that is both first and last) or in Ray
 actors (`parallel/pipeline.py`). Every call goes to every stage in the same order, and each stage runs
 its calls in that order, so an insert or a free sent after a decode acts after it.
@@ -9,7 +9,8 @@ its calls in that order, so an insert or a free sent after a decode acts after i
 Pipelined decode: the slots form `groups` micro-batch groups. `step()` sends every idle group with work
 through the stages, then waits for the oldest one and returns its tokens (`StepResult.rows`): while the
 engine hands those out, the other groups are in the stages. With one group it is a plain synchronous
-step. A slot freed or refilled while its group is in flight gets no token from that flight.
+step. A slot freed or refilled while its group is in flight gets no token from that flight (its generation
+changed).
 
 Joining (`join`): a short prompt takes a free slot in its group's next decode step. Its tokens ride in that
 step's products beside the decode rows (a `JoinBlock` of 8 to 128 tokens, 512 on a GPU, up to 16 prompts; its
