@@ -37,7 +37,7 @@ def programs(slots) -> dict:
 
 
 def test_the_shapes_are_the_bucket_helpers_and_the_stages_own(slots):
-    from opt_serving.runner.buckets import cache_buckets, prefill_bucket, prefill_buckets
+    from opt_serving.runner.buckets import cache_buckets, job_sizes, prefill_bucket, prefill_buckets
     from opt_serving.runner.warmup import compiled_shapes
     shapes = compiled_shapes(slots, 16, 4)
     of = lambda kind: [s for s in shapes if s.kind == kind]  # noqa: E731
@@ -49,7 +49,7 @@ def test_the_shapes_are_the_bucket_helpers_and_the_stages_own(slots):
         inserts = [s.size for s in of("insert") if s.window == w]
         assert sorted(inserts) == [c for c in cache_buckets(64) if c <= w] and inserts[0] == max(inserts)
         assert [s.block for s in of("join") if s.window == w] == list(slots.join_blocks)
-    assert {s.size for s in of("job")} <= {32, 64}  # job_sizes(64)
+    assert {s.size for s in of("job")} == set(job_sizes(64))
 
 
 def test_the_list_compiles_exactly_its_shapes(slots):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
@@ -57,7 +57,7 @@ class Shape:
     twice: bool = False
 
 
-def compiled_shapes(slots: "Slots", prefill_chunk: int = 0, decode_steps: int = 1) -> list[Shape]:
+def compiled_shapes(slots: "Slots", prefill_chunk: Optional[int] = None, decode_steps: int = 1) -> list[Shape]:
     """Every shape `slots` compiles at, in the order warm-up runs them (the module docstring). Its joins are set
     for `prefill_chunk` first (`Slots.set_prefill_chunk`)."""
     shapes = [Shape("prefill", tokens=slots.buckets[0] - 1, scored=True)]
@@ -113,7 +113,7 @@ def _windows(slots: "Slots") -> list[int]:
     return sorted(set().union(*stages.get([stages.call(i, "cache_windows") for i in range(stages.n)])))
 
 
-def warm_up(slots: "Slots", prefill_chunk: int = 0, decode_steps: int = 1) -> None:
+def warm_up(slots: "Slots", prefill_chunk: Optional[int] = None, decode_steps: int = 1) -> None:
     """Compile every shape of `compiled_shapes`, then leave the slots as they were: every slot free, the prefix
     cache empty (what warm-up wrote is nobody's prefix)."""
     slots.set_prefill_chunk(prefill_chunk)
