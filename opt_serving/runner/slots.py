@@ -3,8 +3,9 @@
 `Slots` keeps, per decode slot, its token count, its newest token and what its request wants scored (its
 `SlotTable`, runner/slot_table.py), builds each decode step's inputs once (a `DecodeStep`), and drives the
 stages (`StageSlots`, runner/stage.py) through a `Stages` object: in this process (`LocalStages`: one device or
-a tensor-parallel mesh, a stage that is both first and last) or in Ray actors (`parallel/pipeline.py`). Every call goes to every stage in the same order, and each stage runs
-its calls in that order, so an insert or a free sent after a decode acts after it.
+a tensor-parallel mesh, a stage that is both first and last) or in Ray actors (`parallel/pipeline.py`). Every
+call goes to every stage in the same order, and each stage runs its calls in that order, so an insert or a free
+sent after a decode acts after it.
 
 Pipelined decode: the slots form `groups` micro-batch groups. `step()` sends every idle group with work
 through the stages, then waits for the oldest one and returns its tokens (`StepResult.rows`): while the
