@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     from opt_serving.runner import sampler as sampler_mod
     from opt_serving.runner.generate import Generation
     from opt_serving.runner.load import local_slots
-    from opt_serving.runner.types import SlotSettings
+    from opt_serving.runner.types import DecodeStep, SlotSettings
 
     cfg = get_config(a.size)
     dev = str(jax.devices()[0])
@@ -90,7 +90,7 @@ def main(argv=None) -> int:
             slots = local_slots(cfg, ours.fused_params, num_slots=a.slots, max_seq_len=a.max_seq_len,
                                 backend=ours.backend)
         for s in range(a.slots):
-            if slots._lengths[s]:
+            if slots.table.lengths[s]:
                 slots.free(s)
         for s in range(active):
             slots.insert(slots.prefill(rng.integers(4, cfg.vocab_size, a.prompt_len).tolist(), greedy), s)
@@ -123,10 +123,11 @@ def main(argv=None) -> int:
             if left() < 30:
                 return
             # the stage's jitted call alone: the same inputs each time (the cache is donated and taken back)
-            lengths = slots._lengths
+            lengths = slots.table.lengths
             pos = np.where(lengths > 0, lengths - 1, 0).astype(np.int32)
-            x, window, read_len = slots._next.copy(), slots.window_needed(0, a.steps), int(lengths.max())
-            calls = timed(lambda: st.decode_steps(0, x, pos, window, read_len, a.steps, False, False), reps)
+            x, window, read_len = slots.table.next.copy(), slots.window_needed(0, a.steps), int(lengths.max())
+            step = DecodeStep(0, pos, window, read_len, False, False, steps=a.steps)
+            calls = timed(lambda: st.decode_steps(x, step), reps)
             per_step("stage.decode_steps", active, calls)
 
             def model_steps():

@@ -288,7 +288,7 @@ def test_the_cache_window_only_grows_where_steps_read_just_the_written_entries(m
     nothing there and a shrink would copy the whole cache, so windows start at KERNEL_MIN_WINDOW (here the
     whole context) and only grow. Otherwise the window follows the longest slot."""
     from opt_serving.model.kv_cache import cache_max_len
-    from opt_serving.runner.stage import KERNEL_MIN_WINDOW, cache_windows
+    from opt_serving.runner.buckets import KERNEL_MIN_WINDOW, cache_windows
     long, short = [2] + list(range(10, 30)), [2, 40]  # 21 + 4 tokens: window 32; 2 + 4: window 16
     e = Engine(model)
     try:
@@ -425,7 +425,7 @@ def test_without_ragged_steps_short_prompts_join_whole(xla_model8):
     result = model8.step()
     stage = model8.stages.stages[0]
     assert np.asarray(stage.sampler.active[0]).tolist() == [True, True, False, True, True, False, True, False]
-    assert model8._lengths.tolist() == [4, 4, 0, 4, 5, 0, 2, 0]  # prompt and first token
+    assert model8.table.lengths.tolist() == [4, 4, 0, 4, 5, 0, 2, 0]  # prompt and first token
     mask = np.asarray(stage.caches[0]["mask"])
     assert mask[4, :4].all() and mask[4].sum() == 4  # its prompt (its first token goes in at the next step)
     assert mask[6, :1].all() and mask[6].sum() == 1
@@ -1075,7 +1075,7 @@ def test_the_prefix_caching_option_reaches_the_slot_model(monkeypatch):
 
 
 def test_prefill_widths_pad_long_prompts_by_at_most_a_quarter():
-    from opt_serving.runner.stage import cache_bucket, cache_buckets, prefill_bucket, prefill_buckets
+    from opt_serving.runner.buckets import cache_bucket, cache_buckets, prefill_bucket, prefill_buckets
     assert prefill_buckets(1024) == [8, 16, 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512,
                                      640, 768, 896, 1024]
     assert prefill_buckets(MAX_SEQ) == [8, 16, 32] and prefill_buckets(100) == [8, 16, 32, 64, 80, 96, 100]

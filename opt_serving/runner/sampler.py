@@ -18,7 +18,7 @@ import numpy as np
 from opt_serving.backend import Backend, sampling
 from opt_serving.runner.grammar import Matchers
 from opt_serving.runner.types import (MAX_BAD_WORD_LEN, MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS,
-                                      SlotSettings)
+                                      DecodeStep, SlotSettings)
 from opt_serving.model import opt
 
 
@@ -108,6 +108,55 @@ def no_top(b: int):
     return jnp.full((b, MAX_TOP_LOGPROBS), -1, jnp.int32), jnp.zeros((b, MAX_TOP_LOGPROBS), jnp.float32)
 
 
+def _choice(backend: Backend, history_len: int, vocab: int):
+    """The sampler's token choice, not jitted: (choose, choose_joining, scores_block)."""
+    L, V = history_len, vocab
+
+    def choose(params, h, state, settings, active, want_scores, want_top, allowed=None):
+        """One token per row from the final hidden states h [B, D], scored when `want_scores`, appended
+        to the rows that are `active`; `allowed`: structured output's masks (sampling.allow_only), or None.
+        When no row wants scores and every active row takes the plain argmax, the step skips the sampling
+        processors and the scores (opt.lm_argmax: the logits and one argmax, or with the screened greedy
+        head not even the logits, a constrained row's argmax over its allowed tokens); the scores are then NaN.
+        The scores are the model's own, unmasked."""
+        def full():
+            logits = opt.lm_logits(params, h, backend)  # [B, V]
+            tok, _ = sampling.sample(logits, state, settings, backend.argmax, allowed)
+            return (tok, *token_scores(logits, tok, want_top))
+
+        def plain():
+            tok = opt.lm_argmax(params, h, sampling.held_back(state, settings), backend, allowed)
+            return (tok, jnp.full(tok.shape, jnp.nan, jnp.float32), *no_top(h.shape[0]))
+        out = jax.lax.cond(~want_scores & sampling.plain_argmax(state, settings, active), plain, full)
+        # free slots keep their state, so their positions never run past the cache
+        state = sampling.update_state(state, out[0], active)
+        return state, out
+
+    def join(state, settings, active, prompts, mask, lengths, row_settings, rows):
+        """Prompts joining rows of the group (rows [J]; out of range: none) start their sampling state."""
+        rows_state = prompt_state(prompts, mask, lengths, prompts.shape[0], L, V)
+        put = lambda a, r: a.at[rows].set(r.astype(a.dtype), mode="drop")  # noqa: E731
+        return (jax.tree_util.tree_map(put, state, rows_state), jax.tree_util.tree_map(put, settings, row_settings),
+                active.at[rows].set(True, mode="drop"))
+
+    def choose_joining(params, h, state, settings, active, want_scores, want_top, allowed, joining):
+        # the joining rows' state first, in the same computation: dispatched apart, it would run beside the
+        # step's products (it does not wait for them) and slow them down
+        state, settings, active = join(state, settings, active, *joining)
+        state, out = choose(params, h, state, settings, active, want_scores, want_top, allowed)
+        return state, settings, active, out
+
+    def scores_block(params, h, next_ids):
+        """SCORE_BLOCK positions' prompt scores: h [P, D] their final hidden states, next_ids [P] the token
+        after each -> that token's logprob and rank (vLLM's: 1 + the tokens above it) [P], the top
+        alternatives (ids, logprobs [P, K])."""
+        plp, ptop, ptop_lp = raw_scores(opt.lm_logits(params, h, backend))  # [P, V], [P, K] x 2
+        lp = jnp.take_along_axis(plp, next_ids[:, None], axis=-1)[:, 0]
+        return lp, jnp.sum(plp >= lp[:, None], axis=-1, dtype=jnp.int32), ptop, ptop_lp
+
+    return choose, choose_joining, scores_block
+
+
 class Sampler:
     """Token choice over `groups` groups of `rows` slots: state/settings/active arrays per group, and the
     rows of prefilled requests waiting to be inserted (by handle). `backend`: the one the params passed to
@@ -135,53 +184,12 @@ class Sampler:
             last = jnp.zeros((state_rows, h.shape[-1]), h.dtype).at[:k].set(h[jnp.arange(k), lengths - 1])
             return prompt_state(ids, mask, lengths, state_rows, L, V), last
 
-        def choose(params, h, state, settings, active, want_scores, want_top, allowed=None):
-            """One token per row from the final hidden states h [B, D], scored when `want_scores`, appended
-            to the rows that are `active`; `allowed`: structured output's masks (sampling.allow_only), or None.
-            When no row wants scores and every active row takes the plain argmax, the step skips the sampling
-            processors and the scores (opt.lm_argmax: the logits and one argmax, or with the screened greedy
-            head not even the logits, a constrained row's argmax over its allowed tokens); the scores are then NaN.
-            The scores are the model's own, unmasked."""
-            def full():
-                logits = opt.lm_logits(params, h, backend)  # [B, V]
-                tok, _ = sampling.sample(logits, state, settings, backend.argmax, allowed)
-                return (tok, *token_scores(logits, tok, want_top))
-
-            def plain():
-                tok = opt.lm_argmax(params, h, sampling.held_back(state, settings), backend, allowed)
-                return (tok, jnp.full(tok.shape, jnp.nan, jnp.float32), *no_top(h.shape[0]))
-            out = jax.lax.cond(~want_scores & sampling.plain_argmax(state, settings, active), plain, full)
-            # free slots keep their state, so their positions never run past the cache
-            state = sampling.update_state(state, out[0], active)
-            return state, out
-
         def insert(state, settings, active, row_state, row_settings, slot):
             put = lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r.astype(a.dtype), slot, axis=0)  # noqa: E731
             return (jax.tree_util.tree_map(put, state, row_state),
                     jax.tree_util.tree_map(put, settings, row_settings), active.at[slot].set(True))
 
-        def join(state, settings, active, prompts, mask, lengths, row_settings, rows):
-            """Prompts joining rows of the group (rows [J]; out of range: none) start their sampling state."""
-            rows_state = prompt_state(prompts, mask, lengths, prompts.shape[0], L, V)
-            put = lambda a, r: a.at[rows].set(r.astype(a.dtype), mode="drop")  # noqa: E731
-            return (jax.tree_util.tree_map(put, state, rows_state), jax.tree_util.tree_map(put, settings, row_settings),
-                    active.at[rows].set(True, mode="drop"))
-
-        def choose_joining(params, h, state, settings, active, want_scores, want_top, allowed, joining):
-            # the joining rows' state first, in the same computation: dispatched apart, it would run beside the
-            # step's products (it does not wait for them) and slow them down
-            state, settings, active = join(state, settings, active, *joining)
-            state, out = choose(params, h, state, settings, active, want_scores, want_top, allowed)
-            return state, settings, active, out
-
-        def scores_block(params, h, next_ids):
-            """SCORE_BLOCK positions' prompt scores: h [P, D] their final hidden states, next_ids [P] the token
-            after each -> that token's logprob and rank (vLLM's: 1 + the tokens above it) [P], the top
-            alternatives (ids, logprobs [P, K])."""
-            plp, ptop, ptop_lp = raw_scores(opt.lm_logits(params, h, backend))  # [P, V], [P, K] x 2
-            lp = jnp.take_along_axis(plp, next_ids[:, None], axis=-1)[:, 0]
-            return lp, jnp.sum(plp >= lp[:, None], axis=-1, dtype=jnp.int32), ptop, ptop_lp
-
+        choose, choose_joining, scores_block = _choice(backend, L, V)
         self.choose_rows = choose  # traced inside the stage's decode steps taken in one call (StageSlots)
         self._scores_block = jax.jit(scores_block)
         self._first = jax.jit(first, static_argnums=(4,))
@@ -297,11 +305,12 @@ class Sampler:
         """Does a request in the group follow a grammar (its steps need their masks one at a time)?"""
         return self.grammar.constrained(group)
 
-    def choose(self, params, group: int, h, want_scores: bool, want_top: bool, join=None):
-        """-> (tokens, logprobs, top ids, top logprobs) of the group's rows, as numpy. With `join` (a
-        `JoinBlock`), its prompts take their rows first: their tokens are their first. Constrained rows choose
-        within their masks, and their matchers take the tokens."""
-        g = group
+    def choose(self, params, h, step: DecodeStep):
+        """-> (tokens, logprobs, top ids, top logprobs) of the step's group's rows (final hidden states h [rows, D]),
+        as numpy. With the step's `join`, its prompts take their rows first: their tokens are their first.
+        Constrained rows choose within their masks, and their matchers take the tokens."""
+        g, join = step.group, step.join
+        want_scores, want_top = np.bool_(step.want_scores), np.bool_(step.want_top)
         if join is not None:  # a constrained prompt's matcher starts with its row
             for j, s in enumerate(join.settings):
                 if s.grammar is not None:
@@ -310,13 +319,12 @@ class Sampler:
         masks = self._masks(constrained, self.rows)
         if join is None:
             self.state[g], out = self._choose(params, h, self.state[g], self.settings[g], self.active[g],
-                                              np.bool_(want_scores), np.bool_(want_top), masks)
+                                              want_scores, want_top, masks)
         else:
             joining = (join.prompts, join.mask, join.lengths, settings_rows(join.settings, join.prompts.shape[0]),
                        join.last_rows)
             self.state[g], self.settings[g], self.active[g], out = self._choose_joining(
-                params, h, self.state[g], self.settings[g], self.active[g], np.bool_(want_scores),
-                np.bool_(want_top), masks, joining)
+                params, h, self.state[g], self.settings[g], self.active[g], want_scores, want_top, masks, joining)
         out = tuple(np.asarray(a) for a in out)
         self.grammar.consume(constrained, out[0])
         return out

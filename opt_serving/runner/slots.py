@@ -1,15 +1,17 @@
 """The engine's slot model for every plan: host bookkeeping over a chain of stages.
 
-`Slots` keeps, per decode slot, its token count, its newest token and what its request wants scored,
-and drives the stages (`StageSlots`, runner/stage.py) through a `Stages` object: in this process
-(`LocalStages`: one device or a tensor-parallel mesh, a stage that is both first and last) or in Ray
-actors (`parallel/pipeline.py`). Every call goes to every stage in the same order, and each stage runs
-its calls in that order, so an insert or a free sent after a decode acts after it.
+`Slots` keeps, per decode slot, its token count, its newest token and what its request wants scored (its
+`SlotTable`, runner/slot_table.py), builds each decode step's inputs once (a `DecodeStep`), and drives the
+stages (`StageSlots`, runner/stage.py) through a `Stages` object: in this process (`LocalStages`: one device or
+a tensor-parallel mesh, a stage that is both first and last) or in Ray actors (`parallel/pipeline.py`). Every
+call goes to every stage in the same order, and each stage runs its calls in that order, so an insert or a free
+sent after a decode acts after it.
 
 Pipelined decode: the slots form `groups` micro-batch groups. `step()` sends every idle group with work
 through the stages, then waits for the oldest one and returns its tokens (`StepResult.rows`): while the
 engine hands those out, the other groups are in the stages. With one group it is a plain synchronous
-step. A slot freed or refilled while its group is in flight gets no token from that flight.
+step. A slot freed or refilled while its group is in flight gets no token from that flight (its generation
+changed).
 
 Joining (`join`): a short prompt takes a free slot in its group's next decode step. Its tokens ride in that
 step's products beside the decode rows (a `JoinBlock` of 8 to 128 tokens, 512 on a GPU, up to 16 prompts; its
@@ -18,18 +20,7 @@ the others'. A prefill pass of its own would read every weight again for a handf
 of a decode step. Longer prompts, prompts whose scores are asked for, and those a full block leaves over are
 prefilled (`prefill_batch`) and inserted.
 
-Chunked prefill (`open_prefill`, `prefill_chunk`): a long prompt goes through the stages a fixed number of
-tokens at a time (opt._extend) into its own batch-1 cache (job_size), so the engine can run decode steps between
-its chunks; the last chunk, padded only to the next of `chunk_widths`, chooses the first token.
-
-Prefix caching (`prefix_blocks`; runner/prefix.py holds the index): the KV of every prefilled prompt's full
-blocks of 16 tokens is written into each stage's pool (`store_prefix`) and kept after the request ends, until
-least recently used blocks make room for others. A prompt that starts with cached blocks (its longest run of
-them, always leaving its last token to compute) is prefilled as a chunked prompt whose cache starts as those
-blocks' entries (`StageSlots.prefill_chunk` gathers them): only the rest is computed. `prompt_cost` tells the
-scheduler how many tokens that is. Joining prompts (a handful of tokens) neither use nor fill the cache. A
-prompt whose scores are asked (echo with logprobs) reuses only blocks whose scores are kept too, and computes
-from its last cached token on, whose hidden state scores the first token it computes.
+Prefills, whole, batched or a chunk at a time, and the prefix cache: runner/prefill.py (`Prefills`).
 
 LoRA adapters (runner/lora.py; where the stages were made with slots for them): a request's adapter
 (`SlotSettings.lora`) is given a slot when it is prefilled or joins a step, pinned until its request is freed;
@@ -46,16 +37,18 @@ from typing import Optional, Sequence
 import numpy as np
 
 from opt_serving.model import kv_cache
+from opt_serving.runner.buckets import prefill_buckets
 from opt_serving.runner.generate import Generation
 from opt_serving.runner.joins import Joining, Joins, block_sizes
 from opt_serving.runner.lora import Adapters, SlotAdapters
+from opt_serving.runner.prefill import Prefills
 from opt_serving.runner.prefix import BLOCK_SIZE, PrefixCache
-from opt_serving.runner.stage import (LocalStages, Stages, cache_bucket, chunk_width, chunk_widths, job_size,
-                                      job_sizes, prefill_bucket, prefill_buckets)
+from opt_serving.runner.slot_table import SlotTable
+from opt_serving.runner.stage import LocalStages, Stages
 from opt_serving.runner.types import (ACCELERATOR_JOIN_BLOCKS, JOIN_BLOCKS, JOIN_PROMPT_TOKENS, JOIN_PROMPTS,
-                                      MAX_TOP_LOGPROBS, PREFILL_BATCH_TOKENS, JoinBlock, ModelCosts, PartialPrefill,
-                                      Prefix,
-                                      SlotModel, SlotSettings, StepResult, TokenInfo)
+                                      MAX_TOP_LOGPROBS, PREFILL_BATCH_TOKENS, DecodeStep, JoinBlock, ModelCosts, Prefix,
+                                      SlotModel, SlotSettings, StepResult)
+from opt_serving.runner.warmup import warm_up
 
 # the chunk a prompt's part past its cached prefix is computed in where the engine prefills it whole (the
 # engine's own prefill_chunk otherwise)
@@ -73,7 +66,7 @@ def join_blocks(platform: str, max_seq_len: int, room: int) -> tuple[int, ...]:
     return blocks or (min(max_seq_len - 1, room),)
 
 
-class Slots(SlotModel):
+class Slots(Prefills, SlotModel):
     """The slot model (runner.types.SlotModel) over `stages`, each holding `num_slots // groups` rows of every
     group, with every ability."""
     batched_prefill = chunked_prefill = joins_steps = many_steps = masks_tokens = runs_generate = True
@@ -83,8 +76,7 @@ class Slots(SlotModel):
         """`prefix_blocks`: the blocks of the prefix cache, as the stages' pools were made (0: none); `costs`: what
         a token costs the model (for the engine's statistics)."""
         self.costs = costs
-        if num_slots % groups:
-            raise ValueError(f"{num_slots} decode slots do not split into {groups} micro-batch groups")
+        self.table = SlotTable(num_slots, groups)  # each slot's tokens, wants, (group, row) and generation
         self.cfg, self.stages, self.plan = cfg, stages, plan
         self.num_slots, self.groups = num_slots, groups
         self.max_seq_len = min(max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -99,12 +91,8 @@ class Slots(SlotModel):
         # a batched pass chooses its first tokens over this many rows (padded): sampling costs a pass over
         # [rows, V] per processor, so not the slots' 32 rows for 4 prompts, and one compile for all passes
         self.pass_rows = max(self.batch_rows.values(), default=1)
-        self._lengths = np.zeros(num_slots, np.int64)   # tokens so far (0 = free): window and read length
-        self._next = np.zeros(num_slots, np.int32)      # the newest token, fed to the next decode
-        self._want_top = np.zeros(num_slots, np.bool_)  # does the slot's request want top alternatives
-        self._want_lp = np.zeros(num_slots, np.bool_)   # ... or its tokens' log-probabilities
-        self._flights: collections.deque = collections.deque()  # (group, future, slots sent), oldest first
-        self._stale: set[int] = set()   # slots freed or refilled while their group was in flight
+        # (group, future, slots sent, their generations), oldest first
+        self._flights: collections.deque = collections.deque()
         self._handles = itertools.count()
         # ragged steps (every stage's backend: opt.ragged_step) take any prompt a part at a time, cached prefixes in
         # place; otherwise short prompts join whole (runner/joins.py)
@@ -175,235 +163,12 @@ class Slots(SlotModel):
 
     def group_of(self, slot: int) -> tuple[int, int]:
         """(group, row) of a slot: consecutive slots alternate groups."""
-        return slot % self.groups, slot // self.groups
-
-    def _group_slots(self, g: int) -> np.ndarray:
-        return np.arange(g, self.num_slots, self.groups)
-
-    # ---- prefill ----
-    def prefill(self, tokens: Sequence[int], settings: SlotSettings) -> Prefix:
-        return self.prefill_batch([tokens], [settings])[0]
-
-    def prefill_batch(self, prompts: Sequence[Sequence[int]], settings: Sequence[SlotSettings]) -> list[Prefix]:
-        """`prefill` for several requests: prompts of a short bucket (`batch_rows`) share passes of a fixed
-        number of rows, longer ones go one at a time, and a prompt with a cached prefix computes only the rest
-        (in chunks: `open_prefill`). The passes are sent before any is awaited, so a pipeline's stages work
-        on consecutive passes at once; a prompt that reuses another's prefix comes after it."""
-        groups: dict[int, list[int]] = collections.defaultdict(list)
-        out: list[Optional[Prefix]] = [None] * len(prompts)
-        passes = []
-        try:
-            for i, tokens in enumerate(prompts):
-                bucket = prefill_bucket(len(tokens), self.max_seq_len)
-                if bucket in self.batch_rows:
-                    groups[bucket].append(i)
-                elif self._cached_blocks(tokens, settings[i], touch=False):
-                    out[i] = self._run(self.open_prefill(tokens, settings[i], self.hit_chunk))
-                else:
-                    passes.append(([i], self._send_prefill(bucket, [tokens], [settings[i]])))
-            for bucket, todo in groups.items():
-                rows = self.batch_rows[bucket]
-                for at in range(0, len(todo), rows):
-                    chunk = todo[at:at + rows]
-                    passes.append((chunk, self._send_prefill(bucket, [prompts[i] for i in chunk],
-                                                             [settings[i] for i in chunk])))
-            for chunk, (handles, future, _) in passes:
-                first, scores = self.stages.get(future)
-                for j, i in enumerate(chunk):
-                    out[i] = self._prefix(prompts[i], settings[i], handles[j], first, scores, j)
-        except BaseException:  # what the passes would have written never came: their blocks hold nothing
-            if self.prefix is not None:
-                self.prefix.forget([b for _, (_, _, kept) in passes for b in kept])
-            for _, (handles, _, _) in passes:
-                for handle in handles:
-                    self.adapters.drop(handle)
-            raise
-        return out
-
-    def _send_prefill(self, bucket: int, prompts, settings):
-        rows = self.batch_rows.get(bucket, 1)
-        state_rows = self.pass_rows if rows > 1 else 1
-        ids = np.full((rows, bucket), self.cfg.pad_token_id, np.int32)  # right-padded, then rows of one pad
-        mask = np.zeros((rows, bucket), np.int32)
-        lengths = np.ones(rows, np.int32)
-        mask[:, 0] = 1
-        for j, tokens in enumerate(prompts):
-            ids[j, :len(tokens)] = tokens
-            mask[j, :len(tokens)] = 1
-            lengths[j] = len(tokens)
-        handles = [next(self._handles) for _ in prompts]
-        try:
-            adapters = self.adapters.pass_rows([self.adapters.hold(h, s) for h, s in zip(handles, settings)], rows)
-        except BaseException:
-            for handle in handles:
-                self.adapters.drop(handle)
-            raise
-        x = ids
-        for i in range(self.stages.n):
-            x = self.stages.call(i, "prefill", handles, x, ids, mask, lengths, list(settings), state_rows, adapters)
-        size = cache_bucket(bucket, self.max_seq_len)
-        kept = [b for handle, tokens, s in zip(handles, prompts, settings)
-                for b in self._keep_prefix(handle, tokens, size, self._keys(tokens, s))]
-        return handles, x, kept
-
-    # ---- the prefix cache ----
-    def prompt_cost(self, tokens: Sequence[int], settings: SlotSettings) -> int:
-        """The prompt tokens a prefill of it would compute now: those after its cached prefix."""
-        return len(tokens) - self._cached_tokens(len(self._cached_blocks(tokens, settings, touch=False)), settings)
-
-    def _keys(self, tokens: Sequence[int], settings: SlotSettings) -> list:
-        """The prompt's prefix-cache keys, which start with its LoRA adapter's (none: the base model's)."""
-        return self.prefix.keys(tokens, self.adapters.salt(settings)) if self.prefix is not None else []
-
-    def _cached_blocks(self, tokens: Sequence[int], settings: SlotSettings, touch: bool = True,
-                       keys: Optional[list] = None) -> list[int]:
-        """The pool blocks of the prompt's cached prefix."""
-        if self.prefix is None or len(tokens) <= BLOCK_SIZE:
-            return []
-        keys = keys if keys is not None else self._keys(tokens, settings)
-        usable = keys[:(len(tokens) - 1) // BLOCK_SIZE]  # the last token is always computed: it gives the first
-        return self.prefix.match(usable, scored=settings.prompt_logprobs, touch=touch)
-
-    @staticmethod
-    def _cached_tokens(blocks: int, settings: SlotSettings) -> int:
-        """Tokens a prompt reuses from `blocks` cached blocks: with its scores asked, the last of them is
-        computed again (its hidden state scores the next token)."""
-        return max(blocks * BLOCK_SIZE - settings.prompt_logprobs, 0)
-
-    def _keep_prefix(self, handle: int, tokens: Sequence[int], size: int, keys: list) -> list[int]:
-        """Claim pool blocks for the prompt's full blocks not cached yet and have every stage write them from
-        the request's cache (`size` entries) -> the blocks claimed."""
-        if self.prefix is None or size < BLOCK_SIZE or len(tokens) < BLOCK_SIZE:
-            return []
-        claims = self.prefix.claim(keys)
-        if claims:
-            ids = np.full(size // BLOCK_SIZE, self.prefix.blocks, np.int32)  # past the pool: not written
-            for j, b in claims:
-                ids[j] = b
-            self._to_all("store_prefix", handle, ids)
-        return [b for _, b in claims]
-
-    def _keep_scores(self, tokens: Sequence[int], scores: tuple, settings: SlotSettings) -> None:
-        """Keep a prompt's echo scores (per token: logprob [n], rank [n], top ids and logprobs [n, K]) with its cached
-        blocks that have none."""
-        if self.prefix is None:
-            return
-        keys = self._keys(tokens, settings)
-        bs = BLOCK_SIZE
-        for j, b in enumerate(self.prefix.match(keys, touch=False)):
-            if self.prefix.scores(b) is None:
-                self.prefix.set_scores(b, tuple(np.array(a[j * bs:(j + 1) * bs]) for a in scores))
-
-    # ---- chunked prefill: a long prompt a chunk at a time, between decode steps ----
-    def open_prefill(self, tokens: Sequence[int], settings: SlotSettings, chunk: int,
-                     size: Optional[int] = None) -> PartialPrefill:
-        """A prompt to prefill `chunk` tokens at a time (`prefill_chunk`) into a cache of its size (`job_size`;
-        `size`: another, as warm-up asks), from the end of its cached prefix on; nothing runs yet.
-        `discard_partial` lets it go."""
-        keys = self._keys(tokens, settings)
-        blocks = self._cached_blocks(tokens, settings, keys=keys)
-        done = self._cached_tokens(len(blocks), settings)
-        size = size or job_size(len(tokens), self.max_seq_len)
-        handle = next(self._handles)
-        self.adapters.hold(handle, settings)
-        return PartialPrefill(list(tokens), settings, min(chunk, self.max_seq_len), size, handle,
-                              done=done, cached=done, blocks=blocks, keys=keys)
-
-    def prefill_chunk(self, job: PartialPrefill) -> Optional[Prefix]:
-        """Prefill the prompt's next chunk (through every stage; it has finished when this returns) ->
-        None, or after the last chunk the Prefix `prefill` gives."""
-        n, start = len(job.tokens), job.done
-        c = chunk_width(n - start, job.chunk)
-        part = job.tokens[start:start + c]
-        ids = np.full((1, c), self.cfg.pad_token_id, np.int32)
-        ids[0, :len(part)] = part
-        mask = (np.arange(c) < len(part)).astype(np.int32)[None]
-        gather = next_ids = final = None
-        if start == job.cached and job.blocks:  # the first chunk: its cache starts as the cached blocks
-            src = np.zeros(job.size // BLOCK_SIZE, np.int32)
-            src[:len(job.blocks)] = job.blocks
-            gather = (src, np.int32(len(job.blocks) * BLOCK_SIZE))
-        if job.settings.prompt_logprobs:  # each position scores the token after it
-            after = job.tokens[start + 1:start + c + 1]
-            next_ids = np.zeros((1, c), np.int32)
-            next_ids[0, :len(after)] = after
-        if start + c >= n:  # the last chunk: the whole prompt, for its sampling state
-            whole = np.full((1, self.max_seq_len), self.cfg.pad_token_id, np.int32)
-            whole[0, :n] = job.tokens
-            final = (n - 1 - start, whole, (np.arange(self.max_seq_len) < n).astype(np.int32)[None],
-                     np.array([n], np.int32), job.settings)
-        x = ids
-        for i in range(self.stages.n):
-            x = self.stages.call(i, "prefill_chunk", job.state, x, start, mask, job.size, final, gather, next_ids,
-                                 self.adapters.pass_rows([self.adapters.held(job.state)], 1))
-        first, scores = self.stages.get(x)  # waited for: a decode step sent next runs after it anyway
-        job.done = min(start + c, n)
-        if scores is not None:
-            job.scores.append(tuple(a[:len(part)] for a in scores))
-        if final is None:
-            return None
-        self._keep_prefix(job.state, job.tokens, job.size, job.keys)
-        prompt = None
-        if job.settings.prompt_logprobs:
-            per_token = self._job_scores(job)
-            self._keep_scores(job.tokens, per_token, job.settings)
-            prompt = _prompt_infos(job.tokens, per_token)
-        tok, lp, top_ids, top_lp = first
-        return Prefix(length=n, first=_first_info(tok, lp, top_ids, top_lp, 0), prompt=prompt, state=job.state,
-                      settings=job.settings, cached=job.cached)
-
-    def _run(self, job: PartialPrefill) -> Prefix:
-        """A job's every chunk -> its Prefix (a job that fails lets its rows go)."""
-        try:
-            while True:
-                prefix = self.prefill_chunk(job)
-                if prefix is not None:
-                    return prefix
-        except BaseException:
-            self.discard_partial(job)
-            raise
-
-    def _job_scores(self, job: PartialPrefill) -> tuple:
-        """A job's prompt's echo scores per token (logprob [n], rank [n], top ids, top logprobs [n, K]): its
-        cached blocks' kept ones, then its chunks' (position i scores token i + 1)."""
-        n, k = len(job.tokens), MAX_TOP_LOGPROBS
-        out = (np.full(n, np.nan, np.float32), np.zeros(n, np.int32), np.full((n, k), -1, np.int32),
-               np.zeros((n, k), np.float32))
-        for j, b in enumerate(job.blocks):
-            at = slice(j * BLOCK_SIZE, (j + 1) * BLOCK_SIZE)
-            for a, kept in zip(out, self.prefix.scores(b)):
-                a[at] = kept
-        computed = [np.concatenate(a) for a in zip(*job.scores)]  # positions cached.., tokens cached + 1..
-        for a, c in zip(out, computed):
-            a[job.cached + 1:] = c[:n - 1 - job.cached]
-        return out
-
-    def discard_partial(self, job: PartialPrefill) -> None:
-        self.adapters.drop(job.state)
-        self._to_all("drop", job.state)
-
-    def _prefix(self, tokens, s: SlotSettings, handle: int, first, scores, j: int) -> Prefix:
-        """Row j of a whole prefill pass as a Prefix (its echo scores kept with its cached blocks)."""
-        prompt = None
-        if s.prompt_logprobs:
-            n = len(tokens)
-            plp, prank, ptop, ptop_lp = scores  # position i scores token i + 1
-            per_token = (np.concatenate([[np.nan], plp[j, :n - 1]]).astype(np.float32),
-                         np.concatenate([[0], prank[j, :n - 1]]).astype(np.int32),
-                         np.concatenate([np.full((1, ptop.shape[-1]), -1), ptop[j, :n - 1]]).astype(np.int32),
-                         np.concatenate([np.zeros((1, ptop.shape[-1])), ptop_lp[j, :n - 1]]).astype(np.float32))
-            self._keep_scores(tokens, per_token, s)
-            prompt = _prompt_infos(tokens, per_token)
-        return Prefix(length=len(tokens), first=_first_info(*first, j), prompt=prompt, state=handle, settings=s)
+        return self.table.group_of(slot)
 
     def _to_all(self, method: str, *args) -> None:
         """The same call to every stage, in stage order (replies not awaited)."""
         for i in range(self.stages.n):
             self.stages.call(i, method, *args)
-
-    def discard(self, prefix: Prefix) -> None:
-        self.adapters.drop(prefix.state)
-        self._to_all("drop", prefix.state)
 
     def use_tokenizer(self, tokenizer_json: str, eos: int) -> None:
         """Structured output: the tokenizer (runner/grammar.tokenizer_json) the stage that samples matches
@@ -434,8 +199,7 @@ class Slots(SlotModel):
         if self.ragged and self.prefix is not None:
             joining.keys = self._keys(joining.tokens, settings)
             self._match(g, joining)
-        self._want_top[slot] = settings.top_logprobs
-        self._want_lp[slot] = settings.logprob
+        self.table.join(slot, settings)
         return True
 
     def cached_of(self, slot: int) -> int:
@@ -493,14 +257,9 @@ class Slots(SlotModel):
     def insert(self, prefix: Prefix, slot: int, keep: bool = False) -> None:
         """Put a prefilled request into a slot; with `keep` its prefix can be inserted again (warm-up)."""
         g, row = self.group_of(slot)
-        if self._in_flight(g):
-            self._stale.add(slot)
         self._to_all("insert", prefix.state, g, row, keep)
         self.adapters.insert(prefix.state, slot, keep)
-        self._lengths[slot] = prefix.length + 1  # the prompt and the first token
-        self._next[slot] = prefix.first.id
-        self._want_top[slot] = prefix.settings.top_logprobs
-        self._want_lp[slot] = prefix.settings.logprob
+        self.table.insert(slot, prefix.length + 1, prefix.first.id, prefix.settings)  # the prompt and first token
 
     def free(self, slot: int) -> None:
         g, row = self.group_of(slot)
@@ -510,41 +269,47 @@ class Slots(SlotModel):
         held = self._held.pop(slot, None)
         if held:
             self.prefix.release(held)
-        if self._in_flight(g):
-            self._stale.add(slot)
         self._to_all("free", g, row)
-        self._lengths[slot] = 0
+        self.table.free(slot)
         self.adapters.free(slot)
 
     def window_needed(self, g: int, steps: int = 1, entries: int = 0) -> int:
         """The cache window a group's next `steps` steps need: the bucket holding every active slot's tokens (and
         `entries`, those joining prompts' parts fill)."""
-        longest = max(int(self._lengths[self._group_slots(g)].max()) + steps - 1, entries)
+        longest = max(int(self.table.lengths[self.table.group_slots(g)].max()) + steps - 1, entries)
         return kv_cache.bucket_length(min(max(longest, 1), self.max_seq_len), self.max_seq_len)
 
     def _send_decode(self, g: int) -> None:
-        slots = self._group_slots(g)
-        lengths = self._lengths[slots]
-        positions = np.where(lengths > 0, lengths - 1, -1).astype(np.int32)  # -1: a row not stepped
+        """Send the group's next step through the stages (`step` awaits its tokens)."""
+        slots = self.table.group_slots(g)
+        step, parts = self._decode_step(g, slots)
+        x = self.table.next[slots]
+        for i in range(self.stages.n):
+            x = self.stages.call(i, "decode", x, step)
+        sent = slots[self.table.lengths[slots] > 0]
+        self._flights.append((g, x, sent, self.table.generation[sent]))
+        for p in parts:  # a prompt's blocks into the prefix cache once the step wrote them
+            if p.final and self.ragged:
+                self._keep_row(g, p.joining, step.window)
+
+    def _decode_step(self, g: int, slots: np.ndarray) -> tuple[DecodeStep, list]:
+        """The group's next step (its `slots`, in row order), and the joining prompts' parts riding in it. A row
+        whose prompt's last part rides here holds its prompt after this step (its token: +1), and is stepped from
+        the next one on (its position here: -1)."""
+        lengths = self.table.lengths[slots]
+        positions = np.where(lengths > 0, lengths - 1, -1).astype(np.int32)  # [rows] -1: a row not stepped
         if self.prefix is not None and self.ragged:
             self._resume(g)
         parts = self.joins.take(g)
         block = self._block(parts) if parts else None
-        for p in parts:  # a row whose prompt's last part rides here holds its prompt after this step (its token: +1)
+        for p in parts:
             if p.final:
-                self._lengths[p.joining.slot] = len(p.joining.tokens)
-        lengths = self._lengths[slots]
-        sent = lengths > 0
-        want_scores, want_top = self._wants(slots[sent])
-        x, read_len = self._next[slots], int(lengths.max())
+                self.table.lengths[p.joining.slot] = len(p.joining.tokens)
+        lengths = self.table.lengths[slots]
+        want_scores, want_top = self.table.wants(slots[lengths > 0])
         window = self.window_needed(g, entries=max((p.end for p in parts), default=0))
-        for i in range(self.stages.n):
-            x = self.stages.call(i, "decode", g, x, positions, window, read_len, want_scores, want_top, block,
-                                 self.adapters.rows(slots))
-        self._flights.append((g, x, slots[sent]))
-        for p in parts:  # a prompt's blocks into the prefix cache once the step wrote them
-            if p.final and self.ragged:
-                self._keep_row(g, p.joining, window)
+        return DecodeStep(g, positions, window, int(lengths.max()), want_scores, want_top, block,
+                          self.adapters.rows(slots)), parts
 
     def _keep_row(self, g: int, joining: Joining, window: int) -> None:
         """Claim pool blocks for a joined prompt's full blocks not cached yet and have every stage write them from
@@ -559,39 +324,32 @@ class Slots(SlotModel):
             self._to_all("store_row", g, joining.row, ids)
         self._unpromise(joining.slot)  # (stored: the prompts waiting for them find them in the cache)
 
-    def _wants(self, slots) -> tuple[bool, bool]:
-        """(want_scores, want_top) of a step over `slots` (indices or a mask): the top alternatives where a
-        request asks for them, the scores where one asks for those or for its tokens' log-probabilities."""
-        want_top = bool(self._want_top[slots].any())
-        return want_top or bool(self._want_lp[slots].any()), want_top
-
     def step(self) -> StepResult:
         for g in range(self.groups):  # every idle group with work goes into the stages
-            if not self._in_flight(g) and (self.joins.waiting(g) or self._lengths[self._group_slots(g)].any()):
+            busy = self.table.lengths[self.table.group_slots(g)].any()
+            if not self._in_flight(g) and (self.joins.waiting(g) or busy):
                 self._send_decode(g)
-        g, future, sent = self._flights.popleft()
-        slots = self._group_slots(g)
-        rows = np.zeros(self.num_slots, np.bool_)
-        rows[[s for s in sent if s not in self._stale]] = True
-        self._stale.difference_update(slots)
-        return self._result(slots, rows, *self.stages.get(future))
+        g, future, sent, generations = self._flights.popleft()
+        rows = np.zeros(self.num_slots, np.bool_)  # a slot freed or refilled since the step was sent takes nothing
+        rows[self.table.current(sent, generations)] = True
+        return self._result(self.table.group_slots(g), rows, *self.stages.get(future))
 
     def step_many(self, n: int) -> list[StepResult]:
         """Up to `n` decode steps of every slot in one call of the stage, each fed the tokens of the one
         before: the host's work of a step (dispatch, reading the tokens back) is paid once for them. Only
         where one stage holds the whole model and the slots are one group, with no prompt waiting to join,
         and room in the context for all n; otherwise one step. -> one StepResult a step."""
-        lengths = self._lengths
+        lengths = self.table.lengths
         # (n steps write entries up to the longest slot's length + n - 2; one count of steps, one compile)
         if (n <= 1 or self.stages.n > 1 or self.groups > 1 or self.joins.waiting(0)
                 or lengths.max() + n - 1 > self.max_seq_len):
             return [self.step()]
-        slots, sent = self._group_slots(0), lengths > 0
+        slots, sent = self.table.group_slots(0), lengths > 0
         positions = np.where(sent, lengths - 1, -1).astype(np.int32)
-        want_scores, want_top = self._wants(sent)
-        outs = self.stages.get(self.stages.call(0, "decode_steps", 0, self._next.copy(), positions,
-                                                self.window_needed(0, n), int(lengths.max()), n, want_scores,
-                                                want_top, self.adapters.rows(slots)))
+        want_scores, want_top = self.table.wants(sent)
+        step = DecodeStep(0, positions, self.window_needed(0, n), int(lengths.max()), want_scores, want_top,
+                          adapters=self.adapters.rows(slots), steps=n)
+        outs = self.stages.get(self.stages.call(0, "decode_steps", self.table.next.copy(), step))
         return [self._result(slots, sent, *(a[i] for a in outs)) for i in range(n)]
 
     def _result(self, slots, rows, tok, lp, top_ids, top_lp) -> StepResult:
@@ -602,121 +360,16 @@ class Slots(SlotModel):
         lps = np.zeros((self.num_slots, MAX_TOP_LOGPROBS), np.float32)
         tokens[slots], logprobs[slots], ids[slots], lps[slots] = tok, lp, top_ids, top_lp
         # the top-k ran for every row if one wanted it: the others get none
-        ids = np.where(self._want_top[:, None], ids, -1)
-        self._next[rows] = tokens[rows]
-        self._lengths[rows] += 1
+        ids = np.where(self.table.want_top[:, None], ids, -1)
+        self.table.advance(rows, tokens)
         return StepResult(tokens, logprobs, ids, lps, rows=rows)
 
     # ---- life ----
     def warmup(self, prefill_chunk: Optional[int] = None, decode_steps: int = 1) -> None:
-        """Compile every prefill bucket, its insert into every cache window that holds it, the decode step
-        (and `decode_steps` of them in one call, where `step_many` takes them) and free at every window, and the
-        resizes between neighbouring windows (growing only, where steps never shrink the cache); with
-        `prefill_chunk` (and for the part of a prompt after its cached prefix), what chunked prefills run
-        (`_warm_jobs`); with the prefix cache, the writes of every cache size into its pool. Every group's
-        cache has the same shapes: warming group 0 compiles all."""
-        self._set_joins(prefill_chunk)
-        self._to_all("begin_warmup")
-        # first, while a stage holds the fewest compiled programs: the compiles of chunked prefills take the most
-        # memory while they run (at OPT-1.3b's stages 94-160 MB above what the stage holds), so they come before
-        # the programs of the windows' steps add to it. Prompt scores (echo with logprobs) go a block of
-        # positions at a time through one program, whatever the width (Sampler.prompt_scores): one scored prompt
-        # compiles it.
-        self.discard(self._warm_prefill(self.buckets[0] - 1, scored=True))
-        if prefill_chunk or self.prefix is not None:
-            self._warm_jobs(self.hit_chunk)
-        # b - 1 prompt tokens fill prefill bucket b; each a prefix-cache miss, so its blocks are stored. The inserts
-        # below need a prefilled prompt of every cache size: one stage keeps the first of each size (no prefill
-        # again); a pipeline's stages, whose memory is short, let each go at once and prefill one again for its
-        # inserts (holding them all was a third of a stage's KV cache more at its peak, OPT-1.3b at 8 x 256)
-        hold = self.stages.n == 1
-        widths: dict[int, int] = {}  # every cache size a prefill makes -> the smallest prefill width making it
-        held: dict[int, Prefix] = {}
-        for b in self.buckets:
-            c, prefix = cache_bucket(b, self.max_seq_len), self._warm_prefill(b - 1)
-            widths.setdefault(c, b)
-            if hold and c not in held:
-                held[c] = prefix
-            else:
-                self.discard(prefix)
-        stored = [b for b in self.buckets if b > BLOCK_SIZE]
-        if self.prefix is not None and stored:  # the first store again, into the pool as the stores leave it
-            self.discard(self._warm_prefill(stored[0] - 1))
-        joiners = range(self.groups, self.num_slots, self.groups)[:JOIN_PROMPTS]  # group 0's rows after slot 0
-        # the stages' own windows (from 256 where the attention kernel reads only the written entries): a
-        # smaller one would only run its steps again in the stages' smallest
-        windows = sorted(set().union(*self.stages.get([self.stages.call(i, "cache_windows")
-                                                       for i in range(self.stages.n)])))
-        for w in windows:  # growing: each window's inserts, then its step
-            fits = [c for c in sorted(widths) if c <= w]
-            # the largest first grows the cache to w, then goes in again, into the cache that insert made (as
-            # every later insert finds it: one a step made), then each smaller one; one prefill for both of its
-            largest = held[fits[-1]] if hold else self._warm_prefill(widths[fits[-1]] - 1)
-            self.insert(largest, 0, keep=True)
-            self.insert(largest, 0, keep=hold)
-            for c in fits[:-1]:
-                self.insert(held[c] if hold else self._warm_prefill(widths[c] - 1), 0, keep=hold)
-            self._lengths[0] = w  # the step reads the whole window
-            self.step()
-            if decode_steps > 1:  # the steps fill the window
-                self._lengths[0] = max(w - decode_steps + 1, 1)
-                self.step_many(decode_steps)
-            for b in self.join_blocks if joiners else ():  # and steps with prompts joining, each block size
-                self._lengths[0] = w
-                if self.prefix is not None:  # (no prompt reuses another's blocks: each fills its share)
-                    self.prefix.clear()
-                some = joiners[:b]
-                for i, slot in enumerate(some):  # the prompts fill the block: b tokens in all (no two alike: none
-                    n = b // len(some) + (i < b % len(some))  # waits for another's prefix blocks)
-                    filler = (self.cfg.bos_token_id + 2 + i) % self.cfg.vocab_size
-                    if not self.join([self.cfg.bos_token_id] + [filler] * (n - 1), SlotSettings(), slot):
-                        raise RuntimeError(f"warm-up: a prompt did not join a block of {b}")
-                self.step()
-                for slot in some:
-                    self.free(slot)
-            if self.ragged and self.prefix is not None:  # a joined prompt's blocks into the pool (none written)
-                self._to_all("store_row", 0, 0, np.full(w // BLOCK_SIZE, self.prefix.blocks, np.int32))
-            self.free(0)
-        for prefix in held.values():
-            self.discard(prefix)
-        if self.prefix is not None:
-            self.prefix.clear()  # what warm-up wrote is nobody's prefix
-        self._to_all("end_warmup")
-        self.stages.get(self.stages.call(0, "ready"))
-
-    def _warm_prefill(self, n: int, scored: bool = False) -> Prefix:
-        """A prompt of n tokens prefilled whole, as a prefix-cache miss (`scored`: with its prompt scores)."""
-        if self.prefix is not None:
-            self.prefix.clear()
-        return self.prefill([self.cfg.bos_token_id] * n, SlotSettings(prompt_logprobs=scored))
-
-    def _warm_jobs(self, chunk: int) -> None:
-        """Compile what prompts prefilled in chunks of `chunk` run, and those after a cached prefix: into the
-        cache of every job size, a long prompt's first chunk (a new cache) and its last at every width (the
-        cache the first made), and with the prefix cache what a cached prefix leaves at every width (the cache
-        its blocks were gathered into), the blocks' store and gathering; each width's first token and prompt
-        scores. Each job's tokens are its own (the cache is cleared before it), so only the hits asked for hit."""
-        vocab, fresh = self.cfg.vocab_size, itertools.count(self.cfg.bos_token_id + 1)
-
-        def run(n: int, size: int, head: Sequence[int] = (), scored: bool = False, clear: bool = True) -> None:
-            if clear and self.prefix is not None:
-                self.prefix.clear()
-            tokens = list(head) + [next(fresh) % vocab] * (n - len(head))
-            job = self.open_prefill(tokens, SlotSettings(prompt_logprobs=scored), chunk, size=size)
-            self.discard(self._run(job))
-
-        chunk = min(chunk, self.max_seq_len)
-        widths, sizes = chunk_widths(chunk), job_sizes(self.max_seq_len)
-        for size in sizes:
-            for w in (w for w in widths if w < size):
-                if size > chunk:  # a new cache's chunk, then a last one of w into the cache it made
-                    run(min(chunk + w, size), size)
-                if self.prefix is not None and BLOCK_SIZE + w <= size:  # a cached block, then w to compute
-                    head = [next(fresh) % vocab] * BLOCK_SIZE
-                    run(BLOCK_SIZE, size, head)
-                    run(BLOCK_SIZE + w, size, head, clear=False)
-        for w in widths if self.prefix is not None else ():  # each width's prompt scores (scored hits)
-            run(w, sizes[-1], scored=True)
+        """Compile every shape serving runs (runner/warmup.py's `compiled_shapes`): the prefills, inserts, steps
+        (and `decode_steps` of them in one call, where `step_many` takes them), joins and frees; with
+        `prefill_chunk` (and for the part of a prompt after its cached prefix), the chunked prefills."""
+        warm_up(self, prefill_chunk, decode_steps)
 
     @property
     def params(self):
@@ -735,18 +388,3 @@ class Slots(SlotModel):
 
     def close(self) -> None:
         self.stages.close()
-
-
-def _first_info(tok, lp, top_ids, top_lp, j: int) -> TokenInfo:
-    """Row j of a prefill's first tokens (tokens, logprobs, top ids and logprobs) as a TokenInfo."""
-    top = [(int(t), float(v)) for t, v in zip(top_ids[j], top_lp[j]) if t >= 0]
-    return TokenInfo(int(tok[j]), float(lp[j]), top)
-
-
-def _prompt_infos(tokens, per_token: tuple) -> list[TokenInfo]:
-    """A prompt's echo scores (per token: logprob [n], rank [n], top ids and logprobs [n, K]) as TokenInfos;
-    the first token has none."""
-    lp, rank, ids, lps = per_token
-    return [TokenInfo(int(tokens[0]), None)] + [
-        TokenInfo(int(tokens[i]), float(lp[i]), list(zip(ids[i].tolist(), lps[i].tolist())), int(rank[i]))
-        for i in range(1, len(tokens))]

@@ -19,6 +19,7 @@ every step takes its rows' adapter slots too, and the stage holds its layers' sh
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Optional, Protocol, Sequence
 
@@ -30,12 +31,13 @@ from opt_serving import xla_cache
 from opt_serving.backend import Backend
 from opt_serving.backend.cpu import heap
 from opt_serving.model import beam_search, kv_cache, layout, opt, sample
-from opt_serving.model.lora import with_lora
 from opt_serving.model import quantize as quantization
+from opt_serving.runner.buckets import KERNEL_MIN_WINDOW, cache_windows
 from opt_serving.runner.lora import StageLora
 from opt_serving.runner.prefix import BLOCK_SIZE as PREFIX_BLOCK
-from opt_serving.runner.sampler import Sampler, split_rows
-from opt_serving.runner.types import PREFILL_MIN_BUCKET, JoinBlock, SlotSettings
+from opt_serving.runner.sampler import Sampler
+from opt_serving.runner.stage_programs import stage_programs
+from opt_serving.runner.types import DecodeStep, SlotSettings
 
 
 def _settles(method):
@@ -52,80 +54,6 @@ def _settles(method):
                 heap.trim()
         return out
     return run
-
-
-# The smallest cache window where the attention kernel reads only the entries written so far: a step then
-# costs the same in any window, so the small ones only cost start-up (every window compiles each step).
-KERNEL_MIN_WINDOW = 256
-
-
-def cache_windows(max_seq_len: int, smallest: int = kv_cache.MIN_BUCKET) -> list[int]:
-    """The cache sizes a group's cache steps through (kv_cache.windows): powers of two from `smallest` (16), then
-    max_seq_len."""
-    return kv_cache.windows(max_seq_len, smallest)
-
-
-@functools.lru_cache(maxsize=None)  # read for every prompt admitted (prefill_bucket)
-def prefill_buckets(max_seq_len: int) -> list[int]:
-    """The padded prompt widths prefill computes at: powers of two from 8, and from 64 on four a doubling
-    (64, 80, 96, 112, 128, 160, ...), then max_seq_len. A prompt's pass computes its padding too: prompts
-    spread over 64-512 tokens compute a third more than their tokens with powers of two alone, a twelfth with
-    these. Each width is one more prefill to compile, not more inserts: its cache is a `cache_bucket`'s."""
-    return _buckets(max_seq_len, [q * 2 ** i for i in range(4, 15) for q in (5, 6, 7)])
-
-
-@functools.lru_cache(maxsize=None)
-def cache_buckets(max_seq_len: int) -> list[int]:
-    """The sizes of a prefilled prompt's cache: powers of two from 8, and from 64 on also 1.5 times them
-    (96, 192, 384, ...), then max_seq_len. Every size compiles an insert into each cache window that holds
-    it, so the cache is not cut as finely as the prefill widths (the entries past a prompt are empty)."""
-    return _buckets(max_seq_len, [3 * 2 ** i for i in range(5, 16)])
-
-
-def job_size(n: int, max_seq_len: int) -> int:
-    """The cache of a prompt prefilled in chunks (or after a cached prefix, opt._extend): powers of two from 32,
-    then max_seq_len. Fewer sizes than `cache_buckets` (each is one more compile of every chunk width), and
-    each is one of them, so its inserts are compiled already."""
-    return kv_cache.bucket_length(n, max_seq_len, 2 * PREFIX_BLOCK)
-
-
-def job_sizes(max_seq_len: int) -> list[int]:
-    return sorted({job_size(min(2 ** i, max_seq_len), max_seq_len) for i in range(17)})
-
-
-def chunk_widths(chunk: int) -> list[int]:
-    """The widths a chunk is computed at: `chunk`, and for a prompt's last chunk (or what a cached prefix leaves
-    of it) the powers of two from 16 below it, so a short remainder is not padded to a whole chunk (a prompt of
-    300 tokens in chunks of 256 computed 512)."""
-    return [w for w in (2 ** i for i in range(4, 16)) if w < chunk] + [chunk]
-
-
-def chunk_width(n: int, chunk: int) -> int:
-    """The width of a chunk that has n tokens left to prefill."""
-    return next(w for w in chunk_widths(chunk) if w >= min(n, chunk))
-
-
-def _buckets(max_seq_len: int, more: list[int]) -> list[int]:
-    """Powers of two from 8 and the widths `more` (none below PREFILL_MIN_BUCKET) under max_seq_len, then it."""
-    L = max_seq_len
-    widths = [2 ** i for i in range(3, 17)] + more
-    return sorted({min(max(w, PREFILL_MIN_BUCKET), L) for w in widths if w < L} | {L})
-
-
-def prefill_bucket(n: int, max_seq_len: int) -> int:
-    """The prefill width of a prompt of n tokens (at most max_seq_len)."""
-    return _smallest_holding(n, prefill_buckets(max_seq_len), max_seq_len)
-
-
-def cache_bucket(n: int, max_seq_len: int) -> int:
-    """The cache size of a prompt of n tokens, or of a prefill width (at most max_seq_len)."""
-    return _smallest_holding(n, cache_buckets(max_seq_len), max_seq_len)
-
-
-def _smallest_holding(n: int, sizes: list[int], max_seq_len: int) -> int:
-    if not 0 < n <= max_seq_len:
-        raise ValueError(f"a prompt of {n} tokens does not fit a context of {max_seq_len}")
-    return next(b for b in sizes if b >= n)
 
 
 class StageSlots:
@@ -174,91 +102,12 @@ class StageSlots:
         self.sampler = Sampler(cfg, backend, rows, groups, self.max_seq_len) if stage.last else None
         self.lora = StageLora(cfg, lora, stage, params)  # (lora None: every step takes None, traces no LoRA)
 
-        def prefill(params, x, mask):
-            """k right-padded prompts (ids [k, n], or the previous stage's hidden states [k, n, D]) in one
-            pass -> k batch-1 caches and the hidden states [k, n, D] (final ones on the last stage)."""
-            k, n = mask.shape  # [k, n]: n a prefill width, the cache a coarser size (cache_bucket)
-            cache = self._new_cache(k, cache_bucket(n, self.max_seq_len))
-            h, cache = opt.prefill_step(cfg, params, cache, x, mask, return_hidden=True, stage=stage,
-                                        backend=backend)
-            return split_rows(cache, k), h
-
-        def chunk(params, cache, x, start, mask):
-            """A chunk of a prompt's prefill into its batch-1 cache (opt._extend) -> hidden states [1, C, D]."""
-            return opt._extend(cfg, params, cache, x, start, mask, return_hidden=True, stage=stage, backend=backend)
-
         self.ragged = backend.ragged  # prompts continue rows and cached prefixes are read in place (opt.ragged_step)
-        no_block = (np.zeros(0, np.int32),) * 3
-
-        def step(params, cache, x, pos, read_len, prefix=None):
-            """The newest token (or its hidden state) of each row goes in at its own position; a row at position -1
-            is not stepped (free, or its prompt is being prefilled: ragged steps leave its entries alone)."""
-            if self.ragged:
-                write = jnp.where(pos >= 0, pos, kv_cache.cache_max_len(cache))
-                return opt.ragged_step(cfg, params, cache, x, jnp.maximum(pos, 0), write, no_block, prefix,
-                                       stage=stage, backend=backend)
-            pos = jnp.maximum(pos, 0)
-            return opt.decode_step(cfg, params, cache, x, pos, pos, read_len=read_len, return_hidden=True,
-                                   stage=stage, backend=backend)
-
-        def step_joining(params, cache, x, pos, read_len, block, last, last_rows, prefix=None):
-            # as `step`, with prompts joining rows in the same pass (opt.ragged_step: any part of a prompt, after
-            # what earlier steps or a cached prefix gave its row; else opt.decode_joining_step: short prompts
-            # whole); the last stage hands the sampler each prompt's hidden state at its last token
-            if self.ragged:
-                write = jnp.where(pos >= 0, pos, kv_cache.cache_max_len(cache))
-                h, cache = opt.ragged_step(cfg, params, cache, x, jnp.maximum(pos, 0), write, block[:3], prefix,
-                                           stage=stage, backend=backend)
-            else:
-                pos = jnp.maximum(pos, 0)
-                h, cache = opt.decode_joining_step(cfg, params, cache, x, pos, pos, read_len, block, stage=stage,
-                                                   backend=backend)
-            if stage.last:  # [B + T, D] -> [B, D]
-                b = pos.shape[0]
-                h = h[:b].at[last_rows].set(h[b + last], mode="drop")
-            return h, cache
-
-        def seq_prefill(params, cache, x, mask, all_logits):
-            return opt.prefill_step(cfg, params, cache, x, mask, all_logits=all_logits, stage=stage,
-                                    backend=backend)
-
-        def seq_decode(params, cache, x, positions, write_index):
-            return opt.decode_step(cfg, params, cache, x, positions, write_index, stage=stage, backend=backend)
-
         self.seqs: dict = {}  # key -> a whole-sequence cache (generate() over a pipeline)
-        self._seq_prefill = jax.jit(with_lora(seq_prefill), static_argnums=(4,), donate_argnums=(1,))
-        self._seq_decode = jax.jit(with_lora(seq_decode), donate_argnums=(1,))
-        self._seq_reorder = jax.jit(kv_cache.reorder, donate_argnums=(0,))
-        self._prefill = jax.jit(with_lora(prefill))
-        self._chunk = jax.jit(with_lora(chunk), donate_argnums=(1,))
-        self._step = jax.jit(with_lora(step), donate_argnums=(1,))
-        self._step_joining = jax.jit(with_lora(step_joining), donate_argnums=(1,))
-        if stage.first and stage.last:  # the whole model here: n steps can feed each other in one call
-            choose = self.sampler.choose_rows
-
-            def steps(params, cache, x, pos, read_len, state, settings, active, want_scores, want_top, n, prefix):
-                """`n` decode steps of a group in one call, each fed the tokens the last one chose (as n calls
-                of `step` and Sampler.choose would) -> the cache, the sampling state and each step's
-                (tokens, logprobs, top ids, top logprobs), stacked [n, rows, ...]. Rows at position -1 stay so."""
-                stepped = pos >= 0
-
-                def one(carry, _):
-                    cache, x, pos, read_len, state = carry
-                    h, cache = step(params, cache, x, pos, read_len, prefix)
-                    state, out = choose(params, h, state, settings, active, want_scores, want_top)
-                    return (cache, out[0], jnp.where(stepped, pos + 1, pos), read_len + 1, state), out
-                (cache, _, _, _, state), outs = jax.lax.scan(one, (cache, x, pos, read_len, state), length=n)
-                return cache, state, outs
-
-            self._steps = jax.jit(with_lora(steps), static_argnums=(10,), donate_argnums=(1, 5))
-        self._insert_cache = jax.jit(lambda cache, pcache, row: kv_cache._insert(cache, pcache, row),
-                                     donate_argnums=(0,))
-        self._gather = jax.jit(kv_cache.gather_blocks)  # one compile per cache size
-        self._store = jax.jit(kv_cache.store_blocks, donate_argnums=(0,))
-        self._store_row = jax.jit(lambda pool, cache, row, ids: kv_cache.store_blocks(
-            pool, kv_cache.row_of(cache, row), ids), donate_argnums=(0,))
-        self._resize = jax.jit(lambda cache, n: kv_cache._resize(cache, n), static_argnums=(1,))
-        self._free = jax.jit(kv_cache.free_slot, donate_argnums=(0,))
+        (self._prefill, self._chunk, self._step, self._step_joining, self._steps, self._seq_prefill, self._seq_decode,
+         self._seq_reorder, self._insert_cache, self._gather, self._store, self._store_row, self._resize,
+         self._free) = stage_programs(cfg, stage, backend, self.max_seq_len, self._new_cache,
+                                      self.sampler.choose_rows if stage.first and stage.last else None)
 
     # ---- prefill ----
     @_settles
@@ -325,48 +174,49 @@ class StageSlots:
 
     # ---- decode ----
     @_settles
-    def decode(self, group: int, x, positions, window: int, read_len: int, want_scores: bool = True,
-               want_top: bool = True, join: Optional[JoinBlock] = None, adapters=None):
+    def decode(self, x, step: DecodeStep):
         """One decode step of a group's rows: x is the newest tokens [rows] (first stage) or the previous
-        stage's hidden states [rows, D]; positions [rows] (0 for free rows). The cache is fitted to
-        `window` first. With `join`, prompts joining free rows ride in the same pass (hidden states then
-        [rows + T, D] between stages) and their rows' tokens are their first. Returns hidden states, or on
-        the last stage the chosen tokens and their scores. `adapters`: each row's LoRA adapter (int32 [rows])."""
-        self._fit_cache(group, window, shrink=not self.backend.attention)
+        stage's hidden states [rows, D]. The cache is fitted to the step's window first. With its `join`, prompts
+        joining free rows ride in the same pass (hidden states then [rows + T, D] between stages) and their rows'
+        tokens are their first. Returns hidden states, or on the last stage the chosen tokens and their scores."""
+        group, positions, join = step.group, step.positions, step.join
+        self._fit_cache(group, step.window, shrink=not self.backend.attention)
         prefix = self._prefix(group)
         if join is None:
-            h, self.caches[group] = self._step(self.params, self.caches[group], x, positions, np.int32(read_len),
-                                               prefix, self.lora.batch(adapters, positions.shape[0], self.ragged))
+            h, self.caches[group] = self._step(self.params, self.caches[group], x, positions,
+                                               np.int32(step.read_len), prefix,
+                                               self.lora.batch(step.adapters, positions.shape[0], self.ragged))
         else:
             block = (join.ids, join.rows, join.entries, join.seg)
             h, self.caches[group] = self._step_joining(self.params, self.caches[group], x, positions,
-                                                       np.int32(read_len), block, join.last, join.last_rows, prefix,
-                                                       self.lora.joining(adapters, positions.shape[0], join))
+                                                       np.int32(step.read_len), block, join.last, join.last_rows,
+                                                       prefix, self.lora.joining(step.adapters, positions.shape[0],
+                                                                                 join))
         if self.sampler is None:
             return h
-        return self.sampler.choose(self.params, group, h, want_scores, want_top, join)
+        return self.sampler.choose(self.params, h, step)
 
     @_settles
-    def decode_steps(self, group: int, x, positions, window: int, read_len: int, n: int, want_scores: bool = True,
-                     want_top: bool = True, adapters=None):
-        """`n` decode steps of a group in one call, on a stage that is the whole model: as `decode` n times,
-        each step given the tokens of the one before (free rows' positions move on too: their entries are
-        overwritten when a request is inserted). -> each step's chosen tokens and scores, [n, rows, ...].
+    def decode_steps(self, x, step: DecodeStep):
+        """`step.steps` decode steps of a group in one call, on a stage that is the whole model: as `decode` that
+        many times, each step given the tokens of the one before (free rows' positions move on too: their entries
+        are overwritten when a request is inserted). -> each step's chosen tokens and scores, [n, rows, ...].
         While a request of the group follows a grammar, each step's masks need the token before: the steps
         are then taken one at a time here (the engine still gets them in one call)."""
-        s = self.sampler
+        s, group, positions, n = self.sampler, step.group, step.positions, step.steps
         if s.constrained(group):
             outs = []
             for i in range(n):
-                outs.append(self.decode(group, x, np.where(positions >= 0, positions + i, -1), window, read_len + i,
-                                        want_scores, want_top, adapters=adapters))
+                outs.append(self.decode(x, dataclasses.replace(
+                    step, positions=np.where(positions >= 0, positions + i, -1), read_len=step.read_len + i,
+                    steps=1)))
                 x = outs[-1][0]
             return tuple(np.stack(a) for a in zip(*outs))
-        self._fit_cache(group, window, shrink=not self.backend.attention)
+        self._fit_cache(group, step.window, shrink=not self.backend.attention)
         self.caches[group], s.state[group], out = self._steps(
-            self.params, self.caches[group], x, positions, np.int32(read_len), s.state[group], s.settings[group],
-            s.active[group], np.bool_(want_scores), np.bool_(want_top), n, self._prefix(group),
-            self.lora.batch(adapters, len(positions), self.ragged))
+            self.params, self.caches[group], x, positions, np.int32(step.read_len), s.state[group],
+            s.settings[group], s.active[group], np.bool_(step.want_scores), np.bool_(step.want_top), n,
+            self._prefix(group), self.lora.batch(step.adapters, len(positions), self.ragged))
         return tuple(np.asarray(a) for a in out)
 
     def _prefix(self, group: int):

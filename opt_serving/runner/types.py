@@ -131,6 +131,22 @@ class JoinBlock:
     adapters: Optional[np.ndarray] = None  # int32 [T] each token's LoRA adapter slot (-1: none; None: no adapters)
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeStep:
+    """One decode step of a group, as the driver hands it whole to every stage and the last stage's sampler
+    (`Slots._decode_step`); what differs from stage to stage, the tokens or hidden states going in, is passed
+    beside it. A row of the group is slot row * groups + group."""
+    group: int
+    positions: np.ndarray          # int32 [rows] each row's newest token's position (-1: a row not stepped)
+    window: int                    # the entries the group's cache is fitted to first (a cache window)
+    read_len: int                  # the entries a row reads at most (the longest row's tokens)
+    want_scores: bool              # does a row want its token's log-probability (or its top alternatives)
+    want_top: bool                 # does a row want its token's top alternatives
+    join: Optional[JoinBlock] = None        # prompts joining free rows of the group in this step
+    adapters: Optional[np.ndarray] = None   # int32 [rows] each row's LoRA adapter slot (-1: none)
+    steps: int = 1                 # steps taken in one call (StageSlots.decode_steps), each fed the last's tokens
+
+
 @dataclasses.dataclass
 class StepResult:
     """One decode step over the slots (rows of inactive slots are garbage). A pipelined runner steps one

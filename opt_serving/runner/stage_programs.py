@@ -1,0 +1,145 @@
+"""The programs a stage jits (runner/stage.py's StageSlots runs them): one pass of its layers at each kind of step,
+and the cache's own moves (insert a prefilled prompt, resize, free a row, the prefix cache's stores and gathers).
+
+Each pass takes its rows' LoRA adapters as one more argument, last (model/lora.with_lora; None: no adapters). The
+step functions are closures over the model's config, the stage's layers and its backend, which are fixed for a
+stage: only arrays (and the few static sizes named) vary between calls, so each shape compiles once.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from opt_serving.backend import Backend
+from opt_serving.model import kv_cache, opt
+from opt_serving.model.lora import with_lora
+from opt_serving.runner.buckets import cache_bucket
+from opt_serving.runner.sampler import split_rows
+
+
+class StagePrograms(NamedTuple):
+    """A stage's jitted programs (`stage_programs`)."""
+    prefill: Callable        # k right-padded prompts in one pass -> k batch-1 caches, hidden states [k, n, D]
+    chunk: Callable          # a chunk of a prompt into its batch-1 cache -> hidden states [1, C, D]
+    step: Callable           # one decode step of a group's rows -> hidden states [rows, D], the cache
+    step_joining: Callable   # the same with prompts joining free rows (a JoinBlock's arrays)
+    steps: Optional[Callable]  # n decode steps in one call, each fed the last's tokens (whole-model stages only)
+    seq_prefill: Callable    # generate() over a pipeline: a left-padded batch's prefill
+    seq_decode: Callable     # ... and one decode step of it
+    seq_reorder: Callable    # ... beam search: rows continue from others
+    insert_cache: Callable   # a prefilled prompt's cache into a row of a group's cache
+    gather: Callable         # prefix-cache blocks -> a batch-1 cache
+    store: Callable          # a batch-1 cache's blocks into the pool
+    store_row: Callable      # a group row's blocks into the pool
+    resize: Callable         # a group's cache to another window (static size)
+    free: Callable           # a group row freed
+
+
+def stage_programs(cfg, stage: opt.StageSpec, backend: Backend, max_seq_len: int, new_cache,
+                   choose=None) -> StagePrograms:
+    """The jitted programs of a stage over `stage`'s layers on `backend` (`new_cache(batch, entries)`: an empty
+    cache of its layers; `choose`: the sampler's token choice, traced into the steps taken in one call, on a stage
+    that is the whole model; without it there are none)."""
+    prefill, chunk, step, step_joining = _passes(cfg, stage, backend, max_seq_len, new_cache)
+    seq_prefill, seq_decode = _seq_passes(cfg, stage, backend)
+    steps = None if choose is None else jax.jit(with_lora(_many_steps(step, choose)), static_argnums=(10,),
+                                                donate_argnums=(1, 5))
+    return StagePrograms(
+        prefill=jax.jit(with_lora(prefill)),
+        chunk=jax.jit(with_lora(chunk), donate_argnums=(1,)),
+        step=jax.jit(with_lora(step), donate_argnums=(1,)),
+        step_joining=jax.jit(with_lora(step_joining), donate_argnums=(1,)),
+        steps=steps,
+        seq_prefill=jax.jit(with_lora(seq_prefill), static_argnums=(4,), donate_argnums=(1,)),
+        seq_decode=jax.jit(with_lora(seq_decode), donate_argnums=(1,)),
+        seq_reorder=jax.jit(kv_cache.reorder, donate_argnums=(0,)),
+        insert_cache=jax.jit(lambda cache, pcache, row: kv_cache._insert(cache, pcache, row), donate_argnums=(0,)),
+        gather=jax.jit(kv_cache.gather_blocks),  # one compile per cache size
+        store=jax.jit(kv_cache.store_blocks, donate_argnums=(0,)),
+        store_row=jax.jit(lambda pool, cache, row, ids: kv_cache.store_blocks(
+            pool, kv_cache.row_of(cache, row), ids), donate_argnums=(0,)),
+        resize=jax.jit(lambda cache, n: kv_cache._resize(cache, n), static_argnums=(1,)),
+        free=jax.jit(kv_cache.free_slot, donate_argnums=(0,)))
+
+
+def _passes(cfg, stage: opt.StageSpec, backend: Backend, max_seq_len: int, new_cache):
+    """The slots' passes of the stage's layers: (prefill, chunk, step, step_joining), not jitted."""
+    def prefill(params, x, mask):
+        """k right-padded prompts (ids [k, n], or the previous stage's hidden states [k, n, D]) in one
+        pass -> k batch-1 caches and the hidden states [k, n, D] (final ones on the last stage)."""
+        k, n = mask.shape  # [k, n]: n a prefill width, the cache a coarser size (cache_bucket)
+        cache = new_cache(k, cache_bucket(n, max_seq_len))
+        h, cache = opt.prefill_step(cfg, params, cache, x, mask, return_hidden=True, stage=stage,
+                                    backend=backend)
+        return split_rows(cache, k), h
+
+    def chunk(params, cache, x, start, mask):
+        """A chunk of a prompt's prefill into its batch-1 cache (opt._extend) -> hidden states [1, C, D]."""
+        return opt._extend(cfg, params, cache, x, start, mask, return_hidden=True, stage=stage, backend=backend)
+
+    ragged = backend.ragged  # prompts continue rows and cached prefixes are read in place (opt.ragged_step)
+    no_block = (np.zeros(0, np.int32),) * 3
+
+    def step(params, cache, x, pos, read_len, prefix=None):
+        """The newest token (or its hidden state) of each row goes in at its own position; a row at position -1
+        is not stepped (free, or its prompt is being prefilled: ragged steps leave its entries alone)."""
+        if ragged:
+            write = jnp.where(pos >= 0, pos, kv_cache.cache_max_len(cache))
+            return opt.ragged_step(cfg, params, cache, x, jnp.maximum(pos, 0), write, no_block, prefix,
+                                   stage=stage, backend=backend)
+        pos = jnp.maximum(pos, 0)
+        return opt.decode_step(cfg, params, cache, x, pos, pos, read_len=read_len, return_hidden=True,
+                               stage=stage, backend=backend)
+
+    def step_joining(params, cache, x, pos, read_len, block, last, last_rows, prefix=None):
+        # as `step`, with prompts joining rows in the same pass (opt.ragged_step: any part of a prompt, after
+        # what earlier steps or a cached prefix gave its row; else opt.decode_joining_step: short prompts
+        # whole); the last stage hands the sampler each prompt's hidden state at its last token
+        if ragged:
+            write = jnp.where(pos >= 0, pos, kv_cache.cache_max_len(cache))
+            h, cache = opt.ragged_step(cfg, params, cache, x, jnp.maximum(pos, 0), write, block[:3], prefix,
+                                       stage=stage, backend=backend)
+        else:
+            pos = jnp.maximum(pos, 0)
+            h, cache = opt.decode_joining_step(cfg, params, cache, x, pos, pos, read_len, block, stage=stage,
+                                               backend=backend)
+        if stage.last:  # [B + T, D] -> [B, D]
+            b = pos.shape[0]
+            h = h[:b].at[last_rows].set(h[b + last], mode="drop")
+        return h, cache
+
+    return prefill, chunk, step, step_joining
+
+
+def _seq_passes(cfg, stage: opt.StageSpec, backend: Backend):
+    """generate()'s passes over a pipeline's whole-sequence caches: (seq_prefill, seq_decode), not jitted."""
+    def seq_prefill(params, cache, x, mask, all_logits):
+        return opt.prefill_step(cfg, params, cache, x, mask, all_logits=all_logits, stage=stage,
+                                backend=backend)
+
+    def seq_decode(params, cache, x, positions, write_index):
+        return opt.decode_step(cfg, params, cache, x, positions, write_index, stage=stage, backend=backend)
+
+    return seq_prefill, seq_decode
+
+
+def _many_steps(step, choose):
+    """`step` and the sampler's `choose` n times in one program (a stage that is the whole model), not jitted."""
+    def steps(params, cache, x, pos, read_len, state, settings, active, want_scores, want_top, n, prefix):
+        """`n` decode steps of a group in one call, each fed the tokens the last one chose (as n calls
+        of `step` and Sampler.choose would) -> the cache, the sampling state and each step's
+        (tokens, logprobs, top ids, top logprobs), stacked [n, rows, ...]. Rows at position -1 stay so."""
+        stepped = pos >= 0
+
+        def one(carry, _):
+            cache, x, pos, read_len, state = carry
+            h, cache = step(params, cache, x, pos, read_len, prefix)
+            state, out = choose(params, h, state, settings, active, want_scores, want_top)
+            return (cache, out[0], jnp.where(stepped, pos + 1, pos), read_len + 1, state), out
+        (cache, _, _, _, state), outs = jax.lax.scan(one, (cache, x, pos, read_len, state), length=n)
+        return cache, state, outs
+
+    return steps

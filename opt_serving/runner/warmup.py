@@ -1,0 +1,202 @@
+"""Warm-up: compile now, not at a request, every program serving runs (`Slots.warmup`).
+
+`compiled_shapes` lists every shape the steps compile at, built from the bucket helpers the steps pad with
+(runner/buckets.py) and the stages' own cache windows and join blocks; `warm_up` runs each entry in that order,
+through the slot model's own calls, so what it compiles is what serving then runs. Every group's cache has the
+same shapes: warming group 0 compiles all. The order matters:
+
+- the scored prefill and the chunked prompts come first, while a stage holds the fewest compiled programs: their
+  compiles take the most memory while they run, before the windows' steps add theirs;
+- a prefill of every width, each a prefix-cache miss (its blocks are stored); one stage keeps the first of each
+  cache size for the inserts, where a pipeline's stages, whose memory is short, let each go and prefill again;
+- then the windows, growing: into each, every cache size's insert (the largest first, twice: once into the cache
+  the last window's steps left, once into the one its insert made, as every later insert finds it), the step
+  reading the whole window, the steps taken in one call, a step with prompts joining at every block size, the
+  joined prompts' blocks into the pool, and the free.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+
+from opt_serving.runner.buckets import cache_bucket, chunk_widths, job_sizes
+from opt_serving.runner.prefix import BLOCK_SIZE
+from opt_serving.runner.types import JOIN_PROMPTS, Prefix, SlotSettings
+
+if TYPE_CHECKING:
+    from opt_serving.runner.slots import Slots
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One shape the steps compile at, as what warm-up runs to compile it (`kind`):
+
+    - "prefill": a prompt of `tokens` prefilled whole (its width: prefill_bucket(tokens)), a prefix-cache miss,
+      its prompt scores too where `scored`; kept for the inserts where `for_inserts` (one stage), else let go;
+    - "job": a prompt of `tokens` prefilled in chunks into a cache of `size` entries; with `head`, it starts with
+      that many new tokens, and with `after_head`, it starts with the last job's head, cached by that job;
+    - "insert": a prefilled prompt of cache size `size` (from `tokens` prompt tokens) into a group's cache of
+      `window` entries, twice where `twice`;
+    - "decode": one step reading the whole `window`; "decode_steps": `steps` of them in one call;
+    - "join": a step in `window` with prompts joining in a block of `block` tokens;
+    - "store_row": a row's blocks of `window` entries into the prefix cache's pool; "free": a row freed.
+    """
+    kind: str
+    tokens: int = 0
+    size: int = 0
+    window: int = 0
+    block: int = 0
+    steps: int = 0
+    head: int = 0
+    after_head: bool = False
+    scored: bool = False
+    for_inserts: bool = False
+    twice: bool = False
+
+
+def compiled_shapes(slots: "Slots", prefill_chunk: Optional[int] = None, decode_steps: int = 1) -> list[Shape]:
+    """Every shape `slots` compiles at, in the order warm-up runs them (the module docstring). Its joins are set
+    for `prefill_chunk` first (`Slots.set_prefill_chunk`)."""
+    shapes = [Shape("prefill", tokens=slots.buckets[0] - 1, scored=True)]
+    if prefill_chunk or slots.prefix is not None:
+        shapes += _job_shapes(slots, slots.hit_chunk)
+    widths: dict[int, int] = {}  # every cache size a prefill makes -> the smallest prefill width making it
+    for b in slots.buckets:  # b - 1 prompt tokens fill prefill bucket b
+        c = cache_bucket(b, slots.max_seq_len)
+        shapes.append(Shape("prefill", tokens=b - 1, for_inserts=c not in widths))
+        widths.setdefault(c, b)
+    stored = [b for b in slots.buckets if b > BLOCK_SIZE]
+    if slots.prefix is not None and stored:  # the first store again, into the pool as the stores leave it
+        shapes.append(Shape("prefill", tokens=stored[0] - 1))
+    joins = slots.join_blocks if slots.num_slots > slots.groups else ()  # (group 0 has rows besides slot 0)
+    for w in _windows(slots):
+        fits = [c for c in sorted(widths) if c <= w]
+        shapes += [Shape("insert", tokens=widths[c] - 1, size=c, window=w, twice=c == fits[-1])
+                   for c in fits[-1:] + fits[:-1]]  # (the largest first)
+        shapes.append(Shape("decode", window=w))
+        if decode_steps > 1:
+            shapes.append(Shape("decode_steps", window=w, steps=decode_steps))
+        shapes += [Shape("join", window=w, block=b) for b in joins]
+        if slots.ragged and slots.prefix is not None:
+            shapes.append(Shape("store_row", window=w))
+        shapes.append(Shape("free", window=w))
+    return shapes
+
+
+def _job_shapes(slots: "Slots", chunk: int) -> list[Shape]:
+    """What prompts prefilled in chunks of `chunk` run, and those after a cached prefix: into the cache of every
+    job size, a long prompt's first chunk (a new cache) and its last at every width (the cache the first made),
+    and with the prefix cache what a cached prefix leaves at every width (the cache its blocks were gathered
+    into), the blocks' store and gathering; each width's first token and prompt scores."""
+    chunk = min(chunk, slots.max_seq_len)
+    widths, sizes, cached = chunk_widths(chunk), job_sizes(slots.max_seq_len), slots.prefix is not None
+    shapes = []
+    for size in sizes:
+        for w in (w for w in widths if w < size):
+            if size > chunk:  # a new cache's chunk, then a last one of w into the cache it made
+                shapes.append(Shape("job", tokens=min(chunk + w, size), size=size))
+            if cached and BLOCK_SIZE + w <= size:  # a cached block, then w to compute
+                shapes += [Shape("job", tokens=BLOCK_SIZE, size=size, head=BLOCK_SIZE),
+                           Shape("job", tokens=BLOCK_SIZE + w, size=size, after_head=True)]
+    for w in widths if cached else ():  # each width's prompt scores (scored hits)
+        shapes.append(Shape("job", tokens=w, size=sizes[-1], scored=True))
+    return shapes
+
+
+def _windows(slots: "Slots") -> list[int]:
+    """The stages' own cache windows (from 256 where the attention kernel reads only the written entries): a
+    smaller one would only run its steps again in the stages' smallest."""
+    stages = slots.stages
+    return sorted(set().union(*stages.get([stages.call(i, "cache_windows") for i in range(stages.n)])))
+
+
+def warm_up(slots: "Slots", prefill_chunk: Optional[int] = None, decode_steps: int = 1) -> None:
+    """Compile every shape of `compiled_shapes`, then leave the slots as they were: every slot free, the prefix
+    cache empty (what warm-up wrote is nobody's prefix)."""
+    slots.set_prefill_chunk(prefill_chunk)
+    slots._to_all("begin_warmup")
+    run = _Runner(slots)
+    for shape in compiled_shapes(slots, prefill_chunk, decode_steps):
+        getattr(run, shape.kind)(shape)
+    for prefix in run.held.values():
+        slots.discard(prefix)
+    if slots.prefix is not None:
+        slots.prefix.clear()
+    slots._to_all("end_warmup")
+    slots.stages.get(slots.stages.call(0, "ready"))
+
+
+class _Runner:
+    """Runs each kind of `Shape` through the slot model's own calls, on slot 0 and group 0's other rows."""
+
+    def __init__(self, slots: "Slots"):
+        self.slots, self.cfg = slots, slots.cfg
+        self.hold = slots.stages.n == 1  # (one stage keeps a prefilled prompt of every cache size)
+        self.held: dict[int, Prefix] = {}  # cache size -> its prefilled prompt
+        self.fresh = itertools.count(self.cfg.bos_token_id + 1)  # each job's tokens are its own
+        self.head: list[int] = []  # the last job's cached head
+
+    def _prefill(self, n: int, scored: bool = False) -> Prefix:
+        """A prompt of n tokens prefilled whole, as a prefix-cache miss."""
+        if self.slots.prefix is not None:
+            self.slots.prefix.clear()
+        return self.slots.prefill([self.cfg.bos_token_id] * n, SlotSettings(prompt_logprobs=scored))
+
+    def prefill(self, shape: Shape) -> None:
+        prefix = self._prefill(shape.tokens, shape.scored)
+        if self.hold and shape.for_inserts:
+            self.held[cache_bucket(shape.tokens + 1, self.slots.max_seq_len)] = prefix
+        else:
+            self.slots.discard(prefix)
+
+    def job(self, shape: Shape) -> None:
+        slots, vocab = self.slots, self.cfg.vocab_size
+        if slots.prefix is not None and not shape.after_head:
+            slots.prefix.clear()
+        if shape.head:
+            self.head = [next(self.fresh) % vocab] * shape.head
+        head = self.head if shape.head or shape.after_head else []
+        tokens = head + [next(self.fresh) % vocab] * (shape.tokens - len(head))
+        job = slots.open_prefill(tokens, SlotSettings(prompt_logprobs=shape.scored), slots.hit_chunk, size=shape.size)
+        slots.discard(slots._run(job))
+
+    def insert(self, shape: Shape) -> None:
+        prefix = self.held[shape.size] if self.hold else self._prefill(shape.tokens)
+        if shape.twice:  # (the first grows the cache to the window)
+            self.slots.insert(prefix, 0, keep=True)
+        self.slots.insert(prefix, 0, keep=self.hold)
+
+    def decode(self, shape: Shape) -> None:
+        self.slots.table.lengths[0] = shape.window  # the step reads the whole window
+        self.slots.step()
+
+    def decode_steps(self, shape: Shape) -> None:
+        self.slots.table.lengths[0] = max(shape.window - shape.steps + 1, 1)  # the steps fill the window
+        self.slots.step_many(shape.steps)
+
+    def join(self, shape: Shape) -> None:
+        """Prompts fill the block: `block` tokens in all, no two alike (none waits for another's prefix blocks),
+        none reusing another's blocks (each fills its share)."""
+        slots, b = self.slots, shape.block
+        slots.table.lengths[0] = shape.window
+        if slots.prefix is not None:
+            slots.prefix.clear()
+        some = range(slots.groups, slots.num_slots, slots.groups)[:JOIN_PROMPTS][:b]  # group 0's rows after slot 0
+        for i, slot in enumerate(some):
+            n = b // len(some) + (i < b % len(some))
+            filler = (self.cfg.bos_token_id + 2 + i) % self.cfg.vocab_size
+            if not slots.join([self.cfg.bos_token_id] + [filler] * (n - 1), SlotSettings(), slot):
+                raise RuntimeError(f"warm-up: a prompt did not join a block of {b}")
+        slots.step()
+        for slot in some:
+            slots.free(slot)
+
+    def store_row(self, shape: Shape) -> None:
+        """A joined prompt's blocks into the pool (none written)."""
+        self.slots._to_all("store_row", 0, 0, np.full(shape.window // BLOCK_SIZE, self.slots.prefix.blocks, np.int32))
+
+    def free(self, shape: Shape) -> None:
+        self.slots.free(0)

@@ -1,0 +1,88 @@
+"""Warm-up (runner/warmup.py): its one list of shapes is the bucket helpers' and the stages' own, and compiling
+it leaves nothing for serving to compile."""
+import pytest
+
+from opt_serving.runner.types import SlotSettings
+
+from conftest import SMALL
+
+CFG = SMALL
+pytestmark = pytest.mark.cpu_kernels  # ragged steps: the CPU kernels (conftest.py)
+
+
+@pytest.fixture(scope="module")
+def slots():
+    """One stage on the CPU kernels (ragged steps), a prefix cache, four slots; warmed for a prefill chunk of 16
+    and four steps a call."""
+    from opt_serving.model import param_tree
+    from opt_serving.parallel.pipeline import stage_specs
+    from opt_serving.runner.slots import Slots
+    from opt_serving.runner.stage import LocalStages, StageSlots
+    params = param_tree.init_params(CFG, seed=3, std=0.3)
+    stages = [StageSlots(CFG, params, s, 4, 1, 64, prefix_blocks=16) for s in stage_specs(CFG, 1)]
+    model = Slots(CFG, LocalStages(stages), 4, 1, 64, prefix_blocks=16)
+    model.warmup(16, decode_steps=4)
+    return model
+
+
+def programs(slots) -> dict:
+    stage = slots.stages.stages[0]
+    sampler = stage.sampler
+    jitted = {name: getattr(stage, name) for name in ("_prefill", "_chunk", "_step", "_step_joining", "_steps",
+                                                      "_insert_cache", "_free", "_resize", "_gather", "_store",
+                                                      "_store_row")}
+    jitted.update({"sampler" + name: getattr(sampler, name) for name in ("_first", "_choose", "_choose_joining",
+                                                                         "_insert", "_free", "_chunked_first")})
+    return {name: f._cache_size() for name, f in jitted.items()}
+
+
+def test_the_shapes_are_the_bucket_helpers_and_the_stages_own(slots):
+    from opt_serving.runner.buckets import cache_buckets, job_sizes, prefill_bucket, prefill_buckets
+    from opt_serving.runner.warmup import compiled_shapes
+    shapes = compiled_shapes(slots, 16, 4)
+    of = lambda kind: [s for s in shapes if s.kind == kind]  # noqa: E731
+    assert {prefill_bucket(s.tokens, 64) for s in of("prefill")} == set(prefill_buckets(64))
+    windows = slots.stages.stages[0].cache_windows()
+    for kind in ("decode", "decode_steps", "free", "store_row"):
+        assert [s.window for s in of(kind)] == windows
+    for w in windows:  # every cache size a prefill makes goes into every window holding it, the largest first
+        inserts = [s.size for s in of("insert") if s.window == w]
+        assert sorted(inserts) == [c for c in cache_buckets(64) if c <= w] and inserts[0] == max(inserts)
+        assert [s.block for s in of("join") if s.window == w] == list(slots.join_blocks)
+    assert {s.size for s in of("job")} == set(job_sizes(64))
+
+
+def test_the_list_compiles_exactly_its_shapes(slots):
+    """One prefill program a prefill width and one joining step a (window, block) in the list: none missing, none
+    compiled for a shape the list does not name."""
+    from opt_serving.runner.buckets import prefill_bucket
+    from opt_serving.runner.warmup import compiled_shapes
+    shapes = compiled_shapes(slots, 16, 4)
+    count = programs(slots)
+    assert count["_prefill"] == len({prefill_bucket(s.tokens, 64) for s in shapes if s.kind == "prefill"})
+    assert count["_step_joining"] == len([s for s in shapes if s.kind == "join"])
+    assert count["_steps"] == len([s for s in shapes if s.kind == "decode_steps"])
+
+
+def test_after_warm_up_a_mixed_workload_compiles_nothing(slots):
+    """Prompts of every kind after warm-up: batched and whole prefills, inserts, prompts joining a part at a time,
+    a chunked prompt with a cached prefix, steps one and four at a time, frees: no program compiles again."""
+    before = programs(slots)
+    long = [2] + list(range(10, 50))
+    slots.insert(slots.prefill(long, SlotSettings(max_tokens=6)), 0)
+    batch = slots.prefill_batch([[2, 5], [2, 6, 7]], [SlotSettings(), SlotSettings(temperature=0.8, seed=1)])
+    slots.discard(batch[0])
+    slots.insert(batch[1], 1)
+    assert slots.join([2, 40, 41], SlotSettings(), 2)
+    assert slots.join(long[:33] + [3, 4], SlotSettings(), 3)  # its first two blocks are cached: the rest joins
+    for _ in range(4):
+        slots.step()
+    slots.step_many(4)
+    job = slots.open_prefill(long + [7, 8], SlotSettings(prompt_logprobs=True), 16)
+    prefix = slots._run(job)
+    slots.free(1)
+    slots.insert(prefix, 1)
+    slots.step()
+    for s in range(4):
+        slots.free(s)
+    assert programs(slots) == before
