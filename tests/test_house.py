@@ -17,11 +17,6 @@ KNOWN = {
     "opt_serving/csrc/products.cc",  # the float32 kernels apart from the int8 ones and oneDNN's calls
     "opt_serving/model/opt.py",  # the model's modules apart from its pure steps
     "opt_serving/text/generator.py",  # checking and tokenising apart from the streams
-    "opt_serving/runner/slots.py",  # the driver apart from its warm-up and micro-batch groups
-    "opt_serving/runner/slots.py:Slots.warmup",
-    "opt_serving/runner/stage.py",  # the jitted steps apart from the prefix pool and the KV cache's rows
-    "opt_serving/runner/stage.py:StageSlots.__init__",
-    "opt_serving/runner/sampler.py:Sampler.__init__",
 }
 
 
