@@ -32,6 +32,7 @@ from opt_serving.backend import Backend
 from opt_serving.backend.cpu import heap
 from opt_serving.model import beam_search, kv_cache, layout, opt, sample
 from opt_serving.model import quantize as quantization
+from opt_serving.model.lora import with_lora
 from opt_serving.runner.buckets import KERNEL_MIN_WINDOW, cache_windows
 from opt_serving.runner.lora import StageLora
 from opt_serving.runner.prefix import BLOCK_SIZE as PREFIX_BLOCK
