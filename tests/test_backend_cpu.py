@@ -37,8 +37,8 @@ def test_built_where_the_requirements_install_onednn():
 # ---- products.py ----
 
 @needs_kernels
-@pytest.mark.parametrize("m,k,n", [(1, 32, 96), (5, 33, 70), (8, 100, 130), (17, 768, 300), (64, 64, 16),
-                                   (40, 200, 1000)])
+@pytest.mark.parametrize("m,k,n", [(1, 32, 96), (3, 40, 100), (5, 33, 70), (8, 100, 130), (17, 768, 300),
+                                   (64, 64, 16), (40, 200, 1000)])
 def test_packed_product_equals_numpy(m, k, n):
     rng = np.random.default_rng(m)
     x, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((m, k), (k, n), (n,)))

@@ -67,40 +67,43 @@ void rows_by_block(const float* x, int64_t k, int64_t n, const float* block, int
   }
 }
 
-// The same with AVX-512 intrinsics: the accumulators in registers and the block's rows prefetched ahead (the
-// plain loop above read the weights at 12-15 GB/s for 2-8 rows, where one row read them at 20-23).
-template <int M>
+// The same with AVX-512 intrinsics, M rows by 16 * V columns of a block (V = 4: the whole block; V = 2: half of
+// it, so that 5-8 rows fit 16 accumulators and each line of the weights is still read once): the accumulators in
+// registers and the block's rows prefetched 16 rows (4 KB) ahead (the plain loop above read the weights at
+// 12-15 GB/s for 2-8 rows, where one row read them at 20-23).
+template <int M, int V>
 __attribute__((target("avx512f")))
-void rows_by_block_avx512(const float* x, int64_t k, int64_t n, const float* block, int64_t n0, const float* bias,
-                          bool relu, float* y) {
-  __m512 acc[M][4];
+void rows_by_tile(const float* x, int64_t k, int64_t n, const float* tile, int64_t n0, const float* bias, bool relu,
+                  float* y) {
+  __m512 acc[M][V];
+#pragma GCC unroll 8
+  for (int r = 0; r < M; ++r) {
 #pragma GCC unroll 4
-  for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm512_setzero_ps();
+    for (int q = 0; q < V; ++q) acc[r][q] = _mm512_setzero_ps();
+  }
   for (int64_t kk = 0; kk < k; ++kk) {
-    const float* row = block + kk * 64;
-    _mm_prefetch(reinterpret_cast<const char*>(row + 64 * 16), _MM_HINT_T0);  // 16 rows (4 KB) ahead
-    _mm_prefetch(reinterpret_cast<const char*>(row + 64 * 16 + 16), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(row + 64 * 16 + 32), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(row + 64 * 16 + 48), _MM_HINT_T0);
-    const __m512 w0 = _mm512_loadu_ps(row), w1 = _mm512_loadu_ps(row + 16), w2 = _mm512_loadu_ps(row + 32),
-                 w3 = _mm512_loadu_ps(row + 48);
+    const float* row = tile + kk * 64;
+    __m512 w[V];
 #pragma GCC unroll 4
+    for (int q = 0; q < V; ++q) {
+      _mm_prefetch(reinterpret_cast<const char*>(row + 64 * 16 + 16 * q), _MM_HINT_T0);
+      w[q] = _mm512_loadu_ps(row + 16 * q);
+    }
+#pragma GCC unroll 8
     for (int r = 0; r < M; ++r) {
       const __m512 b = _mm512_set1_ps(x[r * k + kk]);
-      acc[r][0] = _mm512_fmadd_ps(b, w0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(b, w1, acc[r][1]);
-      acc[r][2] = _mm512_fmadd_ps(b, w2, acc[r][2]);
-      acc[r][3] = _mm512_fmadd_ps(b, w3, acc[r][3]);
+#pragma GCC unroll 4
+      for (int q = 0; q < V; ++q) acc[r][q] = _mm512_fmadd_ps(b, w[q], acc[r][q]);
     }
   }
-  const int64_t cols = std::min<int64_t>(64, n - n0);
+  const int64_t cols = std::min<int64_t>(16 * V, n - n0);
 #pragma GCC unroll 4
-  for (int q = 0; q < 4; ++q) {
+  for (int q = 0; q < V; ++q) {
     const int64_t left = cols - 16 * q;
-    if (left <= 0) continue;
+    if (left <= 0) continue;  // the last block's columns past N are not written
     const __mmask16 mask = left >= 16 ? 0xffff : (1u << left) - 1;
     const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0 + 16 * q) : _mm512_setzero_ps();
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < M; ++r) {
       __m512 v = _mm512_add_ps(acc[r][q], bv);
       if (relu) v = _mm512_max_ps(v, _mm512_setzero_ps());
@@ -109,80 +112,42 @@ void rows_by_block_avx512(const float* x, int64_t k, int64_t n, const float* blo
   }
 }
 
-// 5-8 rows: half a block (32 columns) at a time, all the rows at once (16 accumulators), so each line of the
-// weights is read once.
-template <int M>
-__attribute__((target("avx512f")))
-void rows_by_half_block(const float* x, int64_t k, int64_t n, const float* half, int64_t n0, const float* bias,
-                        bool relu, float* y) {
-  __m512 acc[M][2];
-#pragma GCC unroll 8
-  for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t kk = 0; kk < k; ++kk) {
-    const float* row = half + kk * 64;
-    _mm_prefetch(reinterpret_cast<const char*>(row + 64 * 16), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(row + 64 * 16 + 16), _MM_HINT_T0);
-    const __m512 w0 = _mm512_loadu_ps(row), w1 = _mm512_loadu_ps(row + 16);
-#pragma GCC unroll 8
-    for (int r = 0; r < M; ++r) {
-      const __m512 b = _mm512_set1_ps(x[r * k + kk]);
-      acc[r][0] = _mm512_fmadd_ps(b, w0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(b, w1, acc[r][1]);
-    }
-  }
-  const int64_t cols = std::min<int64_t>(32, n - n0);
-#pragma GCC unroll 2
-  for (int q = 0; q < 2; ++q) {
-    const int64_t left = cols - 16 * q;
-    if (left <= 0) continue;
-    const __mmask16 mask = left >= 16 ? 0xffff : (1u << left) - 1;
-    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0 + 16 * q) : _mm512_setzero_ps();
-#pragma GCC unroll 8
-    for (int r = 0; r < M; ++r) {
-      __m512 v = _mm512_add_ps(acc[r][q], bv);
-      if (relu) v = _mm512_max_ps(v, _mm512_setzero_ps());
-      _mm512_mask_storeu_ps(y + r * n + n0 + 16 * q, mask, v);
-    }
-  }
+// Rows [r, r + R) by one block, R <= 4: the AVX-512 tile, or the plain loop for one row (measured at the memory's
+// speed) and on CPUs without AVX-512
+template <int R>
+void four_rows_by_block(bool avx512, const float* x, int64_t k, int64_t n, const float* block, int64_t n0,
+                        const float* bias, bool relu, float* y) {
+  if (avx512 && R > 1) return rows_by_tile<R, 4>(x, k, n, block, n0, bias, relu, y);
+  rows_by_block<R>(x, k, n, block, n0, bias, relu, y);
 }
 
 void small_rows(const float* x, int64_t m, int64_t k, int64_t n, const float* w, const float* bias,
                 bool relu, float* y) {
-  static const bool avx512 = __builtin_cpu_supports("avx512f") && std::getenv("OPT_SMALL_ROWS_PLAIN") == nullptr;
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
   const int64_t k_padded = (k + 15) / 16 * 16, blocks = (n + 63) / 64;
 #pragma omp parallel for schedule(static)
   for (int64_t nb = 0; nb < blocks; ++nb) {
     const float* block = w + nb * k_padded * 64;
-    for (int64_t r = 0; r < m; r += 4) {
-      const float* xr = x + r * k;
+    if (avx512 && m > 4) {  // all the rows in one pass over each half of the block
+      for (int64_t n0 = nb * 64; n0 < std::min(n, nb * 64 + 64); n0 += 32) {
+        const float* half = block + (n0 - nb * 64);
+        switch (m) {
+          case 5: rows_by_tile<5, 2>(x, k, n, half, n0, bias, relu, y); break;
+          case 6: rows_by_tile<6, 2>(x, k, n, half, n0, bias, relu, y); break;
+          case 7: rows_by_tile<7, 2>(x, k, n, half, n0, bias, relu, y); break;
+          default: rows_by_tile<8, 2>(x, k, n, half, n0, bias, relu, y); break;
+        }
+      }
+      continue;
+    }
+    for (int64_t r = 0; r < m; r += 4) {  // four rows at a time: the block from memory once, then from cache
+      const float *xr = x + r * k;
       float* yr = y + r * n;
-      if (avx512 && m > 4) {  // all the rows in one pass over each half of the block
-        for (int64_t h = 0; h < 2 && nb * 64 + h * 32 < n; ++h) {
-          const float* half = block + h * 32;
-          const int64_t n0 = nb * 64 + h * 32;
-          switch (m) {
-            case 5: rows_by_half_block<5>(x, k, n, half, n0, bias, relu, y); break;
-            case 6: rows_by_half_block<6>(x, k, n, half, n0, bias, relu, y); break;
-            case 7: rows_by_half_block<7>(x, k, n, half, n0, bias, relu, y); break;
-            default: rows_by_half_block<8>(x, k, n, half, n0, bias, relu, y); break;
-          }
-        }
-        break;
-      }
-      if (avx512 && m > 1) {  // (one row: the plain loop, measured at the memory's speed)
-        switch (std::min<int64_t>(4, m - r)) {
-          case 1: rows_by_block_avx512<1>(xr, k, n, block, nb * 64, bias, relu, yr); break;
-          case 2: rows_by_block_avx512<2>(xr, k, n, block, nb * 64, bias, relu, yr); break;
-          case 3: rows_by_block_avx512<3>(xr, k, n, block, nb * 64, bias, relu, yr); break;
-          default: rows_by_block_avx512<4>(xr, k, n, block, nb * 64, bias, relu, yr); break;
-        }
-        continue;
-      }
       switch (std::min<int64_t>(4, m - r)) {
-        case 1: rows_by_block<1>(xr, k, n, block, nb * 64, bias, relu, yr); break;
-        case 2: rows_by_block<2>(xr, k, n, block, nb * 64, bias, relu, yr); break;
-        case 3: rows_by_block<3>(xr, k, n, block, nb * 64, bias, relu, yr); break;
-        default: rows_by_block<4>(xr, k, n, block, nb * 64, bias, relu, yr); break;
+        case 1: four_rows_by_block<1>(avx512, xr, k, n, block, nb * 64, bias, relu, yr); break;
+        case 2: four_rows_by_block<2>(avx512, xr, k, n, block, nb * 64, bias, relu, yr); break;
+        case 3: four_rows_by_block<3>(avx512, xr, k, n, block, nb * 64, bias, relu, yr); break;
+        default: four_rows_by_block<4>(avx512, xr, k, n, block, nb * 64, bias, relu, yr); break;
       }
     }
   }
