@@ -27,11 +27,11 @@ def test_block_sizes_are_powers_of_two_and_halfway_up_to_the_budget():
 
 def test_the_oldest_prompt_takes_the_budget_and_the_next_the_rest():
     j = ragged(budget=32)
-    for slot, n in ((0, 20), (1, 26), (2, 40)):
+    for slot, n in ((0, 20), (1, 26), (2, 48)):
         assert j.add(0, prompt(slot, n))
     assert spans(j.take(0)) == [(0, 0, 20), (1, 0, 12)]
     assert spans(j.take(0)) == [(1, 12, 26), (2, 0, 18)]
-    assert spans(j.take(0)) == [(2, 18, 40)]
+    assert spans(j.take(0)) == [(2, 18, 48)]  # 30 tokens: a block of 32 pads 2
     assert not j.waiting(0) and j.take(0) == []
 
 
@@ -53,13 +53,30 @@ def test_a_step_gives_at_most_join_prompts_their_first_tokens():
 
 def test_a_deferred_prompt_waits_without_holding_up_the_others():
     j = ragged(budget=32)
-    first, waiting, other = prompt(0, 20), prompt(1, 20), prompt(2, 10)
+    first, waiting, other = prompt(0, 20), prompt(1, 16), prompt(2, 10)
     waiting.deferred = True
     for p in (first, waiting, other):
         assert j.add(0, p)
     assert spans(j.take(0)) == [(0, 0, 20), (2, 0, 10)]  # the one behind it goes on
     waiting.deferred = False
-    assert spans(j.take(0)) == [(1, 0, 20)]
+    assert spans(j.take(0)) == [(1, 0, 16)]
+
+
+def test_a_step_carries_the_block_below_its_tokens_when_that_leaves_fewer_than_the_block_above_pads():
+    j = ragged(budget=32)  # blocks of 8, 16 and 32
+    assert j.add(0, prompt(0, 20))  # 16 would leave 4 where 32 pads 12
+    assert spans(j.take(0)) == [(0, 0, 16)] and spans(j.take(0)) == [(0, 16, 20)]
+    assert j.add(0, prompt(1, 28))  # 32 pads 4 where 16 would leave 12
+    assert spans(j.take(0)) == [(1, 0, 28)]
+    for slot in (2, 3, 4):  # 18 tokens of short prompts: 16 would leave one of them for the next step
+        assert j.add(0, prompt(slot, 6))
+    assert spans(j.take(0)) == [(2, 0, 6), (3, 0, 6), (4, 0, 6)]
+    j = ragged(budget=512, rows=40, width=511)
+    assert j.add(0, prompt(0, 300)) and j.add(0, prompt(1, 10))  # 310: 384 pads 74, 256 leaves 54
+    first = j.take(0)
+    assert spans(first) == [(1, 0, 10), (0, 0, 246)] and j.block(first).ids.shape == (256,)
+    assert spans(j.take(0)) == [(0, 246, 294)]  # 54 tokens: 48 leaves 6 where 64 pads 10
+    assert spans(j.take(0)) == [(0, 294, 300)]
 
 
 def test_a_prompt_asking_for_its_scores_never_joins_and_without_ragged_steps_only_short_ones_whole():

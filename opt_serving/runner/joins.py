@@ -106,34 +106,54 @@ class Joins:
         parts; those prompts leave the pending list (their rows decode from then on). First the prompts that
         finish within a quarter of the budget, in the order they came, up to half of it (a short prompt does not
         wait behind a long one's parts); then the oldest prompts, as far as the rest goes (so at least half of
-        every step goes to them: no prompt waits for ever)."""
+        every step goes to them: no prompt waits for ever). Where those tokens fall between two block sizes the
+        step carries the smaller block whenever that leaves fewer tokens for the next step than the larger would
+        pad, and no short prompt's last part among them: a block's padding is computed like its tokens, and the
+        tokens left ride the next step."""
         pending = self._pending[g]
         ready = [j for j in pending.values() if not j.deferred]
+        plan = self._plan(ready, self.budget)
+        total = sum(n for _, n in plan)
+        if self.ragged and total:
+            above = next(b for b in self.sizes if b >= total)
+            below = max((b for b in self.sizes if b <= total), default=0)
+            if below and total - below < above - total:
+                smaller = self._plan(ready, below)
+                if self._short_finals(plan) <= self._short_finals(smaller):
+                    plan = smaller
+        parts = []
+        for j, n in plan:
+            parts.append(Part(j, j.done, j.done + n))
+            j.done += n
+            if j.done == len(j.tokens):
+                del pending[j.slot]
+        return parts
+
+    def _short_finals(self, plan: list[tuple[Joining, int]]) -> set[int]:
+        """The short prompts (a quarter of the budget at most) a plan finishes: a step's worth of waiting is most
+        of their time to a first token, so the smaller block never leaves one of them for the next step."""
+        return {id(j) for j, n in plan if j.done + n == len(j.tokens) and len(j.tokens) <= self.budget // 4}
+
+    def _plan(self, ready: list[Joining], most: int) -> list[tuple[Joining, int]]:
+        """take's choice at most `most` tokens: (prompt, its tokens this step), in the block's order."""
         short = set() if not self.ragged else {
             id(j) for j in ready if len(j.tokens) - j.done <= self.budget // 4}
-        parts, left, finals = [], self.budget, 0
-
-        def part(j: Joining, most: int) -> None:
-            nonlocal left, finals
-            end = min(len(j.tokens), j.done + most)
-            parts.append(Part(j, j.done, end))
-            left -= end - j.done
-            j.done = end
-            if end == len(j.tokens):
-                finals += 1
-                del pending[j.slot]
-
-        quick = self.budget // 2
+        plan, taken, left, finals = [], set(), most, 0
+        quick = min(self.budget // 2, most)
         for j in ready:  # prompts that finish now, within half the budget
-            if id(j) in short and finals < JOIN_PROMPTS and len(j.tokens) - j.done <= quick:
-                quick -= len(j.tokens) - j.done
-                part(j, len(j.tokens) - j.done)
+            rest = len(j.tokens) - j.done
+            if id(j) in short and finals < JOIN_PROMPTS and rest <= quick:
+                quick, left, finals = quick - rest, left - rest, finals + 1
+                plan.append((j, rest))
+                taken.add(id(j))
         for j in ready:  # then the oldest
             if left <= 0 or finals >= JOIN_PROMPTS:
                 break
-            if j.slot in pending:
-                part(j, left)
-        return parts
+            if id(j) not in taken:
+                n = min(len(j.tokens) - j.done, left)
+                left, finals = left - n, finals + (n == len(j.tokens) - j.done)
+                plan.append((j, n))
+        return plan
 
     def block(self, parts: list[Part]) -> JoinBlock:
         """The stages' view of a step's parts."""
