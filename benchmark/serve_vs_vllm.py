@@ -162,6 +162,13 @@ def where_time_goes(before: dict, after: dict, bounds: dict, dtype: str) -> list
                    f"(weights {wbytes / 1e6:.0f} MB + KV {kv * kvbytes / steps / 1e6:.0f} MB): {gb / dec_s:.1f} GB/s "
                    f"= {gb / dec_s / bw:.0%} of the measured {bw:.1f} GB/s; {gf / dec_s:.0f} GFLOP/s = "
                    f"{gf / dec_s / peak:.0%} of the peak")
+        flop_ms, read_ms = 1e3 * gf / steps / peak, 1e3 * gb / steps / bw
+        bound_ms = max(flop_ms, read_ms)
+        out.append(f"  bound: a step's work at the machine's bounds takes {bound_ms:.1f} ms (its "
+                   f"{gf / steps:.1f} GFLOP at the {peak:.0f} GFLOP/s peak: {flop_ms:.1f} ms; its "
+                   f"{gb / steps * 1e3:.0f} MB at {bw:.1f} GB/s: {read_ms:.1f} ms; the longer of the two, {flop_ms + read_ms:.1f} "
+                   f"ms if they do not overlap), ours {step_ms / bound_ms:.2f}x that: at most "
+                   f"{step_ms / bound_ms:.2f}x these tokens/s on this machine")
     busy = pre_s + dec_s
     if busy > 0:
         out.append(f"  the engine's busy time: prefill {pre_s / busy:.0%}, decode {dec_s / busy:.0%}; "
@@ -175,6 +182,12 @@ def where_time_goes(before: dict, after: dict, bounds: dict, dtype: str) -> list
             out.append(f"  {what}: mean {1e3 * d(key + '_sum') / count:.0f} ms, p50 <= {1e3 * _quantile(b, .5):.0f} "
                        f"ms, p99 <= {1e3 * _quantile(b, .99):.0f} ms ({count:.0f})")
     return out
+
+
+def headroom(engine: list[str]) -> float:
+    """where_time_goes' `bound` line's factor: our decode step's time over its work at the machine's bounds."""
+    line = next((x for x in engine if x.startswith("  bound:")), "")
+    return float(line.rsplit("at most ", 1)[1].split("x")[0]) if line else float("nan")
 
 
 def load(args, scenario: list[str], out: Path, warm: bool = False) -> dict:
@@ -222,6 +235,11 @@ def report(args, runs: list[dict], bounds: list[dict]) -> dict:
         print(f"  {n:>15}: {med[n]['tokens_per_s']:7.1f} tokens/s, TTFT p50 {1e3 * med[n]['ttft_p50_s']:.0f} ms, "
               f"p99 {1e3 * med[n]['ttft_p99_s']:.0f} ms{vs}")
     for n in [n for n in args.servers if not n.startswith("vllm") and "vllm" in med]:
+        room = sorted(r.get("headroom", float("nan")) for r in runs if r["server"] == n)
+        if room and room[0] == room[0]:
+            best = med[n]["tokens_per_s"] * room[len(room) // 2]
+            print(f"  {n} at the machine's bounds (its steps' FLOPs at the peak or their bytes at the bandwidth, "
+                  f"the longer): at most {best:.0f} tokens/s = {best / med['vllm']['tokens_per_s']:.2f}x vLLM's")
         harness.print_comparison([(what, scale * med[n][k], scale * med["vllm"][k]) for what, k, scale in
                                   (("output tokens/s", "tokens_per_s", 1), ("TTFT p50 ms", "ttft_p50_s", 1e3),
                                    ("TTFT p99 ms", "ttft_p99_s", 1e3))],
@@ -267,6 +285,7 @@ def main(argv=None) -> None:
                   flush=True)
             if ours:
                 row["engine"] = where_time_goes(before, after, bounds[0], args.dtype)
+                row["headroom"] = headroom(row["engine"])
                 print("\n".join(row["engine"]), flush=True)
     bounds.append({**machine_bounds.measure(products=False), "cores": bounds[0]["cores"], "when": "after"})
     med = report(args, runs, bounds)
