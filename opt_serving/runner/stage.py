@@ -32,12 +32,11 @@ from opt_serving.backend import Backend
 from opt_serving.backend.cpu import heap
 from opt_serving.model import beam_search, kv_cache, layout, opt, sample
 from opt_serving.model import quantize as quantization
-from opt_serving.model.lora import with_lora
 from opt_serving.runner.buckets import KERNEL_MIN_WINDOW, cache_windows
 from opt_serving.runner.lora import StageLora
 from opt_serving.runner.prefix import BLOCK_SIZE as PREFIX_BLOCK
 from opt_serving.runner.sampler import Sampler
-from opt_serving.runner.stage_programs import stage_programs
+from opt_serving.runner.stage_programs import seq_extend_fn, seq_prefill_greedy_fn, stage_programs, truncate
 from opt_serving.runner.types import DecodeStep, SlotSettings
 
 
@@ -328,7 +327,7 @@ class StageSlots:
         `exclude` [B] (int32, -1 none; greedy rows) the last stage's argmax tokens [B] instead, each leaving out its
         excluded token (the screened head, as generate()'s first greedy token)."""
         if exclude is not None:
-            fn = _seq_prefill_greedy_fn(self.cfg, self.spec, self.backend)
+            fn = seq_prefill_greedy_fn(self.cfg, self.spec, self.backend)
             out, self.seqs[key] = fn(self.params, self.seqs[key], x, mask, np.asarray(exclude, np.int32),
                                      self.lora.generating(mask.shape[0]))
             return np.asarray(out) if self.spec.last else out
@@ -361,7 +360,7 @@ class StageSlots:
         [B, C, V] (opt._extend); with `exclude` [B, C] (int32, -1 none; greedy rows) the last stage's argmax
         tokens [B, C] instead, each leaving out its excluded token (the screened head: no logits made)."""
         greedy = exclude is not None
-        fn = _seq_extend_fn(self.cfg, self.spec, self.backend, greedy)
+        fn = seq_extend_fn(self.cfg, self.spec, self.backend, greedy)
         ex = np.asarray(exclude if greedy else np.zeros((0, 0)), np.int32)
         out, self.seqs[key] = fn(self.params, self.seqs[key], x, np.asarray(start, np.int32),
                                  np.asarray(chunk_mask, np.int32), ex, self.lora.generating(chunk_mask.shape[0]))
@@ -369,7 +368,7 @@ class StageSlots:
 
     def seq_truncate(self, key, length) -> None:
         """Only each row's first length[b] entries stay valid (drafted tokens the target did not accept)."""
-        self.seqs[key] = _truncate(self.seqs[key], np.asarray(length, np.int32))
+        self.seqs[key] = truncate(self.seqs[key], np.asarray(length, np.int32))
 
     # ---- a whole generate() as one compiled loop, on a stage that is the whole model ----
     def seq_generate(self, ids, mask, settings, max_new: int, new_bucket: int, pad: int, output_scores: bool):
@@ -397,33 +396,6 @@ class Stages(Protocol):
     def get(self, futures) -> Any: ...
     def check_health(self) -> None: ...
     def close(self) -> None: ...
-
-
-@functools.lru_cache(maxsize=None)
-def _seq_extend_fn(cfg, stage, backend, greedy: bool):
-    def extend(params, cache, x, start, chunk_mask, exclude):
-        out, cache = opt._extend(cfg, params, cache, x, start, chunk_mask, return_hidden=greedy, stage=stage,
-                                 backend=backend, per_query=True)
-        if greedy and stage.last:  # [B, C, D] -> the tokens [B, C]
-            b, c = chunk_mask.shape
-            out = opt.lm_argmax(params, out.reshape(b * c, -1), exclude.reshape(-1), backend=backend).reshape(b, c)
-        return out, cache
-    return jax.jit(with_lora(extend), donate_argnums=(1,))
-
-
-@functools.lru_cache(maxsize=None)
-def _seq_prefill_greedy_fn(cfg, stage, backend):
-    def prefill(params, cache, x, mask, exclude):
-        out, cache = opt.prefill_step(cfg, params, cache, x, mask, all_logits=False, return_hidden=True, stage=stage,
-                                      backend=backend)
-        return (opt.lm_argmax(params, out, exclude, backend=backend) if stage.last else out), cache
-    return jax.jit(with_lora(prefill), donate_argnums=(1,))
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _truncate(cache, length):
-    entries = jnp.arange(cache["mask"].shape[1])[None]  # [1, max_len]
-    return dict(cache, mask=cache["mask"] & (entries < length[:, None]))
 
 
 class LocalStages:

@@ -7,6 +7,7 @@ stage: only arrays (and the few static sizes named) vary between calls, so each 
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple, Optional
 
 import jax
@@ -143,3 +144,35 @@ def _many_steps(step, choose):
         return cache, state, outs
 
     return steps
+
+
+@functools.lru_cache(maxsize=None)
+def seq_extend_fn(cfg, stage, backend, greedy: bool):
+    """A speculative check's pass (StageSlots.seq_extend): drafted tokens [B, C] after each row's cache, each
+    query's attention as its own decode step's (opt._extend per_query) -> the greedy tokens [B, C] on the last
+    stage (screened head), else its hidden states or logits."""
+    def extend(params, cache, x, start, chunk_mask, exclude):
+        out, cache = opt._extend(cfg, params, cache, x, start, chunk_mask, return_hidden=greedy, stage=stage,
+                                 backend=backend, per_query=True)
+        if greedy and stage.last:  # [B, C, D] -> the tokens [B, C]
+            b, c = chunk_mask.shape
+            out = opt.lm_argmax(params, out.reshape(b * c, -1), exclude.reshape(-1), backend=backend).reshape(b, c)
+        return out, cache
+    return jax.jit(with_lora(extend), donate_argnums=(1,))
+
+
+@functools.lru_cache(maxsize=None)
+def seq_prefill_greedy_fn(cfg, stage, backend):
+    """A speculative run's prefill: the first greedy token from the whole prompt (as plain generate()'s)."""
+    def prefill(params, cache, x, mask, exclude):
+        out, cache = opt.prefill_step(cfg, params, cache, x, mask, all_logits=False, return_hidden=True, stage=stage,
+                                      backend=backend)
+        return (opt.lm_argmax(params, out, exclude, backend=backend) if stage.last else out), cache
+    return jax.jit(with_lora(prefill), donate_argnums=(1,))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def truncate(cache, length):
+    """A whole-sequence cache cut back to `length` [B] entries a row (rejected drafts' entries dropped)."""
+    entries = jnp.arange(cache["mask"].shape[1])[None]  # [1, max_len]
+    return dict(cache, mask=cache["mask"] & (entries < length[:, None]))
