@@ -1,7 +1,7 @@
 """Chaos under load: 16 streaming clients while a random component is SIGKILLed every 10-20 s.
 
-    .venv/bin/python benchmark/chaos.py --config embedded [--minutes 5] [--ingress auto|proxy]
-    .venv/bin/python benchmark/chaos.py --config pp2 [--minutes 5]
+    .venv/bin/python benchmark/faults/chaos.py --config embedded [--minutes 5] [--ingress auto|proxy]
+    .venv/bin/python benchmark/faults/chaos.py --config pp2 [--minutes 5]
 
 embedded: `opt-serving serve` (the embedded tiny model, a private Ray started by it, direct ingress unless
 --ingress proxy); the kills: the model replica, Serve's proxy, Serve's controller.
@@ -22,12 +22,13 @@ import asyncio
 import contextlib
 import os
 import sys
+from pathlib import Path
 import time
 
 import psutil
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `harness` when run from anywhere
-import harness  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: benchmark.* and its opt_serving
+from benchmark import harness  # noqa: E402
 from opt_serving.testing import chaos  # noqa: E402
 from opt_serving.testing.cli_server import processes_under  # noqa: E402
 

@@ -1,6 +1,6 @@
 """A soak run: hours of mixed traffic against `opt-serving serve`, watching for leaks and slow-downs.
 
-    .venv/bin/python benchmark/soak.py [--minutes 60] [--interval 300] [--clients 4] [-- SERVE ARGS...]
+    .venv/bin/python benchmark/faults/soak.py [--minutes 60] [--interval 300] [--clients 4] [-- SERVE ARGS...]
 
 Starts `opt-serving serve` (default: the embedded tiny model, its own Ray, default settings) and sends, from
 --clients clients with a short random pause between requests: short and long prompts (long ones as 200-400
@@ -21,10 +21,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import re
 import sys
+from pathlib import Path
 import time
 from collections import Counter
 
@@ -32,8 +32,8 @@ import httpx
 import numpy as np
 import psutil
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `harness` when run from anywhere
-import harness  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: benchmark.* and its opt_serving
+from benchmark import harness  # noqa: E402
 from opt_serving.testing.cli_server import REPLICA  # noqa: E402
 
 WORDS = "the of and to in is was for on that with as by at from his her it an were are which this".split()

@@ -1,8 +1,8 @@
 """How far int8 weights and bfloat16 products move an OPT model from its float32 self, on the same weights.
 
 Usage:
-  .venv/bin/python benchmark/accuracy_lowp.py                      # opt-125m shape, both formats
-  .venv/bin/python benchmark/accuracy_lowp.py --model jax/opt-350m --formats int8
+  .venv/bin/python benchmark/offline/accuracy_lowp.py                      # opt-125m shape, both formats
+  .venv/bin/python benchmark/offline/accuracy_lowp.py --model jax/opt-350m --formats int8
 
 Weights: random, of the named size: the layers as HF initialises OPT (std 0.02), the tied embedding x8 (std
 0.16), so next-token distributions are peaked as a trained model's, not flat (with flat ones every argmax is a
@@ -25,10 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmark"))  # `common` when run from anywhere
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: benchmark.* and its opt_serving
 
-from common import machine_description  # noqa: E402
+from benchmark.common import machine_description  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -14,7 +14,7 @@ it on the device between two steps). The largest gap between two outputs of any 
 happens is printed beside the median gap (one decode call: --decode-steps steps) and the largest gap of a
 round without a load.
 
-    .venv/bin/python benchmark/bench_lora.py [--size 125m] [--rounds 6] [--streams 32] [--adapters 8] [--rank 16]
+    .venv/bin/python benchmark/offline/bench_lora.py [--size 125m] [--rounds 6] [--streams 32] [--adapters 8] [--rank 16]
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py, beside this file
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: benchmark.* and its opt_serving
 
 
 def build(a, lora, folders):
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     ap.add_argument("--load-after", type=float, default=1.0, help="seconds into the stall round the load starts")
     a = ap.parse_args(argv)
 
-    from common import machine_description
+    from benchmark.common import machine_description
     from opt_serving.config import get_config
     from opt_serving.model.lora_config import LoraOptions
     from opt_serving.testing.lora import write_adapter

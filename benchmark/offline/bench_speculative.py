@@ -11,8 +11,8 @@ one) with a copy-heavy prompt, its own earlier output followed by the prompt tha
 next is already in the text, as in an edit, an extraction or a quoting summary.
 `--pp 2` runs the full-agreement target as a pipeline of two stages on two simulated Ray nodes.
 
-    python benchmark/bench_speculative.py                       # OPT-1.3b float32 and int8, k = 4
-    python benchmark/bench_speculative.py --model opt-125m --tokens 32 --weights float32
+    python benchmark/offline/bench_speculative.py                       # OPT-1.3b float32 and int8, k = 4
+    python benchmark/offline/bench_speculative.py --model opt-125m --tokens 32 --weights float32
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: benchmark.* and its opt_serving
 
 from opt_serving.model import loader, sources  # noqa: E402
 from opt_serving.config import get_config  # noqa: E402

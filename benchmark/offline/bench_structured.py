@@ -1,7 +1,7 @@
 """Structured output's cost to the streams beside it: 32 streams, 8 of them constrained by a JSON schema, against
 32 unconstrained, on the same engine, alternating.
 
-    .venv/bin/python benchmark/bench_structured.py [--model jax/opt-125m] [--tokenizer ../shared/opt-assets]
+    .venv/bin/python benchmark/offline/bench_structured.py [--model jax/opt-125m] [--tokenizer ../shared/opt-assets]
         [--streams 32] [--constrained 8] [--seconds 40] [--rounds 3] [--temperature 0]
 
 Random weights of the model's size (float32), the real OPT tokenizer, the engine as `opt-serving serve` runs it

@@ -6,7 +6,7 @@ budget, then sends every request alone (one `complete_n` call each, awaited befo
 client looping over the file would) and prints both throughputs. Defaults: 1,000 requests, the
 embedded tiny model.
 
-    python benchmark/benchmark_batch.py [--requests 1000] [--budget 16384] [--model M --path P]
+    python benchmark/offline/benchmark_batch.py [--requests 1000] [--budget 16384] [--model M --path P]
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: benchmark.* and its opt_serving
 
 from opt_serving import batch as B  # noqa: E402
 

@@ -1,8 +1,8 @@
 """The continuous-batching engine alone, in process (no HTTP, no client on the same cores): a closed loop.
 
 Usage:
-  python benchmark/benchmark_engine.py --model jax/opt-125m --quantize int8
-  python benchmark/benchmark_engine.py --model jax/opt-125m --dtype bfloat16 --clients 32 --requests 128
+  python benchmark/offline/benchmark_engine.py --model jax/opt-125m --quantize int8
+  python benchmark/offline/benchmark_engine.py --model jax/opt-125m --dtype bfloat16 --clients 32 --requests 128
 
 --clients requests run at once; each client asks again as soon as its request is done, until --requests
 have run. The first round is staggered (client i's first request makes 1 + 2i tokens), so requests finish

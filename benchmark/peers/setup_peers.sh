@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The CTranslate2 side of benchmark/benchmark_peers.py, in a virtualenv of its own (.venv-peers by default):
+# The CTranslate2 side of benchmark/peers/benchmark_peers.py, in a virtualenv of its own (.venv-peers by default):
 # CTranslate2 and its Hugging Face converter (torch + transformers). torch goes in first, alone, with its exact
 # pin: that takes the CPU build (an open range would pull a multi-GB CUDA build).
-#   bash benchmark/setup_peers.sh            # or: VENV=/elsewhere PYTHON=python3.12 bash benchmark/setup_peers.sh
+#   bash benchmark/peers/setup_peers.sh            # or: VENV=/elsewhere PYTHON=python3.12 bash benchmark/peers/setup_peers.sh
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 VENV="${VENV:-.venv-peers}"
 PYTHON="${PYTHON:-python3.11}"
 TORCH_PIN="$(grep -E '^torch==' requirements-peers.txt)"

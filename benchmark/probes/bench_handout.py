@@ -1,6 +1,6 @@
 """The engine thread's hand-out of one decode call: a step's tokens to each request's text state.
 
-    .venv/bin/python benchmark/bench_handout.py [--tokenizer ../shared/opt-assets] [--slots 32] [--steps 4]
+    .venv/bin/python benchmark/probes/bench_handout.py [--tokenizer ../shared/opt-assets] [--slots 32] [--steps 4]
 
 What runs between two decode calls while the kernels wait: for every slot, `StepResult.token` for each of the
 call's steps, then `RequestText.on_output` (detokenising, text offsets, the delta) with a sink that drops the

@@ -12,7 +12,7 @@ With --generate, the same two kernels in turn under the whole model instead (`ge
 dummy=True, quantize="int8")`, greedy, prompt 16, 64 new tokens, --rows rows): tokens/s, the best of --reps
 calls a kernel and round.
 
-    .venv/bin/python benchmark/bench_int8_stream.py --size 1.3b [--rows 1] [--rounds 4] [--reps 10] [--generate]
+    .venv/bin/python benchmark/probes/bench_int8_stream.py --size 1.3b [--rows 1] [--rounds 4] [--reps 10] [--generate]
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmark_peers, beside this file
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: benchmark.* and its opt_serving
 KERNELS = {"oneDNN": 0, "s8_vnni": 1}  # products.s8_vnni_rows: 0 never, 1 from one row up
 
 
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
 
     import jax
     import jax.numpy as jnp
-    from benchmark_peers import read_bandwidth_gbs
+    from benchmark.machine_bounds import read_bandwidth_gbs
     from opt_serving.backend.cpu import products as P
     from opt_serving.config import get_config
 

@@ -1,6 +1,6 @@
 """A small request's latency while a large one is being refused (issue 19's "oversized input").
 
-    .venv/bin/python benchmark/bench_oversize.py [BODY_BYTES, default 3900000] [curl|urllib]
+    .venv/bin/python benchmark/probes/bench_oversize.py [BODY_BYTES, default 3900000] [curl|urllib]
 
 The fake engine behind the real app with the real OPT tokenizer (../shared/opt-assets); a body of BODY_BYTES
 (a prompt far longer than the context) is sent by curl, another process, so its JSON encoding does not share
@@ -16,7 +16,7 @@ from opt_serving.service.app import create_app
 from opt_serving.service.testserver import serve_in_thread
 from opt_serving.text.fake import fake_generator
 
-A = pathlib.Path(__file__).resolve().parents[2] / 'shared' / 'opt-assets'; d = pathlib.Path(tempfile.mkdtemp())
+A = pathlib.Path(__file__).resolve().parents[3] / 'shared' / 'opt-assets'; d = pathlib.Path(tempfile.mkdtemp())
 shutil.copy(A / "gpt2-vocab.json", d / "vocab.json"); shutil.copy(A / "gpt2-merges.txt", d / "merges.txt")
 (d / "tokenizer_config.json").write_text('{"tokenizer_class": "GPT2Tokenizer", "bos_token": "</s>", "eos_token": "</s>", "unk_token": "</s>", "pad_token": "<pad>", "add_bos_token": true}')
 tok = AutoTokenizer.from_pretrained(str(d))

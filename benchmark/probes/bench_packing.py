@@ -1,6 +1,6 @@
 """Cython vs pure Python for the host-side hot path in opt_serving/text/packing.py (stop strings).
 
-    .venv/bin/python benchmark/bench_packing.py [--repeat 5]
+    .venv/bin/python benchmark/probes/bench_packing.py [--repeat 5]
 
 Prints the time per call of each implementation and the speedup. Needs the
 extension built (`PYTHON=.venv/bin/python ./build.sh`).

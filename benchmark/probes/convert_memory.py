@@ -3,8 +3,8 @@
 Writes a random model of a preset size (default OPT-125m) as P x S metaseq shards, converts
 it in a fresh process, and prints that process's peak RSS next to the model's fp16 size.
 
-    python benchmark/convert_memory.py --size 125m --parts 2 --shards 8
-    python benchmark/convert_memory.py --format singleton   # or hf
+    python benchmark/probes/convert_memory.py --size 125m --parts 2 --shards 8
+    python benchmark/probes/convert_memory.py --format singleton   # or hf
 """
 import argparse
 import gc

@@ -1,8 +1,8 @@
 """Stage hand-off of the pipelined decode loop: Ray object refs (what RayStages chains today) against Ray Compiled
 Graphs (ray.dag, shared-memory channels on a CPU), at OPT-1.3b's and OPT-6.7b's hidden sizes.
 
-    python benchmark/bench_handoff.py [--hidden 2048,4096] [--rows 1,8] [--stages 2] [--steps 300]
-    python benchmark/bench_handoff.py --decode [--model alpa/opt-125m] [--path FOLDER] [--pp 2] [--slots 16]
+    python benchmark/scale/bench_handoff.py [--hidden 2048,4096] [--rows 1,8] [--stages 2] [--steps 300]
+    python benchmark/scale/bench_handoff.py --decode [--model alpa/opt-125m] [--path FOLDER] [--pp 2] [--slots 16]
 
 Two (or --stages) actors on a two-node Ray cluster simulated on this machine (started and stopped here), each
 a stand-in stage: it takes the previous stage's hidden states [rows, hidden] (float32), adds one to them (a
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: benchmark.* and its opt_serving
 
 
 class Stage:

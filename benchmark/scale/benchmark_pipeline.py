@@ -1,7 +1,7 @@
 """Served pp = 1 against pp = 2 on a two-node Ray cluster simulated on this machine.
 
-    python benchmark/benchmark_pipeline.py [--model alpa/opt-125m] [--tokenizer ../shared/opt-assets]
-    python benchmark/benchmark_pipeline.py --plans 2 --weights float32,int8 --concurrency 32
+    python benchmark/scale/benchmark_pipeline.py [--model alpa/opt-125m] [--tokenizer ../shared/opt-assets]
+    python benchmark/scale/benchmark_pipeline.py --plans 2 --weights float32,int8 --concurrency 32
 
 For each plan it deploys the app under Ray Serve (the stages in the replica's placement group, one per
 node), runs benchmark_serving.py's load generator at each concurrency, and prints output tokens/s, TTFT
@@ -19,10 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: benchmark.* and its opt_serving
 
-ASSETS = Path(__file__).resolve().parents[2] / "shared" / "opt-assets"
+ASSETS = Path(__file__).resolve().parents[3] / "shared" / "opt-assets"
 
 
 def parse_args(argv=None):
@@ -71,7 +70,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     from ray import serve
 
-    import benchmark_serving
+    from benchmark.served import benchmark_serving
     from opt_serving.parallel.handoff_choice import measure_handoff_latency
     from opt_serving.service.deployment import ServeArgs, build_app
     from opt_serving.service.testserver import free_port

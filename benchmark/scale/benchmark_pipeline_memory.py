@@ -1,10 +1,10 @@
 """A model too big for one node's device memory, served over two nodes: each process's peak memory against
 its share and against the planner's estimate.
 
-    python benchmark/benchmark_pipeline_memory.py --model alpa/opt-1.3b --folder /tmp/opt-1.3b-np --write \
+    python benchmark/scale/benchmark_pipeline_memory.py --model alpa/opt-1.3b --folder /tmp/opt-1.3b-np --write \
         --device-memory 4GB
-    python benchmark/benchmark_pipeline_memory.py --model alpa/opt-1.3b --dummy --device-memory 4GB
-    python benchmark/benchmark_pipeline_memory.py --model alpa/opt-6.7b --dummy --quantize int8 --device-memory 5GB
+    python benchmark/scale/benchmark_pipeline_memory.py --model alpa/opt-1.3b --dummy --device-memory 4GB
+    python benchmark/scale/benchmark_pipeline_memory.py --model alpa/opt-6.7b --dummy --quantize int8 --device-memory 5GB
 
 It starts a two-node Ray cluster simulated on this machine (`ray.cluster_utils.Cluster`, stopped at the
 end), starts Serve on a free port, and deploys the app with Ray Serve's own CLI into that cluster
@@ -36,10 +36,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: benchmark.* and its opt_serving
 
-ASSETS = Path(__file__).resolve().parents[2] / "shared" / "opt-assets"
+ASSETS = Path(__file__).resolve().parents[3] / "shared" / "opt-assets"
 PROMPTS = ["Paris is the capital city of", "The quick brown fox", "Once upon a time", "def fibonacci(n):"]
 GB = 1e9
 

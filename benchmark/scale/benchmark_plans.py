@@ -1,6 +1,6 @@
 """Plan quality: run every candidate plan, print the planner's estimate beside the measured time.
 
-    .venv/bin/python benchmark/benchmark_plans.py [--model opt-125m] [--devices 8] [--max-seq-len 256]
+    .venv/bin/python benchmark/scale/benchmark_plans.py [--model opt-125m] [--devices 8] [--max-seq-len 256]
 
 On this machine's CPU with N host devices (XLA_FLAGS is set here, before jax loads). The
 device spec is calibrated first, the way Alpa profiled stages: the model's decode stages

@@ -2,11 +2,11 @@
 with `--no-prefix-caching`, alternating: wall time, time in requests, and the scores (which must be identical).
 
 Usage (lm-eval lives in a venv of its own, .venv-bench: `.venv-bench/bin/pip install -r requirements-bench.txt`):
-  python benchmark/benchmark_lm_eval.py --model jax/opt-125m --dummy --tokenizer ../shared/opt-assets \\
+  python benchmark/served/benchmark_lm_eval.py --model jax/opt-125m --dummy --tokenizer ../shared/opt-assets \\
       --limit 40 --rounds 2 --json lm_eval.json
 
 The task is a local one (no dataset download): lm-eval's YAML task format over a jsonl file this script writes
-from benchmark/data/lm_eval_corpus.txt (plain English sentences, one a line, fixed so that the task never changes
+from benchmark/served/data/lm_eval_corpus.txt (plain English sentences, one a line, fixed so that the task never changes
 with the project's text), seeded: each document is a sentence with its last words cut off, the true ending among
 three others, preceded by the same five solved examples (`num_fewshot: 5`, `sampler: first_n`, as MMLU's few-shot
 prompts are). lm-eval scores each of a document's four endings with one request (echo, logprobs, max_tokens 1):
@@ -30,11 +30,11 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `common` when run from anywhere
-import harness  # noqa: E402
-from common import machine_description, now, write_json  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: benchmark.* and its opt_serving
+from benchmark import harness  # noqa: E402
+from benchmark.common import machine_description, now, write_json  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CORPUS = Path(__file__).resolve().parent / "data" / "lm_eval_corpus.txt"
 TASK = "opt_serving_mc"
 

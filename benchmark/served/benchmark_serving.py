@@ -2,13 +2,13 @@
 
 Usage:
   opt-serving serve --model jax/opt-125m --dummy ... &     # or any OpenAI-compatible server on this machine
-  python benchmark/benchmark_serving.py --url http://127.0.0.1:8000 --concurrency 32 --num-requests 128
-  python benchmark/benchmark_serving.py --request-rate 4 --num-requests 64 --json serving.json
+  python benchmark/served/benchmark_serving.py --url http://127.0.0.1:8000 --concurrency 32 --num-requests 128
+  python benchmark/served/benchmark_serving.py --request-rate 4 --num-requests 64 --json serving.json
   # ratio to the offline figure at the same batch size
   python benchmark/benchmark_text_gen.py --model jax/opt-125m --dummy --batch-size 32 --json offline.json
-  python benchmark/benchmark_serving.py --concurrency 32 --compare-offline offline.json
+  python benchmark/served/benchmark_serving.py --concurrency 32 --compare-offline offline.json
   # shared-prefix traffic: every prompt is one 448-token prefix and a 16-token tail of its own
-  python benchmark/benchmark_serving.py --concurrency 16 --num-requests 64 --shared-prefix 448 --prompt-len 16 \
+  python benchmark/served/benchmark_serving.py --concurrency 16 --num-requests 64 --shared-prefix 448 --prompt-len 16 \
       --output-len 32 --ignore-eos
 
 Each request is greedy (temperature 0) with a prompt of random token ids and a max_tokens, both drawn
@@ -31,15 +31,15 @@ import asyncio
 import dataclasses
 import ipaddress
 import json
-import os
 import sys
+from pathlib import Path
 import time
 from urllib.parse import urlparse
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `common` when run from anywhere
-from common import machine_description, now, summarize, write_json  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: benchmark.* and its opt_serving
+from benchmark.common import machine_description, now, summarize, write_json  # noqa: E402
 
 
 def parse_range(text: str) -> tuple[int, int]:

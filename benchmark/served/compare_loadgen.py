@@ -3,10 +3,10 @@ on the same server and the same request shape, run alternately; prints both tool
 
 Usage:
   python -m venv .venv-bench && .venv-bench/bin/pip install -r requirements-bench.txt   # AIPerf, its own venv
-  python benchmark/compare_loadgen.py                       # starts `opt-serving serve` (the embedded tiny model)
-  python benchmark/compare_loadgen.py --model jax/opt-125m --dummy --tokenizer ../shared/opt-assets \\
+  python benchmark/served/compare_loadgen.py                       # starts `opt-serving serve` (the embedded tiny model)
+  python benchmark/served/compare_loadgen.py --model jax/opt-125m --dummy --tokenizer ../shared/opt-assets \\
       --concurrency 32 --num-requests 128 --prompt-len 8 --output-len 64 --rounds 2 --json compare.json
-  python benchmark/compare_loadgen.py --url http://127.0.0.1:8000 --tokenizer ../shared/opt-assets  # a running server
+  python benchmark/served/compare_loadgen.py --url http://127.0.0.1:8000 --tokenizer ../shared/opt-assets  # a running server
 
 Both tools send streaming OpenAI /v1/completions requests, greedy, with max_tokens = min_tokens = --output-len
 and ignore_eos (vLLM's extensions, which our server honours), so every request makes exactly --output-len
@@ -40,12 +40,12 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import harness  # noqa: E402
-from common import machine_description, now, write_json  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: benchmark.* and its opt_serving
+from benchmark import harness  # noqa: E402
+from benchmark.common import machine_description, now, write_json  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-OURS = REPO / "benchmark" / "benchmark_serving.py"
+REPO = Path(__file__).resolve().parents[2]
+OURS = REPO / "benchmark" / "served" / "benchmark_serving.py"
 
 
 def find_aiperf(given: str | None = None) -> str | None:
@@ -342,7 +342,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", metavar="OUT")
     args = p.parse_args(argv)
     if args.url:
-        from benchmark_serving import check_loopback
+        from benchmark.served.benchmark_serving import check_loopback
         check_loopback(p, args.url)
         args.url = args.url.rstrip("/")
     return args
