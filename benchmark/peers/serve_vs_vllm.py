@@ -1,12 +1,12 @@
 """`opt-serving serve` against vLLM's CPU backend (`vllm serve`), each started in turn on this machine, driven by
 benchmark_serving.py with the same load, alternating, so both see the same machine.
 
-Usage (vLLM: `bash benchmark/setup_vllm.sh`): the same random weights on both sides, a Hugging Face folder of an
+Usage (vLLM: `bash benchmark/peers/setup_vllm.sh`): the same random weights on both sides, a Hugging Face folder of an
 OPT with the real OPT tokenizer saved in it (`--hf`) and our numpy folder converted from it (`--numpy`); both are
 made when missing (a random OPT-125m, seed 0, every 2-D weight x3 as benchmark_peers.py draws them):
-  python benchmark/serve_vs_vllm.py --scenario short --dtype float32 --rounds 2
-  python benchmark/serve_vs_vllm.py --scenario mixed-long --dtype bfloat16 --rounds 2 --json long.json
-  python benchmark/serve_vs_vllm.py --scenario shared-prefix --servers ours,ours-no-prefix,vllm
+  python benchmark/peers/serve_vs_vllm.py --scenario short --dtype float32 --rounds 2
+  python benchmark/peers/serve_vs_vllm.py --scenario mixed-long --dtype bfloat16 --rounds 2 --json long.json
+  python benchmark/peers/serve_vs_vllm.py --scenario shared-prefix --servers ours,ours-no-prefix,vllm
 
 Scenarios (the issue's loads; every request greedy with exactly max_tokens new tokens):
   short          128 requests of 8 prompt tokens and 64 new, 32 streams
@@ -38,12 +38,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `common` when run from anywhere
-import harness  # noqa: E402
-import machine_bounds  # noqa: E402
-from common import machine_description, now, write_json  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: benchmark.* and its opt_serving
+from benchmark import harness  # noqa: E402
+from benchmark import machine_bounds  # noqa: E402
+from benchmark.common import machine_description, now, write_json  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = {
     "short": ["--concurrency", "32", "--num-requests", "128", "--prompt-len", "8", "--output-len", "64",
               "--ignore-eos"],
@@ -100,7 +100,7 @@ def make_weights(hf: Path, numpy_dir: Path, tokenizer: str) -> None:
     """A random OPT-125m as a Hugging Face folder with the real tokenizer, and our numpy folder of it."""
     if not (hf / "config.json").exists():
         print(f"building random OPT-125m weights in {hf}", flush=True)
-        subprocess.run([sys.executable, str(ROOT / "benchmark" / "benchmark_peers.py"), "--worker", "build",
+        subprocess.run([sys.executable, str(ROOT / "benchmark" / "peers" / "peers_worker.py"), "build",
                         "--model-dir", str(hf), "--size", "opt-125m", "--seed", "0", "--weight-scale", "3"],
                        check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
         subprocess.run([sys.executable, "-c", "import sys; from opt_serving.text.tokenizer import load_tokenizer; "
@@ -179,7 +179,7 @@ def where_time_goes(before: dict, after: dict, bounds: dict, dtype: str) -> list
 
 def load(args, scenario: list[str], out: Path, warm: bool = False) -> dict:
     extra = ["--num-requests", "16"] if warm else []
-    cmd = [sys.executable, str(ROOT / "benchmark" / "benchmark_serving.py"), "--url",
+    cmd = [sys.executable, str(ROOT / "benchmark" / "served" / "benchmark_serving.py"), "--url",
            f"http://127.0.0.1:{args.port}", "--seed", str(1 if warm else 0), *scenario, *extra, "--json", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
