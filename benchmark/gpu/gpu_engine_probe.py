@@ -17,7 +17,7 @@ submitted at once) in tokens/s at each --batches, under three ways of starting t
 in the blocks a CPU's stages take (runner.slots.join_blocks: up to 128 tokens, each shorter than the context), in
 those a GPU's take (up to 512: 16 prompts of 32 a step), and with no joining (prefilled together, then inserted).
 
-  python benchmark/gpu_engine_probe.py --size 1.3b --dtype float16 --slots 64 --active 64,1 --out probe.jsonl
+  python benchmark/gpu/gpu_engine_probe.py --size 1.3b --dtype float16 --slots 64 --active 64,1 --out probe.jsonl
 (--size tiny on a CPU rehearses it.)
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # opt_serving from this checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: benchmark.* and its opt_serving
 
 
 def main(argv=None) -> int:
@@ -179,7 +179,7 @@ def main(argv=None) -> int:
 
 
 def admission(a, cfg, ours, write, left, rng) -> int:
-    from gpu_check import Compiles, engine_counts, engine_rate
+    from benchmark.gpu.gpu_check_tools import Compiles, engine_counts, engine_rate
     from opt_serving.engine.admission import DECODE_STEPS, PREFILL_CHUNK
     from opt_serving.engine.scheduler import Engine
     from opt_serving.runner.load import local_slots
