@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `common` when run from anywhere
-from common import (append_tsv, gpt_inference_tflops, machine_description, now, peak_rss_mb,  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmark.* and its opt_serving
+from benchmark.common import (append_tsv, gpt_inference_tflops, machine_description, now, peak_rss_mb,  # noqa: E402
                     rss_mb, write_json)
 
 from opt_serving.config import OPTConfig, get_config  # noqa: E402

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check (benchmark/gpu_check.py): correctness against Hugging Face torch on tiny models, then
+# The prepared GPU check (benchmark/gpu/gpu_check.py): correctness against Hugging Face torch on tiny models, then
 # OPT-1.3b and OPT-6.7b random weights in float16 and bfloat16 (logits, tokens/s of HF generate(), our generate()
 # and our engine at batch 1 / 16 / 64, memory against the planner), then HF under torch.compile; one process a
 # section, all under one deadline, most important first. Prints the report last.
@@ -47,7 +47,7 @@ section() {  # section CAP NAME [ARGS...]: run it until CAP seconds from now or 
   fi
   local until=$(( now + cap < deadline ? now + cap : deadline ))
   echo "== $* ($(( until - now ))s of ${left}s left)"
-  timeout --kill-after=10 "$(( until - now + 15 ))" "$PY" benchmark/gpu_check.py "$@" --out "$RESULTS" \
+  timeout --kill-after=10 "$(( until - now + 15 ))" "$PY" benchmark/gpu/gpu_check.py "$@" --out "$RESULTS" \
     --deadline "$until" > >(tee -a "$OUT/gpu_check.log") 2>&1
   local rc=$?
   echo "== $1 finished rc=$rc in $(( $(date +%s) - now ))s"
@@ -77,4 +77,4 @@ if [ "${GPU_CHECK_COMPILE:-1}" != 0 ]; then
   # shellcheck disable=SC2086
   section "$MODEL_CAP" compile --size "$first_size" --dtype "$first_dtype" $ARGS
 fi
-"$PY" benchmark/gpu_check.py report --out "$RESULTS"
+"$PY" benchmark/gpu/gpu_check.py report --out "$RESULTS"

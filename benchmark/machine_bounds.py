@@ -20,11 +20,12 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `common` when run from anywhere
-from common import machine_description, now, write_json  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: benchmark.* and its opt_serving
+from benchmark.common import machine_description, now, write_json  # noqa: E402
 
 M, K, N = 2048, 2048, 8192  # a prefill chunk through an OPT-1.3b-wide fc1: 68.7 GFLOP a product
 

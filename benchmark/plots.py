@@ -5,9 +5,9 @@ Usage (matplotlib: `.venv/bin/pip install -r requirements-docs.txt`):
   .venv/bin/python benchmark/plots.py --list     # what each plot reads; nothing drawn
 
 It reads only results kept in the repository, and draws nothing it has no numbers for:
-  benchmark/gpu_runs/*.jsonl          the GPU check's records (gpu_check.sh, gpu_engine_probe.py)
+  benchmark/results/gpu/*.jsonl       the GPU check's records (gpu_check.sh, gpu/gpu_engine_probe.py)
   benchmark/results/cpu_tables.json   CPU figures transcribed from benchmark/README.md (each names its section)
-  benchmark/results/*.json            `serve_vs_vllm.py --json` runs, where one was saved there
+  benchmark/results/*.json            `peers/serve_vs_vllm.py --json` runs, where one was saved there
 A plot whose data is absent is skipped with a line saying so. Every panel shows figures measured side by side
 in one run; a panel never mixes runs, since figures from different runs or days do not compare.
 """
@@ -21,7 +21,7 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-GPU_RUNS = ROOT / "benchmark" / "gpu_runs"
+GPU_RUNS = ROOT / "benchmark" / "results" / "gpu"
 RESULTS = ROOT / "benchmark" / "results"
 OUT = ROOT / "docs" / "img"
 
@@ -79,7 +79,7 @@ def model_label(key) -> str:
 def plot_gpu_tokens(plt, records, out: Path) -> str:
     panels = gpu_panels(records)
     if not panels:
-        return "no gpu_check.py records in benchmark/gpu_runs/"
+        return "no gpu_check.py records in benchmark/results/gpu/"
     cols = min(3, len(panels))
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.9 * rows), squeeze=False)
@@ -147,7 +147,7 @@ def plot_gpu_int8(plt, records, out: Path) -> str:
             by_file[r["file"]][(r["size"], weights)][r["batch"]] = r["value"]
     runs = {f: m for f, m in by_file.items() if any(w == "int8 weights" for _, w in m)}
     if not runs:
-        return "no run with int8 weights in benchmark/gpu_runs/"
+        return "no run with int8 weights in benchmark/results/gpu/"
     file = max(runs)
     models = runs[file]
     fig, ax = plt.subplots(figsize=(6.5, 4))
@@ -182,7 +182,7 @@ def plot_gpu_joins(plt, out: Path) -> str:
         if rows:
             runs[path.stem] = rows
     if not runs:
-        return "no gpu_engine_probe.py --admission records in benchmark/gpu_runs/"
+        return "no gpu_engine_probe.py --admission records in benchmark/results/gpu/"
     fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 4), squeeze=False)
     for ax, (file, rows) in zip(axes[0], runs.items()):
         variants = list(dict.fromkeys(r["variant"] for r in rows))
@@ -395,11 +395,11 @@ def save(fig, path: Path) -> str:
 
 
 PLOTS = [
-    ("gpu_tokens_per_s.png", "benchmark/gpu_runs/*.jsonl (gpu_check.py): tokens/s by batch, HF eager and compiled, "
+    ("gpu_tokens_per_s.png", "benchmark/results/gpu/*.jsonl (gpu_check.py): tokens/s by batch, HF eager and compiled, "
                              "our generate() and engine, one panel a model, from the latest run that measured the most sides of it"),
     ("gpu_batch1_bound.png", "the same runs: batch 1 against the card's nominal bandwidth over the weights' bytes"),
     ("gpu_int8.png", "the latest run with int8 weights: our engine, int8 against float16 weights"),
-    ("gpu_join_blocks.png", "benchmark/gpu_runs/*admission*.jsonl (gpu_engine_probe.py --admission)"),
+    ("gpu_join_blocks.png", "benchmark/results/gpu/*admission*.jsonl (gpu_engine_probe.py --admission)"),
     ("cpu_offline_peers.png", "cpu_tables.json offline_hf, offline_ct2: ours against HF and CTranslate2 by batch"),
     ("cpu_batch1_bound.png", "cpu_tables.json batch1_bound: OPT-1.3b batch 1 against the measured bandwidth"),
     ("cpu_prefill.png", "cpu_tables.json prefill: one prompt's prefill against CTranslate2 and HF, our TTFT"),

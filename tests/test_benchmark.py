@@ -6,18 +6,13 @@ import importlib
 import json
 import os
 import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmark"
-
-
 def load(name: str):
-    """The scripts import `common` from their own folder, as they do when run as scripts."""
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    return importlib.import_module(name)
+    """A script or helper of benchmark/ as the scripts import one another: `benchmark.FOLDER.NAME` (the checkout's
+    root is on sys.path: pyproject.toml's pythonpath)."""
+    return importlib.import_module(f"benchmark.{name}")
 
 
 common = load("common")
@@ -103,7 +98,7 @@ SERVE_ARGS = ["--num-requests", "12", "--prompt-len", "3:12", "--output-len", "4
 
 @pytest.mark.parametrize("load_args", [["--concurrency", "8"], ["--request-rate", "200", "--concurrency", "4"]])
 def test_serving_counts_every_token(tmp_path, load_args):
-    bench = load("benchmark_serving")
+    bench = load("served.benchmark_serving")
     planned = bench.make_requests(bench.parse_args(SERVE_ARGS))
     with fake_server() as url:
         bench.main(["--url", url, *SERVE_ARGS, *load_args, "--json", str(tmp_path / "s.json")])
@@ -121,7 +116,7 @@ def test_serving_counts_every_token(tmp_path, load_args):
 
 
 def test_serving_deadline_cancels_unfinished_requests():
-    bench = load("benchmark_serving")
+    bench = load("served.benchmark_serving")
     with fake_server(start=False) as url:  # an engine that never runs: every request hangs
         s = bench.main(["--url", url, *SERVE_ARGS, "--concurrency", "4", "--max-duration", "0.5"])
     assert (s["completed"], s["unfinished"]) == (0, 12)
@@ -129,14 +124,14 @@ def test_serving_deadline_cancels_unfinished_requests():
 
 @pytest.mark.parametrize("url", ["http://10.1.2.3:8000", "http://example.com", "ftp://127.0.0.1"])
 def test_serving_refuses_non_loopback(url, capsys):
-    bench = load("benchmark_serving")
+    bench = load("served.benchmark_serving")
     with pytest.raises(SystemExit):
         bench.parse_args(["--url", url])
     assert "--url" in capsys.readouterr().err
 
 
 def test_serving_reports_server_errors():
-    bench = load("benchmark_serving")
+    bench = load("served.benchmark_serving")
     with fake_server() as url:  # ids beyond the fake vocabulary (260): the server answers 400
         s = bench.main(["--url", url, "--num-requests", "3", "--token-ids", "300:400", "--concurrency", "2"])
     assert (s["completed"], s["failed"]) == (0, 3)
@@ -144,7 +139,7 @@ def test_serving_reports_server_errors():
 
 
 def test_lm_eval_task_is_built_from_its_own_corpus(tmp_path):
-    bench = load("benchmark_lm_eval")
+    bench = load("served.benchmark_lm_eval")
     corpus = [line for line in bench.CORPUS.read_text().splitlines() if line.strip()]
     for d in ("a", "b"):
         (tmp_path / d).mkdir()

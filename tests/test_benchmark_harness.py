@@ -2,7 +2,6 @@
 nothing else), an error naming a server that died or stayed silent, the sides in turn, the comparison table."""
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import signal
@@ -14,10 +13,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmark"
-if str(BENCH) not in sys.path:  # the scripts import it from their own folder, as they do when run as scripts
-    sys.path.insert(0, str(BENCH))
-harness = importlib.import_module("harness")
+from benchmark import harness  # as the scripts import it
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def python(code: str) -> list[str]:
@@ -100,8 +98,8 @@ def test_a_harness_run_with_sigint_ignored_stops_its_server_with_sigint():
     driver = python(f"""
         import signal, sys
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        sys.path.insert(0, {str(BENCH)!r})
-        import harness
+        sys.path.insert(0, {str(ROOT)!r})
+        from benchmark import harness
         server = harness.start([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(600)"],
                                "ready", timeout=60)
         server.stop(stop_timeout=30)

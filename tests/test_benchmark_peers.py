@@ -1,18 +1,18 @@
-"""benchmark/benchmark_peers.py without CTranslate2: arguments, prompts, agreement, tables, int8 detection."""
-import importlib.util
-from pathlib import Path
+"""benchmark/peers/benchmark_peers.py without CTranslate2: arguments, prompts, agreement, tables, int8 detection."""
+from types import SimpleNamespace
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmark" / "benchmark_peers.py"
+from benchmark.peers import benchmark_peers, peers_build, peers_report, peers_sides, peers_worker
 
 
 @pytest.fixture(scope="module")
 def bp():
-    spec = importlib.util.spec_from_file_location("benchmark_peers", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    """The script's names, from the modules it is split into (the script itself last: its own names win)."""
+    names = {}
+    for mod in (peers_worker, peers_build, peers_sides, peers_report, benchmark_peers):
+        names.update((k, v) for k, v in vars(mod).items() if not k.startswith("__"))
+    return SimpleNamespace(**names)
 
 
 def test_defaults(bp):
@@ -135,7 +135,8 @@ def test_measure_interleaves_and_leaves_disturbed_calls_out(bp):
 
 
 def test_batch_one_is_held_against_the_bandwidth_read_between_its_runs(bp, monkeypatch):
-    monkeypatch.setattr(bp, "read_bandwidth_gbs", lambda *a, **k: pytest.fail("a reading taken after the runs"))
+    monkeypatch.setattr(peers_sides, "read_bandwidth_gbs",
+                        lambda *a, **k: pytest.fail("a reading taken after the runs"))
     cfg = {"hidden_size": 4, "ffn_dim": 8, "num_hidden_layers": 2, "vocab_size": 10}
     per_token = bp.weight_bytes_per_token(cfg, "int8")
     assert per_token == 2 * (4 * 4 * 4 + 2 * 4 * 8) + 10 * 4  # every layer's four matrices and the head, a byte each

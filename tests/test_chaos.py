@@ -1,21 +1,15 @@
-"""Chaos under load, the short version (benchmark/chaos.py runs five minutes of every kind of kill, and the
+"""Chaos under load, the short version (benchmark/faults/chaos.py runs five minutes of every kind of kill, and the
 pipelined plan): `opt-serving serve` (the embedded tiny model, its own Ray) with 16 streaming clients for a
 minute while the model replica and then Serve's controller are SIGKILLed. Every request ends, as a completion
 or an error soon after the kill; nothing hangs; the server serves again after each kill; nothing it started
 outlives it."""
 import asyncio
-import importlib
-import sys
-from pathlib import Path
 
 import pytest
 
+from benchmark import harness  # the server is started as benchmark/faults/chaos.py starts it
 from opt_serving.testing import chaos
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmark"
-if str(BENCH) not in sys.path:  # the server is started as benchmark/chaos.py starts it
-    sys.path.insert(0, str(BENCH))
-harness = importlib.import_module("harness")
 pytest.importorskip("ray.serve")
 # the issue's bound on a failed request: an error within 60 s of its component's death. The recovery limit
 # only stops a server that never comes back from hanging the suite.

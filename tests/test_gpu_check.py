@@ -46,13 +46,13 @@ def test_the_gpu_check_passes_on_the_cpu(tmp_path):
 
 
 def test_the_engine_probe_compares_admissions_on_the_cpu(tmp_path):
-    """benchmark/gpu_engine_probe.py --admission, rehearsed at its smallest: the runs take the blocks they name, a
+    """benchmark/gpu/gpu_engine_probe.py --admission, rehearsed at its smallest: the runs take the blocks they name, a
     CPU's shorter than the context, a GPU's longer (fewer steps for the same prompts, every prompt joining), none
     with joining off (every prompt prefilled)."""
     from opt_serving.runner.slots import join_blocks
     out = tmp_path / "probe.jsonl"
-    probe = [os.environ.get("PYTHON", _python()), str(ROOT / "benchmark" / "gpu_engine_probe.py"), "--size", "tiny",
-             "--max-seq-len", "64", "--out", str(out)]
+    probe = [os.environ.get("PYTHON", _python()), str(ROOT / "benchmark" / "gpu" / "gpu_engine_probe.py"), "--size",
+             "tiny", "--max-seq-len", "64", "--out", str(out)]
     r = subprocess.run(probe + ["--admission", "--slots", "16", "--batches", "16"], capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -5,18 +5,12 @@ for the same request shape. Skipped where aiperf is not installed (it lives in a
 `python3.11 -m venv .venv-bench && .venv-bench/bin/pip install -r requirements-bench.txt`)."""
 from __future__ import annotations
 
-import importlib
 import re
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmark"
-if str(BENCH) not in sys.path:
-    sys.path.insert(0, str(BENCH))
-compare = importlib.import_module("compare_loadgen")
+from benchmark.served import compare_loadgen as compare
 
 AIPERF = compare.find_aiperf()
 pytestmark = pytest.mark.skipif(AIPERF is None, reason="aiperf not installed (requirements-bench.txt: "

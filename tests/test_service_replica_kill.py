@@ -2,7 +2,7 @@
 replica, a private Ray) with 64 streaming requests running or waiting; SIGKILL the replica's process. The
 in-flight requests must end (an error or a dropped connection) within 60 s (the issue's bound on a failed
 request: later than that, a client cannot tell it from a hang), and a new request must be served on the same
-port again. How soon is a figure, printed here and recorded in benchmark/README.md (benchmark/chaos.py measures
+port again. How soon is a figure, printed here and recorded in benchmark/README.md (benchmark/faults/chaos.py measures
 it under load): on a busy machine the replacement's start (loading the model, compiling its steps) took 104.9 s
 where 13-25 s is usual, so the test waits for the real condition, a request served, up to RECOVER_LIMIT_S, a
 limit that only keeps a server that never comes back from hanging the suite.

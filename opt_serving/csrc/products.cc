@@ -344,7 +344,7 @@ void epilogue(float* y, int64_t m, int64_t n, const float* scale, const float* b
 // + k % 4; then an int32 compensation per column.
 // Runs for products of at least s8_vnni_from rows (0: never; -1: not decided yet), by default every one: a product
 // of a few rows is bound by reading the weights, and this kernel read them faster than oneDNN's there too (its
-// blocks handed out as the threads free up; benchmark/bench_int8_stream.py).
+// blocks handed out as the threads free up; benchmark/probes/bench_int8_stream.py).
 std::atomic<int64_t> s8_vnni_from{-1};
 
 int64_t s8_vnni_rows() {

@@ -121,7 +121,7 @@ class EngineStats:
     cached_tokens: int        # of those, tokens whose KV the prefix cache gave (not computed)
     last_step_batch: int      # active slots in the latest step
     active_per_step: dict[int, int]  # {active slots: number of steps with that many}
-    # where the engine thread's time goes (benchmark/serve_vs_vllm.py prints these against the machine's bounds)
+    # where the engine thread's time goes (benchmark/peers/serve_vs_vllm.py prints these against the machine's bounds)
     prefill_s: float = 0.0        # seconds in prefill passes and chunks (prompts joining a step: in decode_s)
     prefill_passes: int = 0       # prefill calls of the slot model (a batched pass, or one chunk)
     computed_tokens: int = 0      # prompt tokens those passes computed (past each prompt's cached prefix)

@@ -392,8 +392,8 @@ def calibrate(devices=None, base: DeviceSpec | None = None, size: int = 1024,
 # (plan.USES): the interpreter, JAX and XLA and Ray's worker (0.23 GB before a stage loads), and what it compiles.
 # Served, the steps of a warmed-up engine and the heap they keep (backend/cpu/heap.py): 0.70 and 0.90 GB in all in the
 # two stages of OPT-1.3b at pp = 2. Through get_model, only generate()'s few whole-sequence steps: 0.31-0.34 GB in all
-# in the last stage of OPT-1.3b at pp = 2 after a generate() of 8 rows x 256 (benchmark/benchmark_pipeline_memory.py;
-# benchmark/README.md). Reported beside the planner's per-device estimate, not charged to the device's memory: on
+# in the last stage of OPT-1.3b at pp = 2 after a generate() of 8 rows x 256
+# (benchmark/scale/benchmark_pipeline_memory.py; benchmark/README.md). Reported beside the planner's per-device estimate, not charged to the device's memory: on
 # GPUs it is host memory.
 CPU_PROCESS_BYTES = {"serve": 0.8e9, "generate": 0.35e9}
 

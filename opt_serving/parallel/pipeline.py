@@ -31,7 +31,7 @@ from opt_serving.parallel.stage_actor import StageActor, describe_stage, stage_r
 from opt_serving.parallel.stage_weights import split_layers, stage_specs
 from opt_serving.runner.types import StageDied
 
-# Ray is imported in the functions that use it: a machine without Ray (benchmark/gpu_check.py's) imports this module
+# Ray is imported in the functions that use it: a machine without Ray (benchmark/gpu/gpu_check.py's) imports this module
 
 STAGE_NAME_PREFIX = "opt-serving-stage-"
 

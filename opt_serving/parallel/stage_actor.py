@@ -15,7 +15,7 @@ from opt_serving.parallel.stage_weights import load_stage, node_name
 from opt_serving.runner.types import STAGE_CALLS
 
 # JAX, the model and Ray are imported in the functions that use them: a stage actor sets its devices (XLA_FLAGS,
-# jax_env) before JAX loads in its process, and a machine without Ray (benchmark/gpu_check.py's) imports this module
+# jax_env) before JAX loads in its process, and a machine without Ray (benchmark/gpu/gpu_check.py's) imports this module
 
 
 def stage_runtime_env(tp: int, gpus: bool, cpus_per_stage: float) -> dict:

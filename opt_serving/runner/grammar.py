@@ -10,8 +10,8 @@ where bit t % 32 of word t // 32 is set), which the batched sampling step applie
 before it, so a constrained row's steps are taken one at a time (StageSlots.decode_steps).
 
 llguidance was measured against xgrammar and outlines-core on this project's CPU with OPT's tokenizer
-(benchmark/bench_grammar_libs.py, benchmark/README.md): it takes JSON schemas, regexes and Lark grammars, builds a
-request's parser in a millisecond where the others compile a schema for a second or more, and its masks cost less
+(benchmark/probes/bench_grammar_libs.py, benchmark/README.md): it takes JSON schemas, regexes and Lark grammars,
+builds a request's parser in a millisecond where the others compile a schema for a second or more, and its masks cost less
 than xgrammar's.
 """
 from __future__ import annotations

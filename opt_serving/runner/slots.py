@@ -140,7 +140,7 @@ class Slots(Prefills, SlotModel):
 
     def use_join_blocks(self, sizes: Sequence[int]) -> None:
         """Short prompts join whole, in blocks of these sizes, whatever the stages could take (to compare ways
-        of admission: benchmark/gpu_engine_probe.py)."""
+        of admission: benchmark/gpu/gpu_engine_probe.py)."""
         longest = min(JOIN_PROMPT_TOKENS, self.max_seq_len - 1)
         self.joins = Joins(self.groups, self.num_slots // self.groups, tuple(sizes), False, longest, longest,
                            self.cfg.pad_token_id)

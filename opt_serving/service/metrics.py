@@ -41,7 +41,7 @@ class _EngineCollector:
                 # as vLLM's prefix_cache_queries / prefix_cache_hits: in tokens
                 "prompt_tokens": ("prefix_cache_queries", "prompt tokens prefilled (looked up in the prefix cache)"),
                 "cached_tokens": ("prefix_cache_hits", "prompt tokens whose KV the prefix cache gave"),
-                # where the engine thread's time goes (benchmark/serve_vs_vllm.py reads them against the bounds)
+                # where the engine thread's time goes (benchmark/peers/serve_vs_vllm.py reads them against the bounds)
                 "prefill_s": ("prefill_seconds", "seconds the engine spent in prefill passes and chunks"),
                 "prefill_passes": ("prefill_passes", "prefill calls of the model (a batched pass or one chunk)"),
                 "computed_tokens": ("prefill_computed_tokens", "prompt tokens prefill passes computed (past "

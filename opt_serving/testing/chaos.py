@@ -1,4 +1,4 @@
-"""Chaos under load (tests, benchmark/chaos.py): streaming clients keep a server busy while a random component
+"""Chaos under load (tests, benchmark/faults/chaos.py): streaming clients keep a server busy while a random component
 (the model replica, a pipeline stage actor, Serve's proxy, Serve's controller) is SIGKILLed every 10-20 s.
 
 Every request must end: a completion, or an error (a status, an error event in the stream, a stream cut

@@ -1,0 +1,3 @@
+"""The benchmarks, grouped by what they measure (benchmark/README.md, "Scripts"). Every script runs by its path,
+`python benchmark/FOLDER/SCRIPT.py`, and first puts the checkout on sys.path, so the shared helpers import as
+`benchmark.common`, `benchmark.harness`, `benchmark.machine_bounds`, and opt_serving is this checkout's."""

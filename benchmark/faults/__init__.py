@@ -1,0 +1,1 @@
+"""benchmark/faults/: see benchmark/README.md, "Scripts"."""

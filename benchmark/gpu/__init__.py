@@ -1,0 +1,1 @@
+"""benchmark/gpu/: see benchmark/README.md, "Scripts"."""

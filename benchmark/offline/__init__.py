@@ -1,0 +1,1 @@
+"""benchmark/offline/: see benchmark/README.md, "Scripts"."""

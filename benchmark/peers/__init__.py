@@ -1,0 +1,1 @@
+"""benchmark/peers/: see benchmark/README.md, "Scripts"."""

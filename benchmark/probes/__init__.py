@@ -1,0 +1,1 @@
+"""benchmark/probes/: see benchmark/README.md, "Scripts"."""

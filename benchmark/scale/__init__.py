@@ -1,0 +1,1 @@
+"""benchmark/scale/: see benchmark/README.md, "Scripts"."""

@@ -1,0 +1,1 @@
+"""benchmark/served/: see benchmark/README.md, "Scripts"."""
