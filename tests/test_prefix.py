@@ -105,6 +105,19 @@ def params(hf):
     return weights.params_from_hf_state_dict(CFG, hf.state_dict())
 
 
+@pytest.fixture(scope="module")
+def plain(params):
+    """num_slots -> the slot model without a prefix cache that outputs are checked against, one of each size for
+    the module's tests: their runs reuse its compiled steps (each run frees every slot, and no cache is kept)."""
+    made = {}
+
+    def get(num_slots):
+        if num_slots not in made:
+            made[num_slots] = OPTSlots(CFG, params, num_slots=num_slots, max_seq_len=MAX_SEQ)
+        return made[num_slots]
+    return get
+
+
 class Collect:
     def __init__(self):
         self.tokens, self.prompt, self.finish, self.cached = [], None, None, None
@@ -174,12 +187,12 @@ def assert_same_outputs(got, want, jobs, hf=None, tolerance=1e-4):
 
 
 @pytest.mark.parametrize("chunk", [None, 16])
-def test_outputs_with_the_prefix_cache_equal_those_without_it_across_evictions(params, hf, chunk):
+def test_outputs_with_the_prefix_cache_equal_those_without_it_across_evictions(params, hf, plain, chunk):
     """Greedy tokens (Hugging Face's), seeded samples, a penalty, the tokens' logprobs and echo's prompt scores
     are those without the cache, whether the rest of a prompt is prefilled in the engine's chunks (16) or
     whole (None: the slot model's own chunks); a cache of six blocks evicts and prefixes come back."""
     jobs = shared_prefix_jobs()
-    without = one_by_one(OPTSlots(CFG, params, num_slots=3, max_seq_len=MAX_SEQ), jobs, chunk)
+    without = one_by_one(plain(3), jobs, chunk)
     model = OPTSlots(CFG, params, num_slots=3, max_seq_len=MAX_SEQ, prefix_blocks=6)
     model.warmup(prefill_chunk=chunk)
     got = one_by_one(model, jobs, chunk)
@@ -206,7 +219,7 @@ def test_a_prompt_computes_at_least_its_last_token_and_a_scored_one_its_last_cac
     assert got[1].ids == got[0].ids and model.prompt_cost(prompt, SlotSettings()) == 16
 
 
-def test_a_burst_sharing_a_prefix_computes_it_once_and_reads_it_in_place(params, hf):
+def test_a_burst_sharing_a_prefix_computes_it_once_and_reads_it_in_place(params, hf, plain):
     """Eight prompts sharing a 50-token prefix, queued at once on ragged stages: the first computes it, the others
     wait for its blocks (not computing them again) and read them from the pool in place, never copied into their
     rows; every output is what the engine gives without the cache (and HF's greedy)."""
@@ -224,7 +237,7 @@ def test_a_burst_sharing_a_prefix_computes_it_once_and_reads_it_in_place(params,
             return cols, e.stats()
         finally:
             e.close()
-    without, _ = burst(OPTSlots(CFG, params, num_slots=4, max_seq_len=MAX_SEQ))
+    without, _ = burst(plain(4))
     model = OPTSlots(CFG, params, num_slots=4, max_seq_len=MAX_SEQ, prefix_blocks=12)
     assert model.ragged
     got, stats = burst(model)
@@ -259,7 +272,7 @@ def test_warm_up_compiles_every_shape_a_cached_prefix_runs(params):
         jax.monitoring.unregister_event_duration_listener(on)
 
 
-def test_pipeline_stages_keep_their_own_layers_blocks(params):
+def test_pipeline_stages_keep_their_own_layers_blocks(params, plain):
     """Two stages (layers 0 and 1, in this process) each keep their layers' KV in their own pool under the
     same block numbers: the one-device tokens without a cache, prefixes reused."""
     from opt_serving.model import param_tree
@@ -267,7 +280,7 @@ def test_pipeline_stages_keep_their_own_layers_blocks(params):
     from opt_serving.runner.slots import Slots
     from opt_serving.runner.stage import LocalStages, StageSlots
     jobs = shared_prefix_jobs(seed=2, n=4)
-    want = one_by_one(OPTSlots(CFG, params, num_slots=4, max_seq_len=MAX_SEQ), jobs, 16)
+    want = one_by_one(plain(4), jobs, 16)
     stages = [StageSlots(CFG, param_tree.stage_params(params, s), s, 2, 2, MAX_SEQ, prefix_blocks=8)
               for s in stage_specs(CFG, 2)]
     piped = Slots(CFG, LocalStages(stages), 4, 2, MAX_SEQ, prefix_blocks=8)

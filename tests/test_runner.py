@@ -32,6 +32,14 @@ def params():
     return param_tree.init_params(CFG, seed=3, std=0.3)  # large weights: clear argmaxes
 
 
+@pytest.fixture(scope="module")
+def one_device(params):
+    """The one-device engine's slots the pipelines are checked against: one for the module's tests, whose runs
+    reuse its compiled steps (no prefix cache: each run frees every slot and leaves nothing behind)."""
+    from opt_serving.engine.scheduler import OPTSlots
+    return OPTSlots(CFG, params, num_slots=4, max_seq_len=64)
+
+
 def served_programs(piped) -> list:
     """The jitted functions a served pipeline's steps run: the stages' steps, inserts and frees, the sampler's."""
     sampler = piped.stages.stages[-1].sampler
@@ -87,10 +95,8 @@ def test_warm_up_on_a_cpu_keeps_the_heap_for_the_steps(params, monkeypatch):
     assert calls == [0]
 
 
-def test_two_stages_and_two_groups_equal_one_device(params):
-    from opt_serving.engine.scheduler import OPTSlots
-    one = OPTSlots(CFG, params, num_slots=4, max_seq_len=64)
-    want = [c.ids for c in run(one, JOBS)]  # six jobs, four slots: later ones wait for a free slot
+def test_two_stages_and_two_groups_equal_one_device(params, one_device):
+    want = [c.ids for c in run(one_device, JOBS)]  # six jobs, four slots: later ones wait for a free slot
     piped = two_stage_slots(params)
     piped.warmup()
     jitted = served_programs(piped)
@@ -128,12 +134,11 @@ def test_after_warm_up_prompts_joining_each_group_right_after_an_insert_compile_
     assert [f._cache_size() for f in jitted] == programs
 
 
-def test_a_slot_cancelled_and_refilled_while_its_group_is_in_flight_gets_no_stale_token(params):
+def test_a_slot_cancelled_and_refilled_while_its_group_is_in_flight_gets_no_stale_token(params, one_device):
     """Job 0 (slot 0, group 0) is cancelled while group 1's tokens are handed out, i.e. while group 0 is
     in the stages; its slot is freed then, and job 4 takes it: none of them gets another's token."""
-    from opt_serving.engine.scheduler import OPTSlots
     jobs = JOBS[:5]
-    want = [c.ids for c in run(OPTSlots(CFG, params, num_slots=4, max_seq_len=64), jobs)]
+    want = [c.ids for c in run(one_device, jobs)]
     piped = two_stage_slots(params)
     freed_in_flight = []
     real_free = piped.free
@@ -150,17 +155,16 @@ def test_a_slot_cancelled_and_refilled_while_its_group_is_in_flight_gets_no_stal
 
 
 @pytest.mark.parametrize("xla", [False, True])
-def test_chunked_prefill_through_two_stages_gives_the_whole_prefill_tokens(params, xla, monkeypatch):
+def test_chunked_prefill_through_two_stages_gives_the_whole_prefill_tokens(params, one_device, xla, monkeypatch):
     """Prompts longer than the chunk go through both stages a chunk at a time and get the one-device engine's
     tokens with whole prefills: on ragged stages a part of 8 tokens a step riding the decode steps of both micro-
     batch groups, elsewhere a chunk per engine iteration in passes of their own; nothing is left behind in either
     stage."""
-    from opt_serving.engine.scheduler import OPTSlots
     long_jobs = [([2] + list(range(10, 40)), SlotSettings(max_tokens=6)),
                  ([2] + list(range(60, 81)), SlotSettings(max_tokens=5, temperature=0.9, top_p=0.8, seed=4)),
                  ([2] + list(range(90, 99)), SlotSettings(max_tokens=4, repetition_penalty=1.4))]
     jobs = JOBS[:3] + long_jobs
-    want = [c.ids for c in run(OPTSlots(CFG, params, num_slots=4, max_seq_len=64), jobs, chunk=None)]
+    want = [c.ids for c in run(one_device, jobs, chunk=None)]
     piped = two_stage_slots(params, xla=xla)
     if not xla:  # (the stages' own fixed-shape params are float32 on one CPU device: ragged steps)
         assert piped.ragged and all(st.ragged for st in piped.stages.stages)
