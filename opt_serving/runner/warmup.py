@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
+from opt_serving import startlog
 from opt_serving.runner.buckets import cache_bucket, chunk_widths, job_sizes
 from opt_serving.runner.prefix import BLOCK_SIZE
 from opt_serving.runner.types import JOIN_PROMPTS, Prefix, SlotSettings
@@ -113,20 +114,29 @@ def _windows(slots: "Slots") -> list[int]:
     return sorted(set().union(*stages.get([stages.call(i, "cache_windows") for i in range(stages.n)])))
 
 
+def group_of(shape: Shape) -> str:
+    """The warm-up group a shape is timed in (the start log): the whole prefills, the chunked ones, each window's."""
+    return {"prefill": "prefills", "job": "chunked prefills"}.get(shape.kind, f"window {shape.window}")
+
+
 def warm_up(slots: "Slots", prefill_chunk: Optional[int] = None, decode_steps: int = 1) -> None:
     """Compile every shape of `compiled_shapes`, then leave the slots as they were: every slot free, the prefix
     cache empty (what warm-up wrote is nobody's prefix)."""
     slots.set_prefill_chunk(prefill_chunk)
     slots._to_all("begin_warmup")
     run = _Runner(slots)
-    for shape in compiled_shapes(slots, prefill_chunk, decode_steps):
-        getattr(run, shape.kind)(shape)
-    for prefix in run.held.values():
-        slots.discard(prefix)
-    if slots.prefix is not None:
-        slots.prefix.clear()
-    slots._to_all("end_warmup")
-    slots.stages.get(slots.stages.call(0, "ready"))
+    for group, shapes in itertools.groupby(compiled_shapes(slots, prefill_chunk, decode_steps), key=group_of):
+        shapes = list(shapes)
+        with startlog.PHASES.phase(f"warm-up {group}", shapes=len(shapes), compiles=True):
+            for shape in shapes:
+                getattr(run, shape.kind)(shape)
+    with startlog.PHASES.phase("warm-up end (the caches cut back)", compiles=True):
+        for prefix in run.held.values():
+            slots.discard(prefix)
+        if slots.prefix is not None:
+            slots.prefix.clear()
+        slots._to_all("end_warmup")
+        slots.stages.get(slots.stages.call(0, "ready"))
 
 
 class _Runner:
