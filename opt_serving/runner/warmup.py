@@ -3,7 +3,8 @@
 `compiled_shapes` lists every shape the steps compile at, built from the bucket helpers the steps pad with
 (runner/buckets.py) and the stages' own cache windows and join blocks; `warm_up` runs each entry in that order,
 through the slot model's own calls, so what it compiles is what serving then runs. Every group's cache has the
-same shapes: warming group 0 compiles all. The order matters:
+same shapes: warming group 0 compiles all. Each run of shapes of one group (`group_of`) is a line of the start log
+(startlog.py: its time, its XLA compiles and compile-cache hits). The order matters:
 
 - the scored prefill and the chunked prompts come first, while a stage holds the fewest compiled programs: their
   compiles take the most memory while they run, before the windows' steps add theirs;
@@ -115,8 +116,11 @@ def _windows(slots: "Slots") -> list[int]:
 
 
 def group_of(shape: Shape) -> str:
-    """The warm-up group a shape is timed in (the start log): the whole prefills, the chunked ones, each window's."""
-    return {"prefill": "prefills", "job": "chunked prefills"}.get(shape.kind, f"window {shape.window}")
+    """The warm-up group a shape is timed in (the start log): the scored prefill, the whole prefills, the chunked
+    ones, each window's."""
+    if shape.kind == "prefill":
+        return "scored prefill" if shape.scored else "prefills"
+    return "chunked prefills" if shape.kind == "job" else f"window {shape.window}"
 
 
 def warm_up(slots: "Slots", prefill_chunk: Optional[int] = None, decode_steps: int = 1) -> None:
