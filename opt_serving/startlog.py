@@ -16,7 +16,8 @@ from typing import Iterator, Optional
 
 log = logging.getLogger("opt_serving.start")
 
-COMPILED = "/jax/core/compile/backend_compile_duration"  # an XLA compile (a persistent-cache miss, or no cache)
+# a program's executable asked for: compiled by XLA, or loaded from the persistent cache (the event times both)
+REQUESTED = "/jax/core/compile/backend_compile_duration"
 CACHE_HITS = "/jax/compilation_cache/cache_hits"  # an executable loaded from the persistent cache
 
 
@@ -27,7 +28,7 @@ class Phase:
     cpu_seconds: Optional[float] = None  # this process's CPU time (all threads): what a shared or paused machine
     # changes less than the wall time
     shapes: Optional[int] = None  # warm-up groups: the shapes run (runner/warmup.py)
-    compiled: Optional[int] = None  # XLA compiles in this process during the phase
+    compiled: Optional[int] = None  # XLA compiles in this process during the phase (not from the cache)
     cache_hits: Optional[int] = None  # executables the persistent cache gave
 
     def line(self) -> str:
@@ -39,11 +40,11 @@ class Phase:
 
 
 class _Compiles:
-    """XLA compiles and persistent-cache hits in this process so far (jax.monitoring's events, counted from
-    the first `watch`)."""
+    """Executables asked for and persistent-cache hits in this process so far (jax.monitoring's events, counted
+    from the first `watch`)."""
 
     def __init__(self):
-        self.counts = {COMPILED: 0, CACHE_HITS: 0}
+        self.counts = {REQUESTED: 0, CACHE_HITS: 0}
         self._on = False
         self._lock = threading.Lock()
 
@@ -61,11 +62,12 @@ class _Compiles:
             self.counts[CACHE_HITS] += 1
 
     def _duration(self, event: str, _secs: float, **_) -> None:
-        if event == COMPILED:
-            self.counts[COMPILED] += 1
+        if event == REQUESTED:
+            self.counts[REQUESTED] += 1
 
     def now(self) -> tuple[int, int]:
-        return self.counts[COMPILED], self.counts[CACHE_HITS]
+        """(XLA compiles, cache hits) so far."""
+        return self.counts[REQUESTED] - self.counts[CACHE_HITS], self.counts[CACHE_HITS]
 
 
 COMPILES = _Compiles()
