@@ -49,7 +49,7 @@ def test_serve_answers_through_ray_and_a_signal_leaves_no_processes(sig, ingress
         started = "".join(wait_for_line(proc, "opt-serving: serving", timeout=240))  # (its banner, after the phases)
         assert f"http://127.0.0.1:{port}/" in started.splitlines()[-1]
         # where the start went, the replica's part fetched from it (startlog.py)
-        for phase in ("Ray start", "Serve start", "application deployed", "  opt-serving start: the replica's"):
+        for phase in ("Ray start", "Serve start", "application deployed", "  opt-serving start: the replica's gen"):
             assert phase in started, started
         base = f"http://127.0.0.1:{port}"
         assert httpx.get(base + "/health", timeout=30).json()["status"] == "ok"

@@ -5,6 +5,7 @@ it says of the deployments that failed).
 from __future__ import annotations
 
 import argparse
+import asyncio
 
 from opt_serving import startlog
 from opt_serving.parallel.planner import NoFeasiblePlan
@@ -83,8 +84,11 @@ def replica_phases() -> list[str]:
     """Where the application's replica's start went (its startlog lines), or [] where it cannot say (the fake
     engine's replica says the same way; a replica of another version has no such method)."""
     from ray import serve
+
+    async def fetch():  # (in an event loop: Serve's throughput-optimised mode routes a handle's calls on the caller's)
+        return await serve.get_deployment_handle("OPTServer", app_name=APP_NAME).start_phases.remote()
+
     try:
-        handle = serve.get_deployment_handle("OPTServer", app_name=APP_NAME)
-        return startlog.lines_of(handle.start_phases.remote().result(timeout_s=30))
+        return startlog.lines_of(asyncio.run(asyncio.wait_for(fetch(), 30)))
     except Exception as e:  # a log line is not worth failing a start for
         return [f"opt-serving start: the replica's phases are not known ({type(e).__name__}: {e})"]
