@@ -74,6 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=18650, help="vLLM's port (ours takes a free one)")
     p.add_argument("--start-timeout", type=float, default=900)
     p.add_argument("--ours-flags", default="", help="more `opt-serving serve` flags, one string")
+    p.add_argument("--cache", metavar="DIR", help="warm starts only, on this compile cache folder (filled before)")
     p.add_argument("--json", metavar="OUT")
     args = p.parse_args(argv)
     args.servers = args.servers.split(",")
@@ -91,7 +92,9 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory(prefix="opt-serving-start-") as tmp:
         for rnd, name in harness.in_turn(args.servers, args.rounds):
             cache = Path(tmp) / f"{name}-cache-{rnd}"  # fresh: the cold start fills it, the warm one reads it
-            for kind in ("cold", "warm"):
+            if args.cache:
+                cache = Path(args.cache)
+            for kind in ("warm",) if args.cache else ("cold", "warm"):
                 run = (ours if name == "ours" else vllm)(args, cache, Path(tmp) / f"{name}-{rnd}-{kind}.log")
                 runs.append({"round": rnd, "server": name, "start": kind, "time": now(), **run})
                 print(f"round {rnd} {name} {kind}: first completion {run['first_completion_s']:.1f} s after launch "
