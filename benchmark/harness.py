@@ -183,13 +183,15 @@ def start(cmd: Sequence[str], ready: str, *, timeout: float = 600.0, **kwargs) -
     return Server(cmd, ready, **kwargs).wait_ready(timeout)
 
 
-def serve(argv: Sequence[str] = (), *, port: int | None = None, timeout: float = 600.0, **kwargs) -> Server:
+def serve(argv: Sequence[str] = (), *, port: int | None = None, timeout: float = 600.0, env: dict | None = None,
+          **kwargs) -> Server:
     """`opt-serving serve *argv --port PORT --ray-address local` from this checkout (a Ray of its own, never one
-    already running here; PORT: a free one unless given), started and waited for; `url`: where it serves. Other
-    arguments: Server's (name, log, preexec_fn). A `with` block stops it when it ends."""
+    already running here; PORT: a free one unless given), started and waited for; `url`: where it serves. `env`:
+    its environment (default: this process's). Other arguments: Server's (name, log, preexec_fn). A `with` block
+    stops it when it ends."""
     from opt_serving.service.ports import free_port  # (here: a peer-only script may run where opt_serving is not)
     port = port or free_port()
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+    env = {**(os.environ if env is None else env), "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "opt_serving", "serve", *argv, "--port", str(port), "--ray-address", "local"]
     kwargs.setdefault("name", "opt-serving serve")
     return start(cmd, SERVING, timeout=timeout, env=env, cwd=ROOT, url=f"http://127.0.0.1:{port}", **kwargs)

@@ -27,6 +27,7 @@ LAYERS = {
     "opt_serving.spec": GROUND,
     "opt_serving.jax_env": GROUND,
     "opt_serving.xla_cache": GROUND,
+    "opt_serving.startlog": GROUND,
     "opt_serving.backend": BACKEND,
     "opt_serving.model": MODEL,
     "opt_serving.parallel.sharding": MODEL,

@@ -46,7 +46,11 @@ def test_serve_answers_through_ray_and_a_signal_leaves_no_processes(sig, ingress
          "--num-cpus", "2", "--ray-address", "local", "--drain-timeout", "2", "--ingress", ingress],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        wait_for_line(proc, f"http://127.0.0.1:{port}/", timeout=240)
+        started = "".join(wait_for_line(proc, "opt-serving: serving", timeout=240))  # (its banner, after the phases)
+        assert f"http://127.0.0.1:{port}/" in started.splitlines()[-1]
+        # where the start went, the replica's part fetched from it (startlog.py)
+        for phase in ("Ray start", "Serve start", "application deployed", "  opt-serving start: the replica's gen"):
+            assert phase in started, started
         base = f"http://127.0.0.1:{port}"
         assert httpx.get(base + "/health", timeout=30).json()["status"] == "ok"
         r = httpx.post(base + "/v1/completions", timeout=60,

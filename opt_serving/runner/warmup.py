@@ -3,7 +3,8 @@
 `compiled_shapes` lists every shape the steps compile at, built from the bucket helpers the steps pad with
 (runner/buckets.py) and the stages' own cache windows and join blocks; `warm_up` runs each entry in that order,
 through the slot model's own calls, so what it compiles is what serving then runs. Every group's cache has the
-same shapes: warming group 0 compiles all. The order matters:
+same shapes: warming group 0 compiles all. Each run of shapes of one group (`group_of`) is a line of the start log
+(startlog.py: its time, its XLA compiles and compile-cache hits). The order matters:
 
 - the scored prefill and the chunked prompts come first, while a stage holds the fewest compiled programs: their
   compiles take the most memory while they run, before the windows' steps add theirs;
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
+from opt_serving import startlog
 from opt_serving.runner.buckets import cache_bucket, chunk_widths, job_sizes
 from opt_serving.runner.prefix import BLOCK_SIZE
 from opt_serving.runner.types import JOIN_PROMPTS, Prefix, SlotSettings
@@ -113,20 +115,32 @@ def _windows(slots: "Slots") -> list[int]:
     return sorted(set().union(*stages.get([stages.call(i, "cache_windows") for i in range(stages.n)])))
 
 
+def group_of(shape: Shape) -> str:
+    """The warm-up group a shape is timed in (the start log): the scored prefill, the whole prefills, the chunked
+    ones, each window's."""
+    if shape.kind == "prefill":
+        return "scored prefill" if shape.scored else "prefills"
+    return "chunked prefills" if shape.kind == "job" else f"window {shape.window}"
+
+
 def warm_up(slots: "Slots", prefill_chunk: Optional[int] = None, decode_steps: int = 1) -> None:
     """Compile every shape of `compiled_shapes`, then leave the slots as they were: every slot free, the prefix
     cache empty (what warm-up wrote is nobody's prefix)."""
     slots.set_prefill_chunk(prefill_chunk)
     slots._to_all("begin_warmup")
     run = _Runner(slots)
-    for shape in compiled_shapes(slots, prefill_chunk, decode_steps):
-        getattr(run, shape.kind)(shape)
-    for prefix in run.held.values():
-        slots.discard(prefix)
-    if slots.prefix is not None:
-        slots.prefix.clear()
-    slots._to_all("end_warmup")
-    slots.stages.get(slots.stages.call(0, "ready"))
+    for group, shapes in itertools.groupby(compiled_shapes(slots, prefill_chunk, decode_steps), key=group_of):
+        shapes = list(shapes)
+        with startlog.PHASES.phase(f"warm-up {group}", shapes=len(shapes), compiles=True):
+            for shape in shapes:
+                getattr(run, shape.kind)(shape)
+    with startlog.PHASES.phase("warm-up end (the caches cut back)", compiles=True):
+        for prefix in run.held.values():
+            slots.discard(prefix)
+        if slots.prefix is not None:
+            slots.prefix.clear()
+        slots._to_all("end_warmup")
+        slots.stages.get(slots.stages.call(0, "ready"))
 
 
 class _Runner:

@@ -19,12 +19,13 @@ import time
 import urllib.error
 import urllib.request
 
+from opt_serving import startlog
 from opt_serving.parallel import ray_address
 from opt_serving.service.cli_args import add_arguments, command_line_problem, serve_args_from
 from opt_serving.service.ports import port_holder
 from opt_serving.service.ray_session import (local_ray_env, lower_ray_priority, start_ray, stop_serving,
                                              wants_direct_ingress)
-from opt_serving.service.serve_deploy import deploy
+from opt_serving.service.serve_deploy import deploy, replica_phases
 
 __all__ = ["add_arguments", "run"]  # what opt_serving/cli.py asks of a subcommand's module
 
@@ -37,6 +38,7 @@ class _Started:
 
 
 def run(args: argparse.Namespace) -> int:
+    startlog.PHASES.since_process_start("imports (process start to the command)")
     serve_args = serve_args_from(args)
     found, problem = _cluster_to_use(args, serve_args)
     if problem:
@@ -83,7 +85,8 @@ def _serve(args: argparse.Namespace, serve_args, found, started: _Started, stop:
     """Join or start Ray, deploy the application, and serve until `stop` is set -> the exit code. What it
     starts is written into `started` as it goes, for the shutdown."""
     direct = wants_direct_ingress(args.ingress, args.num_replicas)
-    started.ray = start_ray(found, args.num_cpus, local_ray_env(args, direct))
+    with startlog.PHASES.phase("Ray start"):
+        started.ray = start_ray(found, args.num_cpus, local_ray_env(args, direct))
     take_signals()
     if stop.is_set():
         return 130
@@ -99,17 +102,26 @@ def _serve(args: argparse.Namespace, serve_args, found, started: _Started, stop:
         return 2
     take_signals()
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-    if not _answers(f"http://{host}:{args.port}/health", timeout_s=60):
+    with startlog.PHASES.phase("HTTP answers"):
+        answers = _answers(f"http://{host}:{args.port}/health", timeout_s=60)
+    if not answers:
         print(f"opt-serving serve: the application is running but nothing answers at http://{host}:"
               f"{args.port}/ ({'its replica' if direct else 'Serve proxy'} did not bind it); stopping",
               file=sys.stderr)
         return 1
     if started.ray:  # the replicas are up: every other process Ray started is running by now
         lower_ray_priority(args.ray_nice, include_proxy=direct)
+    _print_start()
     print(_banner(args, serve_args, direct), flush=True)
     stop.wait()
     print("opt-serving: shutting down (draining in-flight requests)", file=sys.stderr, flush=True)
     return 0
+
+
+def _print_start() -> None:
+    """Where the start went: this command's phases, then the replica's (startlog.py), to stderr."""
+    lines = startlog.PHASES.lines() + ["  " + line for line in replica_phases()]
+    print("\n".join(lines), file=sys.stderr, flush=True)
 
 
 def _shut_down(args: argparse.Namespace, started: _Started, previous: dict, code: int) -> None:

@@ -9,7 +9,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveInt
 
-from opt_serving import jax_env
+from opt_serving import jax_env, startlog
 from opt_serving.engine.admission import DECODE_STEPS, PREFILL_CHUNK
 from opt_serving.text.fake import fake_generator
 from opt_serving.text.loading import check_model_args as check_model_names
@@ -262,7 +262,8 @@ def build_app(args: ServeArgs | dict | None = None):
             # (the template first: a file this replica cannot read fails it before the model loads)
             self.chat_template = None if self.args.chat_template is None else load_chat_template(
                 self.args.chat_template)
-            self.generator = build_generator(self.args)
+            with startlog.PHASES.phase("the replica's generator (all the above)"):
+                self.generator = build_generator(self.args)
             # what is loaded by now (the model, its compiled steps, Ray, FastAPI) lives as long as the replica:
             # frozen, a full collection no longer walks it while holding the GIL, stalling the engine's steps
             # and every stream
@@ -275,6 +276,10 @@ def build_app(args: ServeArgs | dict | None = None):
                               max_logprobs=self.args.max_logprobs, max_body_bytes=self.args.max_body_bytes,
                               chat_template=self.chat_template,
                               lora_runtime_updates=self.args.enable_lora_runtime_updates)
+
+        def start_phases(self) -> list[dict]:
+            """Where this replica's start went (startlog.py), for `opt-serving serve` to print."""
+            return startlog.PHASES.as_dicts()
 
         def check_health(self):
             """Serve replaces the replica when this raises: a dead or stuck engine, a dead pipeline stage."""

@@ -5,7 +5,9 @@ it says of the deployments that failed).
 from __future__ import annotations
 
 import argparse
+import asyncio
 
+from opt_serving import startlog
 from opt_serving.parallel.planner import NoFeasiblePlan
 from opt_serving.service.deployment import build_app
 from opt_serving.service.ports import free_port
@@ -21,7 +23,8 @@ def deploy(args: argparse.Namespace, serve_args, direct: bool, started_ray: bool
     from ray import serve  # after Ray started: Serve reads its settings when imported
 
     # with direct ingress Serve still starts its proxy: it gets a spare port, the replica owns --port
-    serve.start(http_options={"host": args.host, "port": free_port() if direct else args.port})
+    with startlog.PHASES.phase("Serve start"):
+        serve.start(http_options={"host": args.host, "port": free_port() if direct else args.port})
     if not started_ray:
         problem = _foreign_serve_problem(args)
         if problem:
@@ -31,7 +34,8 @@ def deploy(args: argparse.Namespace, serve_args, direct: bool, started_ray: bool
     except NoFeasiblePlan as e:
         return None, str(e)
     try:
-        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+        with startlog.PHASES.phase("application deployed (the replica's start)"):
+            serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
     except Exception as e:  # e.g. another application holds the route prefix "/", or a replica failed to start
         return None, (f"Ray Serve on the cluster at {_cluster_address()} refused the application: {e}"
                       + deployment_messages(APP_NAME))
@@ -74,3 +78,17 @@ def _foreign_serve_problem(args: argparse.Namespace) -> str | None:
                 "command did not deploy: it is left as it is. Stop it there (`serve shutdown`, or the program "
                 "that deployed it), or use --ray-address local for a Ray of this command's own")
     return None
+
+
+def replica_phases() -> list[str]:
+    """Where the application's replica's start went (its startlog lines), or [] where it cannot say (the fake
+    engine's replica says the same way; a replica of another version has no such method)."""
+    from ray import serve
+
+    async def fetch():  # (in an event loop: Serve's throughput-optimised mode routes a handle's calls on the caller's)
+        return await serve.get_deployment_handle("OPTServer", app_name=APP_NAME).start_phases.remote()
+
+    try:
+        return startlog.lines_of(asyncio.run(asyncio.wait_for(fetch(), 30)))
+    except Exception as e:  # a log line is not worth failing a start for
+        return [f"opt-serving start: the replica's phases are not known ({type(e).__name__}: {e})"]

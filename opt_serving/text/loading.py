@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Optional, Union
 
-from opt_serving import xla_cache
+from opt_serving import startlog, xla_cache
 from opt_serving.engine.admission import DECODE_STEPS, PREFILL_CHUNK
 from opt_serving.model.embedded import ensure_embedded_model
 from opt_serving.engine.scheduler import Engine
@@ -95,9 +95,10 @@ def load_engine(model: Union[str, ModelSpec], path=None, dtype: str = "auto", nu
         model, path, dummy=dummy, seed=seed, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
         quantize=quantize)
     xla_cache.enable()
-    slots = load_slots(spec, dtype=dtype, num_slots=num_slots, max_seq_len=max_seq_len,
-                       device_memory=device_memory, micro_batches=micro_batches, prefix_caching=prefix_caching,
-                       handoff=handoff, lora=lora)
+    with startlog.PHASES.phase("weights and stages", compiles=True):
+        slots = load_slots(spec, dtype=dtype, num_slots=num_slots, max_seq_len=max_seq_len,
+                           device_memory=device_memory, micro_batches=micro_batches, prefix_caching=prefix_caching,
+                           handoff=handoff, lora=lora)
     engine = Engine(slots, max_queue=max_queue, start=False, prefill_chunk=prefill_chunk,
                     prefill_budget=prefill_budget, decode_steps=decode_steps)
     try:
