@@ -66,6 +66,8 @@ def test_a_step_carries_the_block_below_its_tokens_when_that_leaves_fewer_than_t
     j = ragged(budget=32)  # blocks of 8, 16 and 32
     assert j.add(0, prompt(0, 20))  # 16 would leave 4 where 32 pads 12
     assert spans(j.take(0)) == [(0, 0, 16)] and spans(j.take(0)) == [(0, 16, 20)]
+    assert j.add(0, prompt(5, 20))  # no row running: the 4 tokens left would cost a step of their own
+    assert spans(j.take(0, rows_running=False)) == [(5, 0, 20)]
     assert j.add(0, prompt(1, 28))  # 32 pads 4 where 16 would leave 12
     assert spans(j.take(0)) == [(1, 0, 28)]
     for slot in (2, 3, 4):  # 18 tokens of short prompts: 16 would leave one of them for the next step

@@ -101,20 +101,22 @@ class Joins:
     def joining(self, g: int) -> list[Joining]:
         return list(self._pending[g].values())
 
-    def take(self, g: int) -> list[Part]:
+    def take(self, g: int, rows_running: bool = True) -> list[Part]:
         """The parts the group's next step carries, within the budget and at most JOIN_PROMPTS prompts' last
         parts; those prompts leave the pending list (their rows decode from then on). First the prompts that
         finish within a quarter of the budget, in the order they came, up to half of it (a short prompt does not
         wait behind a long one's parts); then the oldest prompts, as far as the rest goes (so at least half of
         every step goes to them: no prompt waits for ever). Where those tokens fall between two block sizes the
         step carries the smaller block whenever that leaves fewer tokens for the next step than the larger would
-        pad, and no short prompt's last part among them: a block's padding is computed like its tokens, and the
-        tokens left ride the next step."""
+        pad, and no short prompt's last part among them, while rows are running (`rows_running`: the next step
+        comes anyway): a block's padding is computed like its tokens, and the tokens left ride the next step. With
+        no row running, the tokens left would cost a step of their own, and the prompt its first token a step
+        later."""
         pending = self._pending[g]
         ready = [j for j in pending.values() if not j.deferred]
         plan = self._plan(ready, self.budget)
         total = sum(n for _, n in plan)
-        if self.ragged and total:
+        if self.ragged and total and rows_running:
             above = next(b for b in self.sizes if b >= total)
             below = max((b for b in self.sizes if b <= total), default=0)
             if below and total - below < above - total:

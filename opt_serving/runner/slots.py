@@ -300,7 +300,7 @@ class Slots(Prefills, SlotModel):
         positions = np.where(lengths > 0, lengths - 1, -1).astype(np.int32)  # [rows] -1: a row not stepped
         if self.prefix is not None and self.ragged:
             self._resume(g)
-        parts = self.joins.take(g)
+        parts = self.joins.take(g, rows_running=bool((positions >= 0).any()))
         block = self._block(parts) if parts else None
         for p in parts:
             if p.final:
