@@ -138,7 +138,7 @@ def where_time_goes(before: dict, after: dict, bounds: dict, dtype: str) -> list
     """Our engine over the measured load, read against the machine's bounds."""
     P = "opt_serving_"
     d = lambda k: after.get(P + k, 0.0) - before.get(P + k, 0.0)  # noqa: E731
-    dense, head = after.get(P + "model_dense_flops_per_token"), after.get(P + "model_head_flops_per_token")
+    dense = after.get(P + "model_dense_flops_per_token")
     wbytes, kvbytes = after.get(P + "model_weight_bytes"), after.get(P + "model_kv_entry_bytes")
     if dense is None:
         return ["  (no engine figures in /metrics)"]
@@ -153,22 +153,19 @@ def where_time_goes(before: dict, after: dict, bounds: dict, dtype: str) -> list
         out.append(f"  prefill: {computed:.0f} prompt tokens computed in {passes:.0f} passes, {pre_s:.1f} s: "
                    f"{computed / pre_s:.0f} tokens/s, {gf:.0f} GFLOP/s in the dense layers = {gf / peak:.0%} of the "
                    f"measured {peak:.0f} GFLOP/s peak")
-    if dec_s > 0 and steps:
-        step_ms = 1e3 * dec_s / steps
-        gb = (steps * wbytes + kv * kvbytes) / 1e9
-        gf = ((rows + joined) * dense + rows * head) / 1e9
+    w = decode_work(before, after, bounds, dtype)
+    if w:
+        gb, gf, step_ms, bound_ms = w["gb"], w["gflop"], w["step_ms"], w["bound_ms"]
         out.append(f"  decode: {steps:.0f} steps of {rows / steps:.1f} rows on average ({joined:.0f} prompt tokens "
                    f"joined them), {dec_s:.1f} s, {step_ms:.1f} ms a step; a step reads {gb / steps * 1e3:.0f} MB "
                    f"(weights {wbytes / 1e6:.0f} MB + KV {kv * kvbytes / steps / 1e6:.0f} MB): {gb / dec_s:.1f} GB/s "
                    f"= {gb / dec_s / bw:.0%} of the measured {bw:.1f} GB/s; {gf / dec_s:.0f} GFLOP/s = "
                    f"{gf / dec_s / peak:.0%} of the peak")
-        flop_ms, read_ms = 1e3 * gf / steps / peak, 1e3 * gb / steps / bw
-        bound_ms = max(flop_ms, read_ms)
         out.append(f"  bound: a step's work at the machine's bounds takes {bound_ms:.1f} ms (its "
-                   f"{gf / steps:.1f} GFLOP at the {peak:.0f} GFLOP/s peak: {flop_ms:.1f} ms; its "
-                   f"{gb / steps * 1e3:.0f} MB at {bw:.1f} GB/s: {read_ms:.1f} ms; the longer of the two, {flop_ms + read_ms:.1f} "
-                   f"ms if they do not overlap), ours {step_ms / bound_ms:.2f}x that: at most "
-                   f"{step_ms / bound_ms:.2f}x these tokens/s on this machine")
+                   f"{gf / steps:.1f} GFLOP at the {peak:.0f} GFLOP/s peak: {w['flop_ms']:.1f} ms; its "
+                   f"{gb / steps * 1e3:.0f} MB at {bw:.1f} GB/s: {w['read_ms']:.1f} ms; the longer of the two, "
+                   f"{w['flop_ms'] + w['read_ms']:.1f} ms if they do not overlap), ours {step_ms / bound_ms:.2f}x "
+                   f"that: at most {step_ms / bound_ms:.2f}x these tokens/s on this machine")
     busy = pre_s + dec_s
     if busy > 0:
         out.append(f"  the engine's busy time: prefill {pre_s / busy:.0%}, decode {dec_s / busy:.0%}; "
@@ -184,10 +181,29 @@ def where_time_goes(before: dict, after: dict, bounds: dict, dtype: str) -> list
     return out
 
 
-def headroom(engine: list[str]) -> float:
-    """where_time_goes' `bound` line's factor: our decode step's time over its work at the machine's bounds."""
-    line = next((x for x in engine if x.startswith("  bound:")), "")
-    return float(line.rsplit("at most ", 1)[1].split("x")[0]) if line else float("nan")
+def decode_work(before: dict, after: dict, bounds: dict, dtype: str) -> dict | None:
+    """Our decode steps between two /metrics scrapes: their GB read and GFLOP done in all, a step's time, and a
+    step's work at the machine's bounds (its FLOPs at the measured peak, its bytes at the bandwidth, the longer);
+    None without engine figures or decode steps."""
+    P = "opt_serving_"
+    d = lambda k: after.get(P + k, 0.0) - before.get(P + k, 0.0)  # noqa: E731
+    dense = after.get(P + "model_dense_flops_per_token")
+    steps, dec_s = d("decode_steps_total"), d("decode_seconds_total")
+    if dense is None or not steps or dec_s <= 0:
+        return None
+    peak = bounds.get("bfloat16_gflops" if dtype == "bfloat16" else "float32_gflops") or float("nan")
+    rows, joined, kv = d("decode_step_requests_total"), d("joined_prompt_tokens_total"), d("decode_kv_entries_total")
+    gb = (steps * after[P + "model_weight_bytes"] + kv * after[P + "model_kv_entry_bytes"]) / 1e9
+    gflop = ((rows + joined) * dense + rows * after[P + "model_head_flops_per_token"]) / 1e9
+    flop_ms, read_ms = 1e3 * gflop / steps / peak, 1e3 * gb / steps / bounds["bandwidth_gbs"]
+    return {"gb": gb, "gflop": gflop, "step_ms": 1e3 * dec_s / steps, "flop_ms": flop_ms, "read_ms": read_ms,
+            "bound_ms": max(flop_ms, read_ms)}
+
+
+def headroom(before: dict, after: dict, bounds: dict, dtype: str) -> float:
+    """Our decode step's time over its work at the machine's bounds (nan: no decode steps measured)."""
+    w = decode_work(before, after, bounds, dtype)
+    return w["step_ms"] / w["bound_ms"] if w else float("nan")
 
 
 def load(args, scenario: list[str], out: Path, warm: bool = False) -> dict:
@@ -285,7 +301,7 @@ def main(argv=None) -> None:
                   flush=True)
             if ours:
                 row["engine"] = where_time_goes(before, after, bounds[0], args.dtype)
-                row["headroom"] = headroom(row["engine"])
+                row["headroom"] = headroom(before, after, bounds[0], args.dtype)
                 print("\n".join(row["engine"]), flush=True)
     bounds.append({**machine_bounds.measure(products=False), "cores": bounds[0]["cores"], "when": "after"})
     med = report(args, runs, bounds)
