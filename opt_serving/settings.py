@@ -33,6 +33,9 @@ class Settings:
     bf16_fma_rows  OPT_SERVING_BF16_FMA_ROWS: bfloat16 products of at least that many rows widen the weights
                  and multiply with float32 FMAs (csrc/products.cc, bf16_fma); 0 never. Default: 8 on Intel
                  CPUs without AMX (their bfloat16 dot products run no faster than float32 FMAs), else never
+    f32_tile_rows  OPT_SERVING_F32_TILE_ROWS: float32 products of 9 to that many rows run our tiled kernel
+                 (csrc/products.cc, f32_tiles: the weights streamed while the rows' tiles compute); 0 never
+                 (oneDNN's kernel). Default: 96 on CPUs with AVX-512, else never
     s8_vnni_rows  OPT_SERVING_S8_VNNI_ROWS: int8 products of at least that many rows run our VNNI kernel
                  (csrc/products.cc, s8_vnni: the same numbers as oneDNN's, its work handed out as the threads
                  free up); 0 never (oneDNN's kernel). Default: 1 (every int8 product it can read)
@@ -54,6 +57,7 @@ class Settings:
     cext: bool = True
     bf16_fma_rows: Optional[int] = None
     s8_vnni_rows: Optional[int] = None
+    f32_tile_rows: Optional[int] = None
     keep_heap: bool = True
     compile_cache: Optional[str] = ""
     cache_dir: Optional[Path] = None
@@ -71,6 +75,7 @@ class Settings:
                    cext=env.get(PREFIX + "NO_CEXT") != "1",
                    bf16_fma_rows=_rows(env, PREFIX + "BF16_FMA_ROWS"),
                    s8_vnni_rows=_rows(env, PREFIX + "S8_VNNI_ROWS"),
+                   f32_tile_rows=_rows(env, PREFIX + "F32_TILE_ROWS"),
                    keep_heap=env.get(PREFIX + "KEEP_HEAP", "1") != "0",
                    compile_cache=None if cache.lower() in OFF else cache,
                    cache_dir=Path(env[PREFIX + "CACHE"]) if env.get(PREFIX + "CACHE") else None,

@@ -36,10 +36,22 @@ def test_built_where_the_requirements_install_onednn():
 
 # ---- products.py ----
 
+@pytest.fixture
+def f32_kernel(request):
+    """Which kernel runs float32 products of 9-96 rows: "onednn" (its own) or "tiles" (ours); the default is put
+    back after."""
+    if request.param == "tiles" and not products.f32_tile_rows():
+        pytest.skip("our float32 kernel needs AVX-512")
+    products.f32_tile_rows(96 if request.param == "tiles" else 0)
+    yield request.param
+    products.f32_tile_rows(-1)
+
+
 @needs_kernels
-@pytest.mark.parametrize("m,k,n", [(1, 32, 96), (3, 40, 100), (5, 33, 70), (8, 100, 130), (17, 768, 300),
-                                   (64, 64, 16), (40, 200, 1000)])
-def test_packed_product_equals_numpy(m, k, n):
+@pytest.mark.parametrize("f32_kernel", ["onednn", "tiles"], indirect=True)
+@pytest.mark.parametrize("m,k,n", [(1, 32, 96), (3, 40, 100), (5, 33, 70), (8, 100, 130), (9, 130, 70),
+                                   (17, 768, 300), (64, 64, 16), (40, 200, 1000), (96, 520, 200), (97, 64, 16)])
+def test_packed_product_equals_numpy(m, k, n, f32_kernel):
     rng = np.random.default_rng(m)
     x, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((m, k), (k, n), (n,)))
     packed = products.pack(w)
@@ -124,6 +136,25 @@ def test_int8_kernels_give_the_same_numbers(m, k, n):
 
 
 @needs_kernels
+@needs_kernels
+def test_f32_tiles_setting_is_kept_until_set_again_and_sums_as_closely_as_onednn():
+    default = products.f32_tile_rows()
+    try:
+        assert products.f32_tile_rows(0) == 0 and products.f32_tile_rows() == 0
+        rng = np.random.default_rng(3)
+        x, w = rng.standard_normal((32, 3072), np.float32), rng.standard_normal((3072, 768), np.float32)
+        ref, packed = x.astype(np.float64) @ w.astype(np.float64), products.pack(w)
+        errors = {}
+        for rows in (0, 96):  # oneDNN's, then ours (when this CPU runs it)
+            products.f32_tile_rows(rows)
+            errors[products.f32_tile_rows()] = np.abs(np.asarray(products.matmul(x, packed, 768)) - ref).max()
+        # slices of 128 terms summed apart, then added: no further from the exact sums than oneDNN's
+        assert max(errors.values()) <= 1.5 * errors[0]
+    finally:
+        products.f32_tile_rows(-1)
+    assert products.f32_tile_rows() == default
+
+
 def test_int8_vnni_setting_is_kept_until_set_again():
     before = products.s8_vnni_rows()
     try:

@@ -443,9 +443,10 @@ def test_without_ragged_steps_short_prompts_join_whole(xla_model8):
 
 def test_on_ragged_stages_any_prompt_joins_a_budget_of_its_tokens_a_step(model8, hf):
     """With ragged steps any prompt joins (not one asking for prompt scores: prefilled); a step carries at most
-    its budget of prompt tokens (the context's 32 here), prompts that finish within a quarter of it first, then
-    the oldest: a 20-token prompt, one of 23 split over two steps, then one of 5 that cuts in. Rows get a token
-    only from the step with their prompt's last part, each HF's; a freed prompt never runs."""
+    its budget of tokens (the context's 32 here), the running rows' and the prompts', prompts that finish within a
+    quarter of it first, then the oldest: a 20-token prompt, one of 23 split over three steps, then one of 5 that
+    cuts in. Rows get a token only from the step with their prompt's last part, each HF's; a freed prompt never
+    runs."""
     s = SlotSettings(max_tokens=4)
     assert model8.ragged and model8.join_tokens == 32 and model8.join_blocks == (8, 16, 32)
     assert not model8.join([2, 5], SlotSettings(prompt_logprobs=True), 0)
@@ -461,10 +462,15 @@ def test_on_ragged_stages_any_prompt_joins_a_budget_of_its_tokens_a_step(model8,
         assert first.rows.tolist() == [True] + [False] * 7
         tokens[0].append(first.token(0).id)
         assert model8.join(c, s, 3)  # 5 tokens: it finishes within a quarter of the budget, so it goes first
-        second = model8.step()  # c (5), a's decode, b's last 11 (16 tokens: a block's size)
-        assert second.rows.tolist() == [True, True, False, True] + [False] * 4
-        for slot in tokens:
-            tokens[slot].append(second.token(slot).id)
+        # a's decode, c (5) and 10 of b's last 11: 16 tokens fill a block, where b's 11 would pad it to 32
+        second = model8.step()
+        assert second.rows.tolist() == [True, False, False, True] + [False] * 4
+        third = model8.step()  # b's last token rides with a's and c's decodes
+        assert third.rows.tolist() == [True, True, False, True] + [False] * 4
+        for r in (second, third):
+            for slot in tokens:
+                if r.rows[slot]:
+                    tokens[slot].append(r.token(slot).id)
         while len(tokens[1]) < 4:
             r = model8.step()
             for slot in tokens:
@@ -475,6 +481,40 @@ def test_on_ragged_stages_any_prompt_joins_a_budget_of_its_tokens_a_step(model8,
     assert tokens[0][:4] == hf_greedy(hf, a, 4)
     assert tokens[1][:4] == hf_greedy(hf, b, 4)
     assert tokens[3][:4] == hf_greedy(hf, c, 4)
+
+
+def test_on_ragged_stages_a_step_packs_the_running_rows_and_the_prompt_tokens_into_one_list(model8, hf, monkeypatch):
+    """A ragged step's tokens are one list (PackedTokens): the running rows' newest tokens, then the prompt tokens,
+    padded as a whole to a block size (not every row of the group and then a block); the sampler takes each row's
+    hidden state at its token, and the tokens are HF's."""
+    packs, real = [], model8._packed
+    monkeypatch.setattr(model8, "_packed", lambda *a: (packs.append(real(*a)), packs[-1])[1])
+    s = SlotSettings(max_tokens=3)
+    a, b = PROMPTS[2], PROMPTS[3]  # 2 and 11 tokens
+    tokens = {0: [], 2: []}
+    try:
+        assert model8.join(a, s, 0)
+        first = model8.step()
+        tokens[0].append(first.token(0).id)
+        assert model8.join(b, s, 2)
+        second = model8.step()
+        assert second.rows.tolist() == [True, False, True] + [False] * 5
+        for slot in tokens:
+            tokens[slot].append(second.token(slot).id)
+        third = model8.step()
+        for slot in tokens:
+            tokens[slot].append(third.token(slot).id)
+    finally:
+        for slot in tokens:
+            model8.free(slot)
+    rows = model8.num_slots  # (one group: row = slot)
+    assert len(packs[0].ids) == 8 and packs[0].src.tolist() == [-1] * 8  # a's 2 tokens alone: a block of 8
+    p = packs[1]  # a's newest token (position 2), then b's 11: 12 tokens in a block of 16, not 8 rows and 16
+    assert len(p.ids) == 16 and p.src.tolist() == [0] + [-1] * 15
+    assert p.rows.tolist() == [0] + [2] * 11 + [rows] * 4 and p.entries.tolist()[:12] == [2] + list(range(11))
+    assert p.ids.tolist()[1:12] == b and p.out.tolist() == [0, 0, 11] + [0] * 5
+    assert packs[2].src.tolist() == [0, 2] + [-1] * 6 and packs[2].entries.tolist()[:2] == [3, 11]  # 2 rows: 8
+    assert tokens[0] == hf_greedy(hf, a, 3) and tokens[2] == hf_greedy(hf, b, 2)
 
 
 def run_queued(model, jobs, collect=Collect, chunk=256):
@@ -727,7 +767,8 @@ def test_chunked_prefill_gives_the_whole_prefill_tokens(kind, model, xla_model, 
 
 def test_on_ragged_stages_running_requests_get_a_token_in_every_step_a_long_prompt_rides(model, hf, monkeypatch):
     """A request already decoding gets a token in every step while a long prompt (22 tokens) rides them a part at
-    a time (8 prompt tokens a step, the short prompt's 2 first); the long one gets its first token with its last
+    a time (8 tokens a step, the short prompt's 2 first, then the running row's token and 7 of the prompt's: a
+    block of 8, where 8 of the prompt's would pad a block to 16); the long one gets its first token with its last
     part, then both decode together, each HF's."""
     parts = LogParts(model, monkeypatch)
     e = Engine(model, start=False, prefill_chunk=8)
@@ -740,8 +781,8 @@ def test_on_ragged_stages_running_requests_get_a_token_in_every_step_a_long_prom
     finally:
         e.close()
     spans = [[(b, e) for _, b, e in step] for step in parts.steps]
-    assert spans[:3] == [[(0, 2), (0, 6)], [(6, 14)], [(14, 22)]]  # the short prompt whole, the long one in three
-    assert short.sizes[:3] == [1, 1, 1]  # a token from each of those steps
+    assert spans[:4] == [[(0, 2), (0, 6)], [(6, 13)], [(13, 20)], [(20, 22)]]  # the short one whole, the long in 4
+    assert short.sizes[:4] == [1, 1, 1, 1]  # a token from each of those steps
     assert (short.ids, long.ids) == (hf_greedy(hf, PROMPTS[2], 20), hf_greedy(hf, LONG[1], 6))
 
 

@@ -106,3 +106,27 @@ def test_the_block_lays_parts_out_at_their_entries_and_gives_the_sampler_whole_p
     assert block.last[:2].tolist() == [3, 29] and block.last_rows[:3].tolist() == [3, 5, 8]
     assert block.lengths[:2].tolist() == [20, 26] and block.prompts[0, :20].tolist() == a.tokens
     assert block.settings == (S, S) and np.all(block.mask[1, 26:] == 0)
+
+
+def test_running_rows_ride_in_the_block_and_count_against_its_budget():
+    """A packed step (runner.types.PackedTokens): the running rows' tokens and the prompts' share the block and the
+    budget; the block rule pads the whole."""
+    j = ragged(budget=32)
+    assert j.add(0, prompt(0, 40))
+    assert spans(j.take(0, decoding=4)) == [(0, 0, 28)]  # 4 + 28 = 32: the budget
+    assert spans(j.take(0, decoding=3)) == [(0, 28, 40)]  # 3 + 12 = 15 fill less than a block of 16
+    assert j.add(0, prompt(1, 20))
+    # 3 + 20 = 23 tokens: a block of 32 would pad 9, one of 16 leaves 7 for the next step
+    assert spans(j.take(0, decoding=3)) == [(1, 0, 13)]
+    assert spans(j.take(0, decoding=3)) == [(1, 13, 18)]  # 3 + 7 = 10: a block of 8 leaves 2, one of 16 pads 6
+    assert spans(j.take(0, decoding=3)) == [(1, 18, 20)]
+
+
+def test_a_budget_below_the_block_holds_the_rows_and_a_few_prompt_tokens():
+    """The block sizes may go past the prompt budget (every running row and 8 prompt tokens); the prompts keep to it."""
+    j = Joins(groups=1, rows=16, sizes=block_sizes(24), ragged=True, longest=32, width=63, pad=1, budget=8)
+    assert j.budget == 8 and j.sizes[-1] == 24
+    assert j.add(0, prompt(0, 30))
+    assert spans(j.take(0, rows_running=False)) == [(0, 0, 8)]
+    assert spans(j.take(0, decoding=16)) == [(0, 8, 16)]  # 16 rows and the budget's 8 fill the block of 24
+    assert spans(j.take(0, decoding=20)) == [(0, 16, 20)]  # 20 rows leave room for 4

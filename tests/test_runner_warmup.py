@@ -28,8 +28,8 @@ def slots():
 def programs(slots) -> dict:
     stage = slots.stages.stages[0]
     sampler = stage.sampler
-    jitted = {name: getattr(stage, name) for name in ("_prefill", "_chunk", "_step", "_step_joining", "_steps",
-                                                      "_insert_cache", "_free", "_resize", "_gather", "_store",
+    jitted = {name: getattr(stage, name) for name in ("_prefill", "_chunk", "_step", "_step_joining", "_step_packed",
+                                                      "_steps", "_insert_cache", "_free", "_resize", "_gather", "_store",
                                                       "_store_row")}
     jitted.update({"sampler" + name: getattr(sampler, name) for name in ("_first", "_choose", "_choose_joining",
                                                                          "_insert", "_free", "_chunked_first")})
@@ -53,14 +53,16 @@ def test_the_shapes_are_the_bucket_helpers_and_the_stages_own(slots):
 
 
 def test_the_list_compiles_exactly_its_shapes(slots):
-    """One prefill program a prefill width and one joining step a (window, block) in the list: none missing, none
-    compiled for a shape the list does not name."""
+    """One prefill program a prefill width and one joining step a (window, block) in the list (on ragged stages a
+    step of one list of tokens, the running rows' among them): none missing, none compiled for a shape the list
+    does not name."""
     from opt_serving.runner.buckets import prefill_bucket
     from opt_serving.runner.warmup import compiled_shapes
     shapes = compiled_shapes(slots, 16, 4)
     count = programs(slots)
     assert count["_prefill"] == len({prefill_bucket(s.tokens, 64) for s in shapes if s.kind == "prefill"})
-    assert count["_step_joining"] == len([s for s in shapes if s.kind == "join"])
+    assert slots.packed and count["_step_joining"] == 0
+    assert count["_step_packed"] == len([s for s in shapes if s.kind == "join"])
     assert count["_steps"] == len([s for s in shapes if s.kind == "decode_steps"])
 
 

@@ -17,6 +17,8 @@ def test_settings_come_from_the_environment(monkeypatch):
     assert Settings.from_env({"OPT_SERVING_BF16_FMA_ROWS": "0"}).bf16_fma_rows == 0  # never
     assert Settings.from_env({"OPT_SERVING_S8_VNNI_ROWS": "0"}).s8_vnni_rows == 0  # oneDNN's kernel always
     assert Settings.from_env({"OPT_SERVING_S8_VNNI_ROWS": "4"}).s8_vnni_rows == 4
+    assert Settings.from_env({"OPT_SERVING_F32_TILE_ROWS": "0"}).f32_tile_rows == 0  # oneDNN's kernel always
+    assert Settings.from_env({}).f32_tile_rows is None
     monkeypatch.setenv("OPT_SERVING_BF16_SCREEN", "0")
     assert not Settings.from_env().bf16_screen
 
@@ -49,7 +51,7 @@ def _variables() -> set[str]:
 
 def test_every_switch_is_a_field_and_in_the_docs():
     variables = _variables()
-    assert len(variables) == len(Settings.__dataclass_fields__) == 12
+    assert len(variables) == len(Settings.__dataclass_fields__) == 13
     page = (ROOT / "docs" / "operating.md").read_text()
     table = page[page.index("## Environment switches"):]
     table = table[:table.index("\n## ")] if "\n## " in table else table

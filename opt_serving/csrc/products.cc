@@ -19,6 +19,8 @@
 //   opt_bf16_fma_rows(rows)    bfloat16 products of at least `rows` rows run bf16_fma (0: never; -1: the CPU's
 //                              default; below -1: left as it is); returns the setting now in force
 //   opt_bf16_fma_reads(K, N)   whether bf16_fma can read a packed bfloat16 [K, N] weight here
+//   opt_f32_tile_rows(rows)    float32 products of 9 to `rows` rows run f32_tiles, our kernel (0: never; -1: the
+//                              CPU's default, 96 with AVX-512; below -1: left as it is); returns the setting in force
 //   opt_s8_vnni_rows(rows)     int8 products of at least `rows` rows run s8_vnni, our VNNI kernel (0: never;
 //                              -1: the default, 1; below -1: left as it is); returns the setting now in force
 //   opt_s8_vnni_reads(K, N)    whether s8_vnni can read a packed int8 [K, N] weight here
@@ -148,6 +150,105 @@ void small_rows(const float* x, int64_t m, int64_t k, int64_t n, const float* w,
         case 2: four_rows_by_block<2>(avx512, xr, k, n, block, nb * 64, bias, relu, yr); break;
         case 3: four_rows_by_block<3>(avx512, xr, k, n, block, nb * 64, bias, relu, yr); break;
         default: four_rows_by_block<4>(avx512, xr, k, n, block, nb * 64, bias, relu, yr); break;
+      }
+    }
+  }
+}
+
+// Float32 products of 9 to f32_tile_rows() rows over the same BA16a64b blocks: oneDNN's kernels ran these at 55-65%
+// of the product peak (a decode step's 16-64 rows: neither the weights' reading nor the arithmetic at its bound).
+// Here each block of 64 columns is one task (the team taking them as it frees up, as s8_vnni), its rows in groups
+// of at most six as even as the tile allows: 24 accumulators, the block's four vectors a k, a broadcast. The block
+// goes a slice of kSlice k at a time through every group (the partial sums kept in y, in cache), the first group
+// prefetching the next slice into L2: the weights stream from memory while the groups compute, where a block read
+// whole by the first group and then from cache by the others left the memory idle for most of the product.
+constexpr int64_t kSlice = 128;
+std::atomic<int64_t> f32_tiles_upto{-1};  // products of 9 to this many rows run f32_tiles; 0 never; -1 not decided
+
+int64_t f32_tile_rows() {
+  int64_t rows = f32_tiles_upto.load(std::memory_order_relaxed);
+  if (rows < 0) {
+    // 96: from about there oneDNN's kernels, blocked for cache, ran as fast (benchmark/README.md)
+    rows = __builtin_cpu_supports("avx512f") ? 96 : 0;
+    f32_tiles_upto.store(rows, std::memory_order_relaxed);
+  }
+  return rows;
+}
+
+// R rows by one block over k in [k0, k1): the slice's sums, added to y's (but on the first slice), end in y,
+// finished with the bias and relu (last); `ahead`: `lines` cache lines of the next slice to prefetch, one a k
+template <int R>
+__attribute__((target("avx512f")))
+void f32_tile(const float* x, int64_t k, int64_t k0, int64_t k1, const float* block, const float* ahead,
+              int64_t lines, bool first, bool last, const float* bias, bool relu, float* y, int64_t n, int64_t cols) {
+  __m512 acc[R][4];
+  const __mmask16 masks[4] = {
+      static_cast<__mmask16>(cols >= 16 ? 0xffff : cols <= 0 ? 0 : (1u << cols) - 1),
+      static_cast<__mmask16>(cols >= 32 ? 0xffff : cols <= 16 ? 0 : (1u << (cols - 16)) - 1),
+      static_cast<__mmask16>(cols >= 48 ? 0xffff : cols <= 32 ? 0 : (1u << (cols - 32)) - 1),
+      static_cast<__mmask16>(cols >= 64 ? 0xffff : cols <= 48 ? 0 : (1u << (cols - 48)) - 1)};
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) acc[r][q] = _mm512_setzero_ps();
+  }
+  for (int64_t kk = k0; kk < k1; ++kk) {
+    const float* row = block + kk * 64;
+    if (kk - k0 < lines) _mm_prefetch(reinterpret_cast<const char*>(ahead + (kk - k0) * 16), _MM_HINT_T1);
+    __m512 w[4];
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) w[q] = _mm512_loadu_ps(row + 16 * q);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 b = _mm512_set1_ps(x[r * k + kk]);
+#pragma GCC unroll 4
+      for (int q = 0; q < 4; ++q) acc[r][q] = _mm512_fmadd_ps(b, w[q], acc[r][q]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int q = 0; q < 4; ++q) {  // (unrolled: a runtime index into acc keeps it in memory)
+    if (!masks[q]) continue;  // the last block's columns past N are not written
+    const __m512 bv = last && bias ? _mm512_maskz_loadu_ps(masks[q], bias + 16 * q) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      // the slice's sum added to the slices' before it: sums of kSlice terms, added up, round as oneDNN's do
+      __m512 v = first ? acc[r][q] : _mm512_add_ps(acc[r][q], _mm512_maskz_loadu_ps(masks[q], y + r * n + 16 * q));
+      if (last) v = _mm512_add_ps(v, bv);
+      if (last && relu) v = _mm512_max_ps(v, _mm512_setzero_ps());
+      _mm512_mask_storeu_ps(y + r * n + 16 * q, masks[q], v);
+    }
+  }
+}
+
+void f32_tiles(const float* x, int64_t m, int64_t k, int64_t n, const float* w, const float* bias, bool relu,
+               float* y) {
+  constexpr int kRows = 6;
+  const int64_t k_padded = (k + 15) / 16 * 16, blocks = (n + 63) / 64, groups = (m + kRows - 1) / kRows;
+#pragma omp parallel for schedule(dynamic, 1)  // (dynamic: common.h)
+  for (int64_t nb = 0; nb < blocks; ++nb) {
+    const int64_t n0 = nb * 64, cols = std::min<int64_t>(64, n - n0);
+    const float* block = w + nb * k_padded * 64;
+    const float* bb = bias ? bias + n0 : nullptr;
+    for (int64_t k0 = 0; k0 < k; k0 += kSlice) {
+      const int64_t k1 = std::min(k, k0 + kSlice);
+      const bool first = k0 == 0, last = k1 == k;
+      for (int64_t g = 0, r = 0; g < groups; ++g) {  // 32 rows: 6, 6, 5, 5, 5, 5
+        const int64_t rows = m / groups + (g < m % groups);
+        // this group's share of the next slice's lines: the prefetches spread over the slice's compute
+        const int64_t next = last ? 0 : (std::min(k, k1 + kSlice) - k1) * 4, from = next * g / groups,
+                      lines = next * (g + 1) / groups - from;
+        const float* ahead = block + k1 * 64 + from * 16;
+        const float* xt = x + r * k;
+        float* yt = y + r * n + n0;
+        switch (rows) {
+          case 1: f32_tile<1>(xt, k, k0, k1, block, ahead, lines, first, last, bb, relu, yt, n, cols); break;
+          case 2: f32_tile<2>(xt, k, k0, k1, block, ahead, lines, first, last, bb, relu, yt, n, cols); break;
+          case 3: f32_tile<3>(xt, k, k0, k1, block, ahead, lines, first, last, bb, relu, yt, n, cols); break;
+          case 4: f32_tile<4>(xt, k, k0, k1, block, ahead, lines, first, last, bb, relu, yt, n, cols); break;
+          case 5: f32_tile<5>(xt, k, k0, k1, block, ahead, lines, first, last, bb, relu, yt, n, cols); break;
+          default: f32_tile<kRows>(xt, k, k0, k1, block, ahead, lines, first, last, bb, relu, yt, n, cols); break;
+        }
+        r += rows;
       }
     }
   }
@@ -500,6 +601,11 @@ static ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ffi::Bu
                  has_bias ? bias.typed_data() : nullptr, relu, y->typed_data());
       return ffi::Error::Success();
     }
+    if (m <= f32_tile_rows() && streams_as_rows(wd, k, n)) {
+      f32_tiles(x.typed_data(), m, k, n, static_cast<const float*>(packed.untyped_data()),
+                has_bias ? bias.typed_data() : nullptr, relu, y->typed_data());
+      return ffi::Error::Success();
+    }
     dnnl::matmul prim = matmul_for(m, k, n, has_bias, relu);
     dnnl::engine& eng = cpu_engine();
     std::unordered_map<int, dnnl::memory> args{
@@ -621,6 +727,13 @@ extern "C" int opt_s8_vnni_reads(int64_t k, int64_t n) {
 extern "C" int64_t opt_s8_vnni_rows(int64_t rows) {
   if (rows >= -1) s8_vnni_from.store(rows, std::memory_order_relaxed);
   return s8_vnni_rows();
+}
+
+// float32 products of 9 to `rows` rows run f32_tiles (0: never; -1: the CPU's default; below -1: left as it is);
+// returns the setting now in force
+extern "C" int64_t opt_f32_tile_rows(int64_t rows) {
+  if (rows >= -1) f32_tiles_upto.store(rows, std::memory_order_relaxed);
+  return f32_tile_rows();
 }
 
 extern "C" int64_t opt_bf16_fma_rows(int64_t rows) {

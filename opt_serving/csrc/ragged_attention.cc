@@ -313,8 +313,10 @@ void attend_ragged(const Rows<KV>& r, const float* q, const std::vector<Item>& i
   const int64_t work = static_cast<int64_t>(items.size()) * h_count;
 #pragma omp parallel for schedule(dynamic, 1)  // (dynamic: common.h; tiles later in a run have more keys)
   for (int64_t w = 0; w < work; ++w) {
-    const Item& it = items[w / h_count];
-    const int64_t h = w % h_count;
+    // head-major: a head's tiles one after another, so rows sharing a prefix read its blocks for that head (a
+    // few hundred KB) from cache, where row-major order cycled every head's blocks through it between two rows
+    const Item& it = items[w % items.size()];
+    const int64_t h = w / static_cast<int64_t>(items.size());
 #if defined(__x86_64__)
     const bool few = it.count <= kFew;
     if (avx512 && d == 64) {

@@ -437,14 +437,15 @@ def ragged_step(cfg, params, cache, tokens, positions, write_index, block, prefi
     entry of its row (its position) and reading the row's entries before it and itself, so a prompt's tokens may
     continue what earlier steps wrote (a long prompt a part at a time, the tail of a cached prefix). `prefix` =
     (pool k, pool v (tuples over layers of [H, P, bs, D]), ptab [B, Mp], plen [B]): a row's first plen entries are
-    read from those pool blocks (a cached prefix shared by rows, never copied into them).
+    read from those pool blocks (a cached prefix shared by rows, never copied into them). With no rows stepped
+    (positions [0]) every token is in the block: a running row's newest token is then a block token at its entry.
     -> (hidden states [B + T, D], cache)."""
     ids, rows, entries = block
     pool_k, pool_v, ptab, plen = prefix
-    b, n = positions.shape[0], cache["mask"].shape[1]
+    b, (rows_count, n) = positions.shape[0], cache["mask"].shape  # (b: 0 where every token is in the block)
     q_rows = jnp.concatenate([jnp.arange(b, dtype=jnp.int32), rows])  # [N]
     q_entries = jnp.concatenate([write_index, entries])
-    q_ends = jnp.where((q_rows < b) & (q_entries < n), q_entries + 1, 0)
+    q_ends = jnp.where((q_rows < rows_count) & (q_entries < n), q_entries + 1, 0)
     attends = [_ragged_attend(kc, vc, q_rows, q_entries, q_ends, pk, pv, ptab, plen, backend)
                for kc, vc, pk, pv in zip(cache["k"], cache["v"], pool_k, pool_v)]
     first = stage is None or stage.first

@@ -64,13 +64,14 @@ class Joins:
     """The prompts joining each group's rows (oldest first), and the block each group's next step carries."""
 
     def __init__(self, groups: int, rows: int, sizes: Sequence[int], ragged: bool, longest: int, width: int,
-                 pad: int):
-        """`rows`: a group's rows; `sizes`: the block sizes (the last: the most prompt tokens a step carries);
-        `ragged`: prompts go a part at a time (else short ones whole, at most `longest` tokens); `width`: the
-        longest prompt whose first token a step chooses (the sampler's view of the prompts); `pad`: the pad id."""
+                 pad: int, budget: Optional[int] = None):
+        """`rows`: a group's rows; `sizes`: the block sizes (the last: the most tokens a block holds); `ragged`:
+        prompts go a part at a time (else short ones whole, at most `longest` tokens); `width`: the longest prompt
+        whose first token a step chooses (the sampler's view of the prompts); `pad`: the pad id; `budget`: the most
+        prompt tokens a step carries (default: the largest block)."""
         self.rows, self.sizes, self.ragged, self.longest, self.width, self.pad = rows, tuple(sizes), ragged, longest, \
             width, pad
-        self.budget = self.sizes[-1]
+        self.budget = min(budget or self.sizes[-1], self.sizes[-1])
         self._pending: list[collections.OrderedDict] = [collections.OrderedDict() for _ in range(groups)]
 
     def fits(self, tokens: Sequence[int], settings: SlotSettings) -> bool:
@@ -101,7 +102,7 @@ class Joins:
     def joining(self, g: int) -> list[Joining]:
         return list(self._pending[g].values())
 
-    def take(self, g: int, rows_running: bool = True) -> list[Part]:
+    def take(self, g: int, rows_running: bool = True, decoding: int = 0) -> list[Part]:
         """The parts the group's next step carries, within the budget and at most JOIN_PROMPTS prompts' last
         parts; those prompts leave the pending list (their rows decode from then on). First the prompts that
         finish within a quarter of the budget, in the order they came, up to half of it (a short prompt does not
@@ -111,16 +112,18 @@ class Joins:
         pad, and no short prompt's last part among them, while rows are running (`rows_running`: the next step
         comes anyway): a block's padding is computed like its tokens, and the tokens left ride the next step. With
         no row running, the tokens left would cost a step of their own, and the prompt its first token a step
-        later."""
+        later. `decoding`: the running rows' tokens riding in the same block (a packed step, runner.types.PackedTokens):
+        the budget and the block sizes hold them and the prompts' tokens."""
         pending = self._pending[g]
         ready = [j for j in pending.values() if not j.deferred]
-        plan = self._plan(ready, self.budget)
-        total = sum(n for _, n in plan)
-        if self.ragged and total and rows_running:
+        room = min(self.budget, self.sizes[-1] - decoding)
+        plan = self._plan(ready, room) if room > 0 else []
+        total = decoding + sum(n for _, n in plan)
+        if self.ragged and plan and rows_running:
             above = next(b for b in self.sizes if b >= total)
             below = max((b for b in self.sizes if b <= total), default=0)
-            if below and total - below < above - total:
-                smaller = self._plan(ready, below)
+            if below > decoding and total - below < above - total:
+                smaller = self._plan(ready, below - decoding)
                 if self._short_finals(plan) <= self._short_finals(smaller):
                     plan = smaller
         parts = []

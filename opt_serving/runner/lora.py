@@ -79,6 +79,13 @@ class StageLora:
         rows_index = np.full(rows, -1, np.int32) if index is None else np.asarray(index, np.int32)
         return lora_model.Lora(self.weights, np.concatenate([rows_index, tokens])[None])
 
+    def packed(self, tokens) -> Optional[lora_model.Lora]:
+        """`batch` of a step whose tokens are one list (runner.types.PackedTokens): each token's adapter, [1, N]."""
+        if self.layout is None:
+            return None
+        index = np.full(len(tokens.ids), -1, np.int32) if tokens.adapters is None else tokens.adapters
+        return lora_model.Lora(self.weights, np.asarray(index, np.int32)[None])
+
     def generating(self, rows: int) -> Optional[lora_model.Lora]:
         """`batch` of generate()'s rows: each uses the generate() adapter (or none)."""
         return self.batch(np.full(rows, self.seq_adapter, np.int32), rows)

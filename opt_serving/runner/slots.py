@@ -46,8 +46,8 @@ from opt_serving.runner.prefix import BLOCK_SIZE, PrefixCache
 from opt_serving.runner.slot_table import SlotTable
 from opt_serving.runner.stage import LocalStages, Stages
 from opt_serving.runner.types import (ACCELERATOR_JOIN_BLOCKS, JOIN_BLOCKS, JOIN_PROMPT_TOKENS, JOIN_PROMPTS,
-                                      MAX_TOP_LOGPROBS, PREFILL_BATCH_TOKENS, DecodeStep, JoinBlock, ModelCosts, Prefix,
-                                      SlotModel, SlotSettings, StepResult)
+                                      MAX_TOP_LOGPROBS, PREFILL_BATCH_TOKENS, DecodeStep, JoinBlock, ModelCosts,
+                                      PackedTokens, Prefix, SlotModel, SlotSettings, StepResult)
 from opt_serving.runner.warmup import warm_up
 
 # the chunk a prompt's part past its cached prefix is computed in where the engine prefills it whole (the
@@ -97,6 +97,9 @@ class Slots(Prefills, SlotModel):
         # ragged steps (every stage's backend: opt.ragged_step) take any prompt a part at a time, cached prefixes in
         # place; otherwise short prompts join whole (runner/joins.py)
         self.ragged = self.joins_in_parts = all(stages.get([stages.call(i, "is_ragged") for i in range(stages.n)]))
+        # ragged steps take their tokens as one list (PackedTokens): the rows running, then the prompts' parts, padded
+        # as a whole, so a step's products run at the rows in use, not at every row of the group
+        self.packed = self.ragged
         self._platform = stages.get(stages.call(stages.n - 1, "platform"))
         self._held: dict[int, list] = {}  # slot -> the prefix-cache blocks its row reads (held while it runs)
         self._cached: dict[int, int] = {}  # slot -> the prompt tokens its joined prompt took from the prefix cache
@@ -117,15 +120,18 @@ class Slots(Prefills, SlotModel):
         longest = min(JOIN_PROMPT_TOKENS, self.max_seq_len - 1)  # the longest prompt that joins whole
         if self.ragged:  # (at most what the group's rows besides one hold: warm-up fills each size)
             width = self.max_seq_len - 1  # (each prompt leaves room in the cache for a token)
-            sizes = block_sizes(min(chunk or self.max_seq_len, self.max_seq_len, max(1, rows - 1) * width))
+            budget = min(chunk or self.max_seq_len, self.max_seq_len, max(1, rows - 1) * width)
+            # the rows running ride in the same block (packed): it holds them all and a few prompt tokens besides
+            sizes = block_sizes(max(budget, rows + JOIN_BLOCKS[0]) if self.packed else budget)
         else:
             width, sizes = longest, join_blocks(self._platform, self.max_seq_len, self.join_room)
+            budget = sizes[-1]
         old = getattr(self, "joins", None)
-        if old is not None and old.sizes == sizes:
+        if old is not None and (old.sizes, old.budget) == (sizes, budget):
             return
         if old is not None and any(old.waiting(g) for g in range(self.groups)):
             raise RuntimeError("the prefill chunk changed while prompts were joining")
-        self.joins = Joins(self.groups, rows, sizes, self.ragged, longest, width, self.cfg.pad_token_id)
+        self.joins = Joins(self.groups, rows, sizes, self.ragged, longest, width, self.cfg.pad_token_id, budget)
 
     def set_prefill_chunk(self, chunk: Optional[int]) -> None:
         """The engine's prefill chunk: on ragged stages the most prompt tokens a step carries (0 or None: a whole
@@ -300,7 +306,8 @@ class Slots(Prefills, SlotModel):
         positions = np.where(lengths > 0, lengths - 1, -1).astype(np.int32)  # [rows] -1: a row not stepped
         if self.prefix is not None and self.ragged:
             self._resume(g)
-        parts = self.joins.take(g, rows_running=bool((positions >= 0).any()))
+        running = int((positions >= 0).sum())
+        parts = self.joins.take(g, rows_running=running > 0, decoding=running if self.packed else 0)
         block = self._block(parts) if parts else None
         for p in parts:
             if p.final:
@@ -308,8 +315,34 @@ class Slots(Prefills, SlotModel):
         lengths = self.table.lengths[slots]
         want_scores, want_top = self.table.wants(slots[lengths > 0])
         window = self.window_needed(g, entries=max((p.end for p in parts), default=0))
-        return DecodeStep(g, positions, window, int(lengths.max()), want_scores, want_top, block,
-                          self.adapters.rows(slots)), parts
+        adapters = self.adapters.rows(slots)
+        packed = self._packed(positions, block, adapters) if self.packed else None
+        return DecodeStep(g, positions, window, int(lengths.max()), want_scores, want_top, block, adapters,
+                          packed=packed), parts
+
+    def _packed(self, positions: np.ndarray, block: Optional[JoinBlock], adapters) -> PackedTokens:
+        """A ragged step's tokens as one list: each running row's newest token (positions >= 0), then the prompt
+        tokens of `block`, padded to the smallest block size that holds them all."""
+        rows = len(positions)
+        running = np.flatnonzero(positions >= 0).astype(np.int32)
+        nd, real = len(running), 0 if block is None else int((block.rows < rows).sum())  # (the block's padding last)
+        n = next(b for b in self.joins.sizes if b >= nd + real)
+        src, ids = np.full(n, -1, np.int32), np.zeros(n, np.int32)
+        at_rows, entries, out = np.full(n, rows, np.int32), np.zeros(n, np.int32), np.zeros(rows, np.int32)
+        src[:nd], at_rows[:nd], entries[:nd], out[running] = running, running, positions[running], np.arange(nd)
+        tokens = None
+        if self.adapters.on:
+            tokens = np.full(n, -1, np.int32)
+            if adapters is not None:
+                tokens[:nd] = np.asarray(adapters, np.int32)[running]
+        if block is not None:
+            ids[nd:nd + real], at_rows[nd:nd + real], entries[nd:nd + real] = (
+                block.ids[:real], block.rows[:real], block.entries[:real])
+            final = block.last_rows < rows  # the prompts whose last part is here: their rows' first tokens
+            out[block.last_rows[final]] = nd + block.last[final]
+            if tokens is not None and block.adapters is not None:
+                tokens[nd:nd + real] = block.adapters[:real]
+        return PackedTokens(src, ids, at_rows, entries, out, tokens)
 
     def _keep_row(self, g: int, joining: Joining, window: int) -> None:
         """Claim pool blocks for a joined prompt's full blocks not cached yet and have every stage write them from

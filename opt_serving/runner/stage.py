@@ -104,7 +104,8 @@ class StageSlots:
 
         self.ragged = backend.ragged  # prompts continue rows and cached prefixes are read in place (opt.ragged_step)
         self.seqs: dict = {}  # key -> a whole-sequence cache (generate() over a pipeline)
-        (self._prefill, self._chunk, self._step, self._step_joining, self._steps, self._seq_prefill, self._seq_decode,
+        (self._prefill, self._chunk, self._step, self._step_joining, self._step_packed, self._steps, self._seq_prefill,
+         self._seq_decode,
          self._seq_reorder, self._insert_cache, self._gather, self._store, self._store_row, self._resize,
          self._free) = stage_programs(cfg, stage, backend, self.max_seq_len, self._new_cache,
                                       self.sampler.choose_rows if stage.first and stage.last else None)
@@ -182,7 +183,11 @@ class StageSlots:
         group, positions, join = step.group, step.positions, step.join
         self._fit_cache(group, step.window, shrink=not self.backend.attention)
         prefix = self._prefix(group)
-        if join is None:
+        if step.packed is not None:
+            p = step.packed
+            h, self.caches[group] = self._step_packed(self.params, self.caches[group], x, p.src, p.ids, p.rows,
+                                                      p.entries, p.out, prefix, self.lora.packed(p))
+        elif join is None:
             h, self.caches[group] = self._step(self.params, self.caches[group], x, positions,
                                                np.int32(step.read_len), prefix,
                                                self.lora.batch(step.adapters, positions.shape[0], self.ragged))

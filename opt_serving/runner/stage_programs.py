@@ -27,6 +27,7 @@ class StagePrograms(NamedTuple):
     chunk: Callable          # a chunk of a prompt into its batch-1 cache -> hidden states [1, C, D]
     step: Callable           # one decode step of a group's rows -> hidden states [rows, D], the cache
     step_joining: Callable   # the same with prompts joining free rows (a JoinBlock's arrays)
+    step_packed: Optional[Callable]  # a ragged step's tokens as one list (a PackedTokens' arrays)
     steps: Optional[Callable]  # n decode steps in one call, each fed the last's tokens (whole-model stages only)
     seq_prefill: Callable    # generate() over a pipeline: a left-padded batch's prefill
     seq_decode: Callable     # ... and one decode step of it
@@ -44,7 +45,7 @@ def stage_programs(cfg, stage: opt.StageSpec, backend: Backend, max_seq_len: int
     """The jitted programs of a stage over `stage`'s layers on `backend` (`new_cache(batch, entries)`: an empty
     cache of its layers; `choose`: the sampler's token choice, traced into the steps taken in one call, on a stage
     that is the whole model; without it there are none)."""
-    prefill, chunk, step, step_joining = _passes(cfg, stage, backend, max_seq_len, new_cache)
+    prefill, chunk, step, step_joining, step_packed = _passes(cfg, stage, backend, max_seq_len, new_cache)
     seq_prefill, seq_decode = _seq_passes(cfg, stage, backend)
     steps = None if choose is None else jax.jit(with_lora(_many_steps(step, choose)), static_argnums=(10,),
                                                 donate_argnums=(1, 5))
@@ -53,6 +54,7 @@ def stage_programs(cfg, stage: opt.StageSpec, backend: Backend, max_seq_len: int
         chunk=jax.jit(with_lora(chunk), donate_argnums=(1,)),
         step=jax.jit(with_lora(step), donate_argnums=(1,)),
         step_joining=jax.jit(with_lora(step_joining), donate_argnums=(1,)),
+        step_packed=None if step_packed is None else jax.jit(with_lora(step_packed), donate_argnums=(1,)),
         steps=steps,
         seq_prefill=jax.jit(with_lora(seq_prefill), static_argnums=(4,), donate_argnums=(1,)),
         seq_decode=jax.jit(with_lora(seq_decode), donate_argnums=(1,)),
@@ -67,7 +69,8 @@ def stage_programs(cfg, stage: opt.StageSpec, backend: Backend, max_seq_len: int
 
 
 def _passes(cfg, stage: opt.StageSpec, backend: Backend, max_seq_len: int, new_cache):
-    """The slots' passes of the stage's layers: (prefill, chunk, step, step_joining), not jitted."""
+    """The slots' passes of the stage's layers: (prefill, chunk, step, step_joining, step_packed (None without
+    ragged steps)), not jitted."""
     def prefill(params, x, mask):
         """k right-padded prompts (ids [k, n], or the previous stage's hidden states [k, n, D]) in one
         pass -> k batch-1 caches and the hidden states [k, n, D] (final ones on the last stage)."""
@@ -96,23 +99,34 @@ def _passes(cfg, stage: opt.StageSpec, backend: Backend, max_seq_len: int, new_c
                                stage=stage, backend=backend)
 
     def step_joining(params, cache, x, pos, read_len, block, last, last_rows, prefix=None):
-        # as `step`, with prompts joining rows in the same pass (opt.ragged_step: any part of a prompt, after
-        # what earlier steps or a cached prefix gave its row; else opt.decode_joining_step: short prompts
-        # whole); the last stage hands the sampler each prompt's hidden state at its last token
-        if ragged:
-            write = jnp.where(pos >= 0, pos, kv_cache.cache_max_len(cache))
-            h, cache = opt.ragged_step(cfg, params, cache, x, jnp.maximum(pos, 0), write, block[:3], prefix,
-                                       stage=stage, backend=backend)
-        else:
-            pos = jnp.maximum(pos, 0)
-            h, cache = opt.decode_joining_step(cfg, params, cache, x, pos, pos, read_len, block, stage=stage,
-                                               backend=backend)
+        # as `step`, with short prompts joining free rows whole in the same pass (opt.decode_joining_step; ragged
+        # stages take every step's tokens as one list: step_packed); the last stage hands the sampler each
+        # prompt's hidden state at its last token
+        pos = jnp.maximum(pos, 0)
+        h, cache = opt.decode_joining_step(cfg, params, cache, x, pos, pos, read_len, block, stage=stage,
+                                           backend=backend)
         if stage.last:  # [B + T, D] -> [B, D]
             b = pos.shape[0]
             h = h[:b].at[last_rows].set(h[b + last], mode="drop")
         return h, cache
 
-    return prefill, chunk, step, step_joining
+    def step_packed(params, cache, x, src, ids, rows, entries, out, prefix=None):
+        """A ragged step of one list of N tokens (runner.types.PackedTokens): x is the group's newest tokens [B]
+        (first stage: a running row's token is x[src]) or the previous stage's hidden states [N, D]; the last
+        stage hands the sampler each row's hidden state at its token `out` [B] -> [B, D]."""
+        empty = jnp.zeros(0, jnp.int32)
+        if stage.first:
+            x = jnp.where(src >= 0, x[jnp.maximum(src, 0)], ids)  # [N]
+            tokens, block = empty, (x, rows, entries)
+        else:
+            tokens, block = x, (empty, rows, entries)
+        h, cache = opt.ragged_step(cfg, params, cache, tokens, empty, empty, block, prefix, stage=stage,
+                                   backend=backend)
+        if stage.last:  # [N, D] -> [B, D]
+            h = jnp.take(h, out, axis=0, mode="clip")
+        return h, cache
+
+    return prefill, chunk, step, step_joining, step_packed if ragged else None
 
 
 def _seq_passes(cfg, stage: opt.StageSpec, backend: Backend):

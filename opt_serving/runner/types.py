@@ -132,6 +132,20 @@ class JoinBlock:
 
 
 @dataclasses.dataclass(frozen=True)
+class PackedTokens:
+    """A ragged step's tokens as one list (`Slots._packed`): the rows running first, then the prompts' parts, padded
+    to a block size as a whole, so a step's products run at the tokens it has, not at every row of the group."""
+    src: np.ndarray          # int32 [N] the group row whose newest token this is (-1: a prompt token, or padding)
+    ids: np.ndarray          # int32 [N] a prompt token (0 elsewhere)
+    rows: np.ndarray         # int32 [N] the group row its k/v go to (padding: the group's rows, dropped)
+    entries: np.ndarray      # int32 [N] its cache entry, which is its position
+    # int32 [rows] each row's token whose hidden state the sampler takes; a row without one takes token 0's, its
+    # choice discarded (zeros defeat the greedy head's screen, which then computes every logit of the row)
+    out: np.ndarray
+    adapters: Optional[np.ndarray] = None  # int32 [N] each token's LoRA adapter slot (-1: none; None: no adapters)
+
+
+@dataclasses.dataclass(frozen=True)
 class DecodeStep:
     """One decode step of a group, as the driver hands it whole to every stage and the last stage's sampler
     (`Slots._decode_step`); what differs from stage to stage, the tokens or hidden states going in, is passed
@@ -145,6 +159,7 @@ class DecodeStep:
     join: Optional[JoinBlock] = None        # prompts joining free rows of the group in this step
     adapters: Optional[np.ndarray] = None   # int32 [rows] each row's LoRA adapter slot (-1: none)
     steps: int = 1                 # steps taken in one call (StageSlots.decode_steps), each fed the last's tokens
+    packed: Optional[PackedTokens] = None   # the step's tokens as one list (ragged stages), `join` the sampler's view
 
 
 @dataclasses.dataclass

@@ -192,9 +192,9 @@ class _Runner:
         self.slots.step_many(shape.steps)
 
     def join(self, shape: Shape) -> None:
-        """Prompts fill the block: `block` tokens in all, no two alike (none waits for another's prefix blocks),
-        none reusing another's blocks (each fills its share)."""
-        slots, b = self.slots, shape.block
+        """Prompts fill the block: `block` tokens in all (with slot 0's, where a step's tokens are one list), no two
+        alike (none waits for another's prefix blocks), none reusing another's blocks (each fills its share)."""
+        slots, b = self.slots, shape.block - (1 if self.slots.packed else 0)
         slots.table.lengths[0] = shape.window
         if slots.prefix is not None:
             slots.prefix.clear()

@@ -55,6 +55,8 @@ def _load() -> Optional[ctypes.CDLL]:
     lib.opt_bf16_fma_rows.argtypes = [ctypes.c_int64]
     lib.opt_s8_vnni_rows.restype = ctypes.c_int64
     lib.opt_s8_vnni_rows.argtypes = [ctypes.c_int64]
+    lib.opt_f32_tile_rows.restype = ctypes.c_int64
+    lib.opt_f32_tile_rows.argtypes = [ctypes.c_int64]
     for fn in (lib.opt_bf16_fma_reads, lib.opt_s8_vnni_reads):
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_int64, ctypes.c_int64]
@@ -62,6 +64,7 @@ def _load() -> Optional[ctypes.CDLL]:
     lib.opt_cpu_kernels_set_threads(settings.threads())
     lib.opt_bf16_fma_rows(-1 if settings.bf16_fma_rows is None else settings.bf16_fma_rows)
     lib.opt_s8_vnni_rows(-1 if settings.s8_vnni_rows is None else settings.s8_vnni_rows)
+    lib.opt_f32_tile_rows(-1 if settings.f32_tile_rows is None else settings.f32_tile_rows)
     for target, fn in ((MATMUL, lib.OptOnednnMatmul), (MATMUL_LOWP, lib.OptOnednnMatmulLowp), (ARGMAX, lib.OptArgmax),
                        (ATTENTION, lib.OptDecodeAttention), (GREEDY_HEAD, lib.OptGreedyHead),
                        (GREEDY_HEAD8, lib.OptGreedyHead8), (RAGGED_ATTENTION, lib.OptRaggedAttention)):

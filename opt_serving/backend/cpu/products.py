@@ -96,6 +96,12 @@ def s8_vnni_rows(rows: Optional[int] = None) -> int:
     return int(_lib.lib().opt_s8_vnni_rows(-2 if rows is None else max(rows, -1)))
 
 
+def f32_tile_rows(rows: Optional[int] = None) -> int:
+    """Up to how many rows (from 9) float32 products run our tiled kernel instead of oneDNN's (0: never); `rows` sets
+    it (negative: this CPU's default, Settings.f32_tile_rows). The numbers differ only in the order of the sums."""
+    return int(_lib.lib().opt_f32_tile_rows(-2 if rows is None else max(rows, -1)))
+
+
 def s8_vnni_reads(k: int, n: int) -> bool:
     """Whether our VNNI kernel can read a packed int8 [k, n] weight on this CPU (its layout, AVX512_VNNI)."""
     return bool(_lib.lib().opt_s8_vnni_reads(k, n))
