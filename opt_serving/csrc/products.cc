@@ -290,15 +290,24 @@ bool fma_reads(const dnnl::memory::desc& packed, int64_t k, int64_t n) {
 // round to nearest even, NaN stays NaN: a row's value as the bfloat16 products take it
 inline uint16_t bf16_of(float v) { return v != v ? 0x7fc0 : to_bf16(v); }
 
-// R rows x 32 columns (half a block): x [R, kx] rounded to bfloat16 (kx = k rounded up to even, zero-padded)
+// R rows x 32 columns (half a block) over the k pairs [p0, p1): x [R, kx] rounded to bfloat16 (kx = k rounded up
+// to even, zero-padded). As f32_tile: the slice's sums, added to y's (but on the first slice), end in y, finished
+// with the bias and relu (last); `next`: the next slice, whose half's lines from..from + lines - 1 (two a pair) to
+// prefetch, one a pair.
 template <int R>
 __attribute__((target("avx512f,avx512bw")))
-void bf16_fma_tile(const float* x, int64_t kx, const uint16_t* w, int64_t cols, const float* bias, bool relu,
-                   float* y, int64_t n) {
+void bf16_fma_tile(const float* x, int64_t kx, int64_t p0, int64_t p1, const uint16_t* w, const uint16_t* next,
+                   int64_t from, int64_t lines, bool first, bool last, int64_t cols, const float* bias, bool relu, float* y,
+                   int64_t n) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
-  for (int64_t p = 0; p < kx / 2; ++p, w += 128) {
+  w += p0 * 128;
+  for (int64_t p = p0; p < p1; ++p, w += 128) {
+    if (p - p0 < lines) {
+      const int64_t i = from + (p - p0);
+      _mm_prefetch(reinterpret_cast<const char*>(next + (i / 2) * 128 + (i % 2) * 32), _MM_HINT_T1);
+    }
     const __m512i v0 = _mm512_loadu_si512(w), v1 = _mm512_loadu_si512(w + 32);  // columns 0-15, 16-31
     const __m512 even0 = _mm512_castsi512_ps(_mm512_slli_epi32(v0, 16));
     const __m512 odd0 = _mm512_castsi512_ps(_mm512_and_si512(v0, high));
@@ -313,13 +322,20 @@ void bf16_fma_tile(const float* x, int64_t kx, const uint16_t* w, int64_t cols, 
   // the last block's columns past N are not written
   const __mmask16 m0 = cols >= 16 ? 0xffff : (1u << cols) - 1;
   const __mmask16 m1 = cols >= 32 ? 0xffff : cols <= 16 ? 0 : (1u << (cols - 16)) - 1;
-  const __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
-  const __m512 b1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
+  const __m512 b0 = last && bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
+  const __m512 b1 = last && bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
   for (int r = 0; r < R; ++r) {
-    __m512 v0 = _mm512_add_ps(acc[r][0], b0), v1 = _mm512_add_ps(acc[r][1], b1);
-    if (relu) {
-      v0 = _mm512_max_ps(v0, _mm512_setzero_ps());
-      v1 = _mm512_max_ps(v1, _mm512_setzero_ps());
+    __m512 v0 = acc[r][0], v1 = acc[r][1];
+    if (!first) {
+      v0 = _mm512_add_ps(v0, _mm512_maskz_loadu_ps(m0, y + r * n));
+      v1 = _mm512_add_ps(v1, _mm512_maskz_loadu_ps(m1, y + r * n + 16));
+    }
+    if (last) {
+      v0 = _mm512_add_ps(v0, b0), v1 = _mm512_add_ps(v1, b1);
+      if (relu) {
+        v0 = _mm512_max_ps(v0, _mm512_setzero_ps());
+        v1 = _mm512_max_ps(v1, _mm512_setzero_ps());
+      }
     }
     _mm512_mask_storeu_ps(y + r * n, m0, v0);
     _mm512_mask_storeu_ps(y + r * n + 16, m1, v1);
@@ -329,7 +345,7 @@ void bf16_fma_tile(const float* x, int64_t kx, const uint16_t* w, int64_t cols, 
 void bf16_fma(const float* x, int64_t m, int64_t k, int64_t n, const uint16_t* w, const float* bias, bool relu,
               float* y) {
   static std::vector<float> xr;  // the rows rounded to bfloat16, k padded to even (on the kernel thread only)
-  const int64_t kx = (k + 1) / 2 * 2, k32 = (k + 31) / 32 * 32, halves = (n + 63) / 64 * 2;
+  const int64_t kx = (k + 1) / 2 * 2, k32 = (k + 31) / 32 * 32, halves = (n + 63) / 64 * 2, pairs = kx / 2;
   xr.resize(m * kx);
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < m; ++r) {
@@ -341,29 +357,34 @@ void bf16_fma(const float* x, int64_t m, int64_t k, int64_t n, const uint16_t* w
     if (kx > k) xr[r * kx + k] = 0.f;
   }
   constexpr int kRows = 12;  // 24 accumulators, 4 widened weight vectors, 2 broadcasts: 30 of 32 registers
+  constexpr int64_t kPairs = 64;  // a slice: 128 k (as f32_tiles: streamed while the row groups compute)
+  const int64_t groups = (m + kRows - 1) / kRows;
 #pragma omp parallel for schedule(dynamic, 1)  // (dynamic: common.h)
   for (int64_t t = 0; t < halves; ++t) {
     const int64_t n0 = t * 32, cols = std::min<int64_t>(32, n - n0);
     if (cols <= 0) continue;  // the last block's padding
     const uint16_t* wt = w + (t / 2) * k32 * 64 + (t % 2) * 64;
     const float* bt = bias ? bias + n0 : nullptr;
-    int64_t r = 0;
-    for (; r + kRows <= m; r += kRows) bf16_fma_tile<kRows>(&xr[r * kx], kx, wt, cols, bt, relu, y + r * n + n0, n);
-    const float* xt = &xr[r * kx];
-    float* yt = y + r * n + n0;
-    switch (m - r) {
-      case 1: bf16_fma_tile<1>(xt, kx, wt, cols, bt, relu, yt, n); break;
-      case 2: bf16_fma_tile<2>(xt, kx, wt, cols, bt, relu, yt, n); break;
-      case 3: bf16_fma_tile<3>(xt, kx, wt, cols, bt, relu, yt, n); break;
-      case 4: bf16_fma_tile<4>(xt, kx, wt, cols, bt, relu, yt, n); break;
-      case 5: bf16_fma_tile<5>(xt, kx, wt, cols, bt, relu, yt, n); break;
-      case 6: bf16_fma_tile<6>(xt, kx, wt, cols, bt, relu, yt, n); break;
-      case 7: bf16_fma_tile<7>(xt, kx, wt, cols, bt, relu, yt, n); break;
-      case 8: bf16_fma_tile<8>(xt, kx, wt, cols, bt, relu, yt, n); break;
-      case 9: bf16_fma_tile<9>(xt, kx, wt, cols, bt, relu, yt, n); break;
-      case 10: bf16_fma_tile<10>(xt, kx, wt, cols, bt, relu, yt, n); break;
-      case 11: bf16_fma_tile<11>(xt, kx, wt, cols, bt, relu, yt, n); break;
-      default: break;
+    for (int64_t p0 = 0; p0 < pairs; p0 += kPairs) {
+      const int64_t p1 = std::min(pairs, p0 + kPairs);
+      const bool first = p0 == 0, last = p1 == pairs;
+      // a half's two lines a pair: this group's share of the next slice's
+      const int64_t next = (std::min(pairs, p1 + kPairs) - p1) * 2;
+      for (int64_t g = 0, r = 0; g < groups; ++g) {  // rows in groups as even as the tile allows
+        const int64_t rows = m / groups + (g < m % groups), from = next * g / groups;
+        const int64_t lines = next * (g + 1) / groups - from;
+        const float* xt = &xr[r * kx];
+        float* yt = y + r * n + n0;
+        switch (rows) {
+#define OPT_BF16_TILE(R) \
+  case R: bf16_fma_tile<R>(xt, kx, p0, p1, wt, wt + p1 * 128, from, lines, first, last, cols, bt, relu, yt, n); break;
+          OPT_BF16_TILE(1) OPT_BF16_TILE(2) OPT_BF16_TILE(3) OPT_BF16_TILE(4) OPT_BF16_TILE(5) OPT_BF16_TILE(6)
+          OPT_BF16_TILE(7) OPT_BF16_TILE(8) OPT_BF16_TILE(9) OPT_BF16_TILE(10) OPT_BF16_TILE(11)
+          default: bf16_fma_tile<kRows>(xt, kx, p0, p1, wt, wt + p1 * 128, from, lines, first, last, cols, bt, relu, yt, n);
+#undef OPT_BF16_TILE
+        }
+        r += rows;
+      }
     }
   }
 }
