@@ -38,8 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="int8 weights with a scale per output channel, from any numpy folder (a folder "
                         "converted with --quantize int8 loads a quarter of the bytes)")
     p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, metavar="N",
-                   help=f"prompts with more than N tokens to compute are prefilled N at a time, between decode "
-                        f"steps, so running streams keep their pace (default {PREFILL_CHUNK}; 0: whole prefills)")
+                   help=f"the most tokens a step computes: on the CPU kernels prompts ride the decode steps, a "
+                        f"step carrying N tokens at most, the running streams' included; elsewhere prompts with more "
+                        f"than N tokens are prefilled N at a time between decode steps (default {PREFILL_CHUNK}; 0: "
+                        f"whole prefills)")
     p.add_argument("--prefill-budget", type=int, default=None, metavar="T",
                    help=f"prompt tokens prefilled per engine iteration, whole prompts and chunks, oldest first "
                         f"(default {PREFILL_BUDGET}, vLLM's max_num_batched_tokens on CPUs); less: shorter pauses "
