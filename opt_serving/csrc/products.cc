@@ -357,19 +357,21 @@ void bf16_fma(const float* x, int64_t m, int64_t k, int64_t n, const uint16_t* w
     if (kx > k) xr[r * kx + k] = 0.f;
   }
   constexpr int kRows = 12;  // 24 accumulators, 4 widened weight vectors, 2 broadcasts: 30 of 32 registers
-  constexpr int64_t kPairs = 64;  // a slice: 128 k (as f32_tiles: streamed while the row groups compute)
-  const int64_t groups = (m + kRows - 1) / kRows;
+  // a slice of 128 k at a time, as f32_tiles, where the product is short of rows (bound by reading the weights);
+  // with more rows the whole k at once: a slice's partial sums and strided reads of the rows then cost more (an
+  // [2048, 2048] x [2048, 8192] product ran at 161 GFLOP/s sliced, 257-266 whole)
+  const int64_t slice = m <= 96 ? 64 : pairs, groups = (m + kRows - 1) / kRows;
 #pragma omp parallel for schedule(dynamic, 1)  // (dynamic: common.h)
   for (int64_t t = 0; t < halves; ++t) {
     const int64_t n0 = t * 32, cols = std::min<int64_t>(32, n - n0);
     if (cols <= 0) continue;  // the last block's padding
     const uint16_t* wt = w + (t / 2) * k32 * 64 + (t % 2) * 64;
     const float* bt = bias ? bias + n0 : nullptr;
-    for (int64_t p0 = 0; p0 < pairs; p0 += kPairs) {
-      const int64_t p1 = std::min(pairs, p0 + kPairs);
+    for (int64_t p0 = 0; p0 < pairs; p0 += slice) {
+      const int64_t p1 = std::min(pairs, p0 + slice);
       const bool first = p0 == 0, last = p1 == pairs;
       // a half's two lines a pair: this group's share of the next slice's
-      const int64_t next = (std::min(pairs, p1 + kPairs) - p1) * 2;
+      const int64_t next = (std::min(pairs, p1 + slice) - p1) * 2;
       for (int64_t g = 0, r = 0; g < groups; ++g) {  // rows in groups as even as the tile allows
         const int64_t rows = m / groups + (g < m % groups), from = next * g / groups;
         const int64_t lines = next * (g + 1) / groups - from;
