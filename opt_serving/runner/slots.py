@@ -97,9 +97,6 @@ class Slots(Prefills, SlotModel):
         # ragged steps (every stage's backend: opt.ragged_step) take any prompt a part at a time, cached prefixes in
         # place; otherwise short prompts join whole (runner/joins.py)
         self.ragged = self.joins_in_parts = all(stages.get([stages.call(i, "is_ragged") for i in range(stages.n)]))
-        # ragged steps take their tokens as one list (PackedTokens): the rows running, then the prompts' parts, padded
-        # as a whole, so a step's products run at the rows in use, not at every row of the group
-        self.packed = self.ragged
         self._platform = stages.get(stages.call(stages.n - 1, "platform"))
         self._held: dict[int, list] = {}  # slot -> the prefix-cache blocks its row reads (held while it runs)
         self._cached: dict[int, int] = {}  # slot -> the prompt tokens its joined prompt took from the prefix cache
@@ -132,6 +129,12 @@ class Slots(Prefills, SlotModel):
         if old is not None and any(old.waiting(g) for g in range(self.groups)):
             raise RuntimeError("the prefill chunk changed while prompts were joining")
         self.joins = Joins(self.groups, rows, sizes, self.ragged, longest, width, self.cfg.pad_token_id, budget)
+
+    @property
+    def packed(self) -> bool:
+        """Do steps take their tokens as one list (PackedTokens: the rows running, then the prompts' parts, padded as
+        a whole, so a step's products run at the rows in use, not at every row of the group)? On ragged stages."""
+        return self.ragged
 
     def set_prefill_chunk(self, chunk: Optional[int]) -> None:
         """The engine's prefill chunk: on ragged stages the most prompt tokens a step carries (0 or None: a whole
