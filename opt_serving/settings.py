@@ -46,9 +46,10 @@ class Settings:
     api_keys     OPT_SERVING_API_KEYS: the keys the server accepts besides --api-key (comma separated)
     pin_threads  OPT_SERVING_PIN_THREADS: "0" leaves the kernels' team unpinned (by default each of its threads
                  holds one CPU of the process's)
-    avx512       OPT_SERVING_NO_AVX512 (any value): the decode attention's portable code
+    avx512       OPT_SERVING_NO_AVX512 (any value): the portable code of the decode attention and of the
+                 screened head's passes over the vocabulary
 
-    The last two are read by the C++ extension itself too (csrc/common.cc, csrc/attention.cc, once, when the
+    The last two are read by the C++ extension itself too (csrc/common.cc, csrc/attention.cc, csrc/head.cc, once, when the
     kernels first run), from the same variables: these fields say what it will read.
     """
     kernels: bool = True

@@ -37,26 +37,100 @@ double head_bound_factor(int64_t k) {
   return ((2 * u + u * u) * (1 + g) + 2 * g) * (1 + std::ldexp(1.0, -12));
 }
 
-// The row's float32 argmax (the first maximum; a NaN wins, as jnp.argmax) over every token but
-// `exclude`, from its screened logits `a` (ours: the excluded one is set to -inf); `all` scores
-// every token exactly (an input the bound does not cover).
-__attribute__((target_clones("avx512f", "avx2", "default")))
-// Each token's radius: rad_j = c.w[0] u[0][j] + c.w[1] u[1][j] + c.w[2] u[2][j] (a null u: no term)
+// Each token's radius: rad_j = 1e-30 + c.w[0] u[0][j] + c.w[1] u[1][j] + c.w[2] u[2][j]; a screen with fewer terms
+// points the rest at u[0] with a zero weight (adding +0 changes no sum), so the loop has no branch and vectorizes.
 struct Radius {
   const float* u[3];
   float w[3];
-  float operator()(int64_t j) const {
-    float r = 1e-30f;
-    for (int t = 0; t < 3; ++t) r += u[t] ? w[t] * u[t][j] : 0.f;
-    return r;
-  }
+  float operator()(int64_t j) const { return ((1e-30f + w[0] * u[0][j]) + w[1] * u[1][j]) + w[2] * u[2][j]; }
 };
 
 bool is_allowed(const uint32_t* allowed, int64_t j) { return allowed == nullptr || (allowed[j >> 5] >> (j & 31)) & 1u; }
 
+// The highest lower bound a_j - rad_j and the highest upper bound a_j + rad_j of tokens j0..j1 - 1. Written out for
+// AVX-512 (as the candidates' test below): GCC leaves the portable loop's two max reductions scalar, and these two
+// passes over the vocabulary were then most of a screened step's time after its product.
+#if defined(__x86_64__)
+// OPT_SERVING_NO_AVX512 (any value): the portable loops (tests compare the two)
+bool use_avx512() { return __builtin_cpu_supports("avx512f") && std::getenv("OPT_SERVING_NO_AVX512") == nullptr; }
+
+// rad_j of the 16 tokens from j (those in m; the others 0), summed in Radius's order
+__attribute__((target("avx512f"))) inline __m512 radius16(const Radius& rad, int64_t j, __mmask16 m) {
+  __m512 r = _mm512_add_ps(_mm512_set1_ps(1e-30f),
+                           _mm512_mul_ps(_mm512_set1_ps(rad.w[0]), _mm512_maskz_loadu_ps(m, rad.u[0] + j)));
+  r = _mm512_add_ps(r, _mm512_mul_ps(_mm512_set1_ps(rad.w[1]), _mm512_maskz_loadu_ps(m, rad.u[1] + j)));
+  return _mm512_add_ps(r, _mm512_mul_ps(_mm512_set1_ps(rad.w[2]), _mm512_maskz_loadu_ps(m, rad.u[2] + j)));
+}
+
+__attribute__((target("avx512f"))) void bounds_of_block_avx512(const float* a, const Radius& rad, int64_t j0,
+                                                                int64_t j1, float* lo_max, float* up_max) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  __m512 lo = _mm512_set1_ps(neg_inf), up = lo;
+  for (int64_t j = j0; j < j1; j += 16) {
+    const __mmask16 m = j1 - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (j1 - j)) - 1);
+    const __m512 r = radius16(rad, j, m);
+    const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(neg_inf), m, a + j);
+    lo = _mm512_max_ps(lo, _mm512_sub_ps(v, r));
+    up = _mm512_max_ps(up, _mm512_add_ps(v, r));
+  }
+  *lo_max = _mm512_reduce_max_ps(lo);
+  *up_max = _mm512_reduce_max_ps(up);
+}
+#endif
+
+void bounds_of_block(const float* a, const Radius& rad, int64_t j0, int64_t j1, float* lo_max, float* up_max) {
+#if defined(__x86_64__)
+  static const bool avx512 = use_avx512();
+  if (avx512) return bounds_of_block_avx512(a, rad, j0, j1, lo_max, up_max);
+#endif
+  float lo = -std::numeric_limits<float>::infinity(), up = lo;
+  for (int64_t j = j0; j < j1; ++j) {
+    const float r = rad(j);
+    lo = std::max(lo, a[j] - r);
+    up = std::max(up, a[j] + r);
+  }
+  *lo_max = lo, *up_max = up;
+}
+
+// Appends the tokens j0..j1 - 1 whose upper bound a_j + rad_j reaches `lower`, in order.
+#if defined(__x86_64__)
+__attribute__((target("avx512f"))) void candidates_of_block_avx512(const float* a, const Radius& rad, int64_t j0,
+                                                                    int64_t j1, float lower,
+                                                                    std::vector<int64_t>& cand) {
+  const __m512 low = _mm512_set1_ps(lower);
+  for (int64_t j = j0; j < j1; j += 16) {
+    const __mmask16 m = j1 - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (j1 - j)) - 1);
+    const __m512 r = radius16(rad, j, m);
+    const __m512 up = _mm512_add_ps(_mm512_maskz_loadu_ps(m, a + j), r);
+    for (uint32_t hits = _mm512_mask_cmp_ps_mask(m, up, low, _CMP_GE_OQ); hits != 0; hits &= hits - 1) {
+      cand.push_back(j + __builtin_ctz(hits));
+    }
+  }
+}
+#endif
+
+void candidates_of_block(const float* a, const Radius& rad, int64_t j0, int64_t j1, float lower,
+                         std::vector<int64_t>& cand) {
+#if defined(__x86_64__)
+  static const bool avx512 = use_avx512();
+  if (avx512) return candidates_of_block_avx512(a, rad, j0, j1, lower, cand);
+#endif
+  for (int64_t j = j0; j < j1; ++j) {
+    if (a[j] + rad(j) >= lower) cand.push_back(j);
+  }
+}
+
+// The row's float32 argmax (the first maximum; a NaN wins, as jnp.argmax) over every token but
+// `exclude`, from its screened logits `a` (times `scale`) (ours: the excluded one is set to -inf); `all` scores
+// every token exactly (an input the bound does not cover).
+__attribute__((target_clones("avx512f", "avx2", "default")))
 int64_t head_row(const float* x, float* a, const float* e, int64_t k, int64_t n, const Radius& rad, bool all,
-                 int64_t exclude, const uint32_t* allowed, std::vector<int64_t>& cand) {
+                 int64_t exclude, const uint32_t* allowed, float scale, std::vector<int64_t>& cand) {
   cand.clear();
+  if (scale != 1.f) {  // the int8 screen's logits times the row's scale (a no-op multiply skipped)
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) a[j] *= scale;
+  }
   if (all) {
     for (int64_t j = 0; j < n; ++j) {
       if (j != exclude && is_allowed(allowed, j)) cand.push_back(j);
@@ -79,27 +153,29 @@ int64_t head_row(const float* x, float* a, const float* e, int64_t k, int64_t n,
     const int64_t blocks = (n + kBlock - 1) / kBlock;
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t j0 = b * kBlock, j1 = std::min(n, j0 + kBlock);
-      float lo_max = -std::numeric_limits<float>::infinity(), up_max = lo_max;
-#pragma omp simd reduction(max : lo_max, up_max)
-      for (int64_t j = j0; j < j1; ++j) {
-        const float r = rad(j);
-        const float lo = a[j] - r, up = a[j] + r;
-        lo_max = lo > lo_max ? lo : lo_max;
-        up_max = up > up_max ? up : up_max;
-      }
+      float lo_max, up_max;
+      bounds_of_block(a, rad, j0, j1, &lo_max, &up_max);
       lower = lo_max > lower ? lo_max : lower;
       upper_of[b] = up_max;
     }
     for (int64_t b = 0; b < blocks; ++b) {
       if (!(upper_of[b] >= lower)) continue;
-      for (int64_t j = b * kBlock, j1 = std::min(n, j + kBlock); j < j1; ++j) {
-        if (a[j] + rad(j) >= lower) cand.push_back(j);
-      }
+      const int64_t j0 = b * kBlock, j1 = std::min(n, j0 + kBlock);
+      candidates_of_block(a, rad, j0, j1, lower, cand);
     }
   }
   int64_t best = cand.empty() ? 0 : cand[0];
   double best_v = -std::numeric_limits<double>::infinity();
-  for (int64_t j : cand) {
+  // the candidates' embedding rows are scattered over the table (where the screen leaves many, as on a random model): the rows
+  // a few candidates ahead are prefetched, so their reads overlap the dot products before them
+  constexpr size_t kAhead = 4;
+  const int64_t row_bytes = k * static_cast<int64_t>(sizeof(float));
+  for (size_t c = 0; c < cand.size(); ++c) {
+    const int64_t j = cand[c];
+    if (c + kAhead < cand.size()) {
+      const char* ahead = reinterpret_cast<const char*>(e + cand[c + kAhead] * k);
+      for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(ahead + off);
+    }
     const double v = dot_exact(x, e + j * k, k);
     if (v != v) return j;  // the first NaN (only reachable through `all`)
     if (v > best_v) best_v = v, best = j;
@@ -118,11 +194,9 @@ void decide_rows(const float* xs, float* approx, const float* e, int64_t m, int6
 #pragma omp for schedule(dynamic, 1)  // (dynamic: common.h)
     for (int64_t r = 0; r < m; ++r) {
       float* a = approx + r * n;
-      if (row_scale != nullptr) {
-        for (int64_t j = 0; j < n; ++j) a[j] *= row_scale[r];
-      }
       const uint32_t* mask = words ? reinterpret_cast<const uint32_t*>(allowed) + r * words : nullptr;
-      tok[r] = static_cast<int32_t>(head_row(xs + r * k, a, e, k, n, rads[r], all[r], exclude[r], mask, cand));
+      tok[r] = static_cast<int32_t>(head_row(xs + r * k, a, e, k, n, rads[r], all[r], exclude[r], mask,
+                                             row_scale ? row_scale[r] : 1.f, cand));
     }
   }
 }
@@ -219,7 +293,8 @@ static ffi::Error GreedyHead(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ffi
       const double xn = std::sqrt(dot_exact(xs + r * k, xs + r * k, k));
       all[r] = scored_exactly(xn, max_norm);
       // rounded up past float32's rounding
-      rads[r] = Radius{{norms.typed_data(), nullptr, nullptr}, {static_cast<float>(c * xn * (1 + 1e-6)), 0.f, 0.f}};
+      rads[r] = Radius{{norms.typed_data(), norms.typed_data(), norms.typed_data()},
+                       {static_cast<float>(c * xn * (1 + 1e-6)), 0.f, 0.f}};
       for (int64_t i = 0; i < k; ++i) xb[r * k + i] = all[r] ? 0 : to_bf16(xs[r * k + i]);
     }
     dnnl::engine& eng = cpu_engine();
@@ -334,7 +409,6 @@ static ffi::Error GreedyHead8(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ff
                                          " bytes, a packed int8 [" + std::to_string(k) + ", " + std::to_string(n) +
                                          "] head " + std::to_string(wd.get_size()));
     }
-    dnnl::matmul prim = matmul_for(m, k, n, false, false, dt::s8);
     static std::vector<int8_t> xq;
     static std::vector<float> approx;
     xq.resize(m * k);
@@ -359,6 +433,7 @@ static ffi::Error GreedyHead8(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ff
                        {static_cast<float>((x1 / 2 + 3 * k * tr / 4 + 508 * std::ldexp(1.0, -24) * (x1 + k * tr / 2)) * safety),
                         static_cast<float>(tr / 2 * safety), static_cast<float>(g * xn * safety)}};
     }
+    dnnl::matmul prim = matmul_for(m, k, n, false, false, dt::s8);
     dnnl::engine& eng = cpu_engine();
     dnnl::memory src({{m, k}, dt::s8, tag::ab}, eng, xq.data());
     dnnl::memory wts(wd, eng, packed.untyped_data());
