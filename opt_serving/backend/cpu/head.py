@@ -6,7 +6,7 @@ XLA CPU's own argmax (and its TopK with k=1) are slow over OPT's 50272 logits, h
 (where oneDNN's int8 products are VNNI or AMX, a quarter of float32's bytes) or a bfloat16 one (native bfloat16
 products: AVX512_BF16, AMX; half the bytes), made by `pack_head`, is multiplied instead, and the few tokens whose
 proven error interval reaches the best one are scored again exactly, so the token is the float32 argmax's (both
-proofs are in csrc/head.cc; figures in benchmark/README.md).
+proofs are in csrc/head.cc and csrc/head8.cc; figures in benchmark/README.md).
 """
 from __future__ import annotations
 
