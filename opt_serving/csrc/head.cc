@@ -37,12 +37,11 @@ double head_bound_factor(int64_t k) {
   return ((2 * u + u * u) * (1 + g) + 2 * g) * (1 + std::ldexp(1.0, -12));
 }
 
-
 bool is_allowed(const uint32_t* allowed, int64_t j) { return allowed == nullptr || (allowed[j >> 5] >> (j & 31)) & 1u; }
 
-// The highest lower bound a_j - rad_j and the highest upper bound a_j + rad_j of tokens j0..j1 - 1. Written out for
-// AVX-512 (as the candidates' test below): GCC leaves the portable loop's two max reductions scalar, and these two
-// passes over the vocabulary were then most of a screened step's time after its product.
+// The screen's two passes over the vocabulary (bounds_of_block, candidates_of_block) are written out for AVX-512:
+// GCC leaves the portable loops' max reductions scalar, and these passes were then most of a screened step's time
+// after its product.
 #if defined(__x86_64__)
 // OPT_SERVING_NO_AVX512 (any value): the portable loops (tests compare the two)
 bool use_avx512() { return __builtin_cpu_supports("avx512f") && std::getenv("OPT_SERVING_NO_AVX512") == nullptr; }
@@ -55,6 +54,7 @@ __attribute__((target("avx512f"))) inline __m512 radius16(const Radius& rad, int
   return _mm512_add_ps(r, _mm512_mul_ps(_mm512_set1_ps(rad.w[2]), _mm512_maskz_loadu_ps(m, rad.u[2] + j)));
 }
 
+// The highest lower bound a_j - rad_j and the highest upper bound a_j + rad_j of tokens j0..j1 - 1.
 __attribute__((target("avx512f"))) void bounds_of_block_avx512(const float* a, const Radius& rad, int64_t j0,
                                                                 int64_t j1, float* lo_max, float* up_max) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
