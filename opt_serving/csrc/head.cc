@@ -43,8 +43,16 @@ bool is_allowed(const uint32_t* allowed, int64_t j) { return allowed == nullptr 
 // GCC leaves the portable loops' max reductions scalar, and these passes were then most of a screened step's time
 // after its product.
 #if defined(__x86_64__)
-// OPT_SERVING_NO_AVX512 (any value): the portable loops (tests compare the two)
-bool use_avx512() { return __builtin_cpu_supports("avx512f") && std::getenv("OPT_SERVING_NO_AVX512") == nullptr; }
+// OPT_SERVING_NO_AVX512 (any value): the portable loops (tests compare the two); read once
+bool use_avx512() {
+  static const bool on = __builtin_cpu_supports("avx512f") && std::getenv("OPT_SERVING_NO_AVX512") == nullptr;
+  return on;
+}
+
+// the lanes of tokens j.. j1 - 1 among the 16 from j
+inline __mmask16 lanes(int64_t j, int64_t j1) {
+  return j1 - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (j1 - j)) - 1);
+}
 
 // rad_j of the 16 tokens from j (those in m; the others 0), summed in Radius's order
 __attribute__((target("avx512f"))) inline __m512 radius16(const Radius& rad, int64_t j, __mmask16 m) {
@@ -60,7 +68,7 @@ __attribute__((target("avx512f"))) void bounds_of_block_avx512(const float* a, c
   const float neg_inf = -std::numeric_limits<float>::infinity();
   __m512 lo = _mm512_set1_ps(neg_inf), up = lo;
   for (int64_t j = j0; j < j1; j += 16) {
-    const __mmask16 m = j1 - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (j1 - j)) - 1);
+    const __mmask16 m = lanes(j, j1);
     const __m512 r = radius16(rad, j, m);
     const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(neg_inf), m, a + j);
     lo = _mm512_max_ps(lo, _mm512_sub_ps(v, r));
@@ -73,8 +81,7 @@ __attribute__((target("avx512f"))) void bounds_of_block_avx512(const float* a, c
 
 void bounds_of_block(const float* a, const Radius& rad, int64_t j0, int64_t j1, float* lo_max, float* up_max) {
 #if defined(__x86_64__)
-  static const bool avx512 = use_avx512();
-  if (avx512) return bounds_of_block_avx512(a, rad, j0, j1, lo_max, up_max);
+  if (use_avx512()) return bounds_of_block_avx512(a, rad, j0, j1, lo_max, up_max);
 #endif
   float lo = -std::numeric_limits<float>::infinity(), up = lo;
   for (int64_t j = j0; j < j1; ++j) {
@@ -92,7 +99,7 @@ __attribute__((target("avx512f"))) void candidates_of_block_avx512(const float* 
                                                                     std::vector<int64_t>& cand) {
   const __m512 low = _mm512_set1_ps(lower);
   for (int64_t j = j0; j < j1; j += 16) {
-    const __mmask16 m = j1 - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (j1 - j)) - 1);
+    const __mmask16 m = lanes(j, j1);
     const __m512 r = radius16(rad, j, m);
     const __m512 up = _mm512_add_ps(_mm512_maskz_loadu_ps(m, a + j), r);
     for (uint32_t hits = _mm512_mask_cmp_ps_mask(m, up, low, _CMP_GE_OQ); hits != 0; hits &= hits - 1) {
@@ -105,8 +112,7 @@ __attribute__((target("avx512f"))) void candidates_of_block_avx512(const float* 
 void candidates_of_block(const float* a, const Radius& rad, int64_t j0, int64_t j1, float lower,
                          std::vector<int64_t>& cand) {
 #if defined(__x86_64__)
-  static const bool avx512 = use_avx512();
-  if (avx512) return candidates_of_block_avx512(a, rad, j0, j1, lower, cand);
+  if (use_avx512()) return candidates_of_block_avx512(a, rad, j0, j1, lower, cand);
 #endif
   for (int64_t j = j0; j < j1; ++j) {
     if (a[j] + rad(j) >= lower) cand.push_back(j);
@@ -159,8 +165,8 @@ int64_t head_row(const float* x, float* a, const float* e, int64_t k, int64_t n,
   }
   int64_t best = cand.empty() ? 0 : cand[0];
   double best_v = -std::numeric_limits<double>::infinity();
-  // the candidates' embedding rows are scattered over the table (where the screen leaves many, as on a random model): the rows
-  // a few candidates ahead are prefetched, so their reads overlap the dot products before them
+  // the candidates' embedding rows are scattered over the table (where the screen leaves many, as on a random
+  // model): the rows a few candidates ahead are prefetched, so their reads overlap the dot products before them
   constexpr size_t kAhead = 4;
   const int64_t row_bytes = k * static_cast<int64_t>(sizeof(float));
   for (size_t c = 0; c < cand.size(); ++c) {

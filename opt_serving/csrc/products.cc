@@ -155,6 +155,18 @@ void small_rows(const float* x, int64_t m, int64_t k, int64_t n, const float* w,
   }
 }
 
+// A product's M rows in tiles of at most `most` rows, as even as the tile allows (32 rows by 6: 6, 6, 5, 5, 5, 5,
+// not five of 6 and one of 2), and each group's share of `next` cache lines to prefetch while the groups compute a
+// slice (spread over them, so the reads spread over the slice's arithmetic). f32_tiles, bf16_fma and s8_vnni.
+struct RowGroups {
+  int64_t m, count;
+  RowGroups(int64_t m, int64_t most) : m(m), count((m + most - 1) / most) {}
+  int64_t rows(int64_t g) const { return m / count + (g < m % count); }
+  int64_t first(int64_t g) const { return g * (m / count) + std::min(g, m % count); }
+  int64_t share_from(int64_t next, int64_t g) const { return next * g / count; }
+  int64_t share(int64_t next, int64_t g) const { return next * (g + 1) / count - next * g / count; }
+};
+
 // Float32 products of 9 to f32_tile_rows() rows over the same BA16a64b blocks: oneDNN's kernels ran these at 55-65%
 // of the product peak (a decode step's 16-64 rows: neither the weights' reading nor the arithmetic at its bound).
 // Here each block of 64 columns is one task (the team taking them as it frees up, as s8_vnni), its rows in groups
@@ -223,7 +235,8 @@ void f32_tile(const float* x, int64_t k, int64_t k0, int64_t k1, const float* bl
 void f32_tiles(const float* x, int64_t m, int64_t k, int64_t n, const float* w, const float* bias, bool relu,
                float* y) {
   constexpr int kRows = 6;
-  const int64_t k_padded = (k + 15) / 16 * 16, blocks = (n + 63) / 64, groups = (m + kRows - 1) / kRows;
+  const int64_t k_padded = (k + 15) / 16 * 16, blocks = (n + 63) / 64;
+  const RowGroups groups(m, kRows);
 #pragma omp parallel for schedule(dynamic, 1)  // (dynamic: common.h)
   for (int64_t nb = 0; nb < blocks; ++nb) {
     const int64_t n0 = nb * 64, cols = std::min<int64_t>(64, n - n0);
@@ -232,12 +245,10 @@ void f32_tiles(const float* x, int64_t m, int64_t k, int64_t n, const float* w, 
     for (int64_t k0 = 0; k0 < k; k0 += kSlice) {
       const int64_t k1 = std::min(k, k0 + kSlice);
       const bool first = k0 == 0, last = k1 == k;
-      for (int64_t g = 0, r = 0; g < groups; ++g) {  // 32 rows: 6, 6, 5, 5, 5, 5
-        const int64_t rows = m / groups + (g < m % groups);
-        // this group's share of the next slice's lines: the prefetches spread over the slice's compute
-        const int64_t next = last ? 0 : (std::min(k, k1 + kSlice) - k1) * 4, from = next * g / groups,
-                      lines = next * (g + 1) / groups - from;
-        const float* ahead = block + k1 * 64 + from * 16;
+      const int64_t next = last ? 0 : (std::min(k, k1 + kSlice) - k1) * 4;  // the next slice's lines
+      for (int64_t g = 0; g < groups.count; ++g) {
+        const int64_t rows = groups.rows(g), r = groups.first(g), lines = groups.share(next, g);
+        const float* ahead = block + k1 * 64 + groups.share_from(next, g) * 16;
         const float* xt = x + r * k;
         float* yt = y + r * n + n0;
         switch (rows) {
@@ -248,7 +259,6 @@ void f32_tiles(const float* x, int64_t m, int64_t k, int64_t n, const float* w, 
           case 5: f32_tile<5>(xt, k, k0, k1, block, ahead, lines, first, last, bb, relu, yt, n, cols); break;
           default: f32_tile<kRows>(xt, k, k0, k1, block, ahead, lines, first, last, bb, relu, yt, n, cols); break;
         }
-        r += rows;
       }
     }
   }
@@ -360,7 +370,8 @@ void bf16_fma(const float* x, int64_t m, int64_t k, int64_t n, const uint16_t* w
   // a slice of 128 k at a time, as f32_tiles, where the product is short of rows (bound by reading the weights);
   // with more rows the whole k at once: a slice's partial sums and strided reads of the rows then cost more (an
   // [2048, 2048] x [2048, 8192] product ran at 161 GFLOP/s sliced, 257-266 whole)
-  const int64_t slice = m <= 96 ? 64 : pairs, groups = (m + kRows - 1) / kRows;
+  const int64_t slice = m <= 96 ? 64 : pairs;
+  const RowGroups groups(m, kRows);
 #pragma omp parallel for schedule(dynamic, 1)  // (dynamic: common.h)
   for (int64_t t = 0; t < halves; ++t) {
     const int64_t n0 = t * 32, cols = std::min<int64_t>(32, n - n0);
@@ -370,11 +381,11 @@ void bf16_fma(const float* x, int64_t m, int64_t k, int64_t n, const uint16_t* w
     for (int64_t p0 = 0; p0 < pairs; p0 += slice) {
       const int64_t p1 = std::min(pairs, p0 + slice);
       const bool first = p0 == 0, last = p1 == pairs;
-      // a half's two lines a pair: this group's share of the next slice's
+      // the next slice's lines, a half's two a pair (each group prefetches its share)
       const int64_t next = (std::min(pairs, p1 + slice) - p1) * 2;
-      for (int64_t g = 0, r = 0; g < groups; ++g) {  // rows in groups as even as the tile allows
-        const int64_t rows = m / groups + (g < m % groups), from = next * g / groups;
-        const int64_t lines = next * (g + 1) / groups - from;
+      for (int64_t g = 0; g < groups.count; ++g) {
+        const int64_t rows = groups.rows(g), r = groups.first(g), from = groups.share_from(next, g),
+                      lines = groups.share(next, g);
         const float* xt = &xr[r * kx];
         float* yt = y + r * n + n0;
         switch (rows) {
@@ -385,7 +396,6 @@ void bf16_fma(const float* x, int64_t m, int64_t k, int64_t n, const uint16_t* w
           default: bf16_fma_tile<kRows>(xt, kx, p0, p1, wt, wt + p1 * 128, from, lines, first, last, cols, bt, relu, yt, n);
 #undef OPT_BF16_TILE
         }
-        r += rows;
       }
     }
   }
@@ -540,15 +550,14 @@ void s8_vnni(const float* x, int64_t m, int64_t k, int64_t n, const int8_t* w, c
   rows_to_u8(x, m, k, k64, xu.data(), row_scale.data());
   const int32_t* comp = reinterpret_cast<const int32_t*>(w + k64 * blocks * 64);
   constexpr int kRows = 6;  // 24 accumulators, 4 weight vectors, a broadcast: 29 of 32 registers
-  const int64_t groups = (m + kRows - 1) / kRows;
+  const RowGroups groups(m, kRows);
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t nb = 0; nb < blocks; ++nb) {
     const int64_t n0 = nb * 64, cols = std::min<int64_t>(64, n - n0);
     const int8_t* wb = w + nb * k64 * 64;
     const float* bb = bias ? bias + n0 : nullptr;
-    // rows in groups as even as the tile allows (32 rows: 6, 6, 5, 5, 5, 5, not five of 6 and one of 2)
-    for (int64_t g = 0, r = 0; g < groups; ++g) {
-      const int64_t rows = m / groups + (g < m % groups);
+    for (int64_t g = 0; g < groups.count; ++g) {
+      const int64_t rows = groups.rows(g), r = groups.first(g);
       const uint8_t* xt = &xu[r * k64];
       const float *ct = col_scale + n0, *rs = &row_scale[r];
       const int32_t* cp = comp + n0;
@@ -561,7 +570,6 @@ void s8_vnni(const float* x, int64_t m, int64_t k, int64_t n, const int8_t* w, c
         case 5: s8_tile<5>(xt, k64, wb, cp, ct, rs, bb, relu, yt, n, cols); break;
         default: s8_tile<kRows>(xt, k64, wb, cp, ct, rs, bb, relu, yt, n, cols); break;
       }
-      r += rows;
     }
   }
 }
