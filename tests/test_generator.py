@@ -12,7 +12,7 @@ import time
 import pytest
 
 from opt_serving.engine.scheduler import Engine, QueueFull
-from opt_serving.text.completion import Detokenizer
+from opt_serving.text.completion import Detokenizer, Mailbox
 from opt_serving.text.generator import Completion, Generator, SamplingParams
 from opt_serving.engine.fake import GatedSlots, fake_logprob
 from opt_serving.text.fake import byte_tokenizer, fake_generator
@@ -239,6 +239,57 @@ def test_cancelled_stream_frees_its_slot():
         gen.close()
 
 
+def test_a_steps_deltas_for_every_stream_reach_the_loop_in_one_wake_up_in_order():
+    async def main():
+        loop = asyncio.get_running_loop()
+        box = Mailbox.for_loop(loop)
+        assert Mailbox.for_loop(loop) is box  # one a loop
+        wakes = []
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *a: (wakes.append(a), real(*a))[1]
+        try:
+            queues = [asyncio.Queue() for _ in range(4)]
+            for step in range(3):  # three steps' deltas put before the loop gets a turn
+                for i, q in enumerate(queues):
+                    box.put(q, (i, step))
+            assert len(wakes) == 1 and all(q.empty() for q in queues)
+            await asyncio.sleep(0)  # the one wake-up delivers all of them
+            got = [[q.get_nowait() for _ in range(q.qsize())] for q in queues]
+            box.put(queues[0], "next")  # the mailbox is empty again: a new wake-up
+            assert len(wakes) == 2
+            await asyncio.sleep(0)
+            return got, queues[0].get_nowait()
+        finally:
+            loop.call_soon_threadsafe = real
+
+    got, nxt = run(main())
+    assert got == [[(i, 0), (i, 1), (i, 2)] for i in range(4)] and nxt == "next"
+
+
+def test_a_stream_past_its_deadline_ends_with_timeout_after_its_deltas_and_frees_its_slot():
+    model = GatedSlots(num_slots=1, max_seq_len=64)
+    gen = Generator(Engine(model), byte_tokenizer())
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        stream = gen.stream("a", greedy(max_tokens=50))
+        stream.expire_at(loop.time() + 0.05)  # the gate holds every step: only the prefill's token comes
+        first = await stream.__anext__()
+        with pytest.raises(TimeoutError):
+            await stream.__anext__()
+        with pytest.raises(StopAsyncIteration):
+            await stream.__anext__()
+        model.gate.release(100)
+        return first, await gen.complete("x", greedy(max_tokens=3))  # the slot was freed
+
+    try:
+        first, nxt = run(main())
+        assert first.text == "b" and nxt.text == "yz{"
+        assert gen.stats()["generated_tokens"] == 1 + 3
+    finally:
+        gen.close()
+
+
 def test_queue_full_is_raised_at_submit():
     gen = fake_generator(num_slots=1, max_queue=2, start=False)  # nothing is admitted yet
     try:
@@ -350,6 +401,30 @@ def test_a_cancelled_running_beam_search_stops_before_its_next_step():
             return (await gen.beam("k", greedy(max_tokens=2), num_beams=2)).text
         assert run(main()) == "lm"  # the worker is free again
         assert model.stopped_at == 3  # of 200 steps: the one after the cancel did not run
+    finally:
+        gen.close()
+
+
+def test_beam_streams_past_their_deadline_end_with_timeout_and_stop_the_search():
+    from opt_serving.engine.fake import FakeBeamModel, fake_engine
+    from opt_serving.text.beam import BeamSearch
+    model = FakeBeamModel().hold(2)
+    gen = Generator(fake_engine(max_seq_len=256), byte_tokenizer(), model=model)
+    try:
+        async def main():
+            loop = asyncio.get_running_loop()
+            streams = gen.beam_streams([("a", greedy(max_tokens=200))], BeamSearch(2, num_return=2))
+            for st in streams:
+                st.expire_at(loop.time() + 0.05)
+            assert await asyncio.to_thread(model.reached.wait, 30)  # running, held inside step 2
+            for st in streams:  # both choices end with the deadline's error
+                with pytest.raises(TimeoutError):
+                    await st.__anext__()
+            model.go.set()
+            await asyncio.to_thread(_wait_done, gen)
+            return (await gen.beam("k", greedy(max_tokens=2), num_beams=2)).text
+        assert run(main()) == "lm"  # the search stopped; the worker is free again
+        assert model.stopped_at == 3
     finally:
         gen.close()
 

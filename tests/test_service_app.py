@@ -448,12 +448,13 @@ def test_serve_config_yaml_is_a_valid_serve_config():
     ServeArgs(**app.args)  # the builder accepts every argument the example gives
 
 
-def test_stream_that_times_out_ends_with_an_error_event_and_done():
+@pytest.mark.parametrize("extra", [{}, {"n": 2}])  # one stream read directly; two merged
+def test_stream_that_times_out_ends_with_an_error_event_and_done(extra):
     import json
     g = fake_generator(num_slots=1, max_queue=4, start=False)  # queued forever: no token ever comes
     try:
         with TestClient(create_app(g, request_timeout=0.2)) as c:
-            r = post(c, {"prompt": "a", "max_tokens": 2, "stream": True})
+            r = post(c, {"prompt": "a", "max_tokens": 2, "stream": True, **extra})
             assert r.status_code == 200
             events = [e for e in r.text.split("\n\n") if e]
             assert events[-1] == "data: [DONE]"

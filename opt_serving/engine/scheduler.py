@@ -10,10 +10,10 @@
     that step's block is full; the others are prefilled,
     together when it has `prefill_batch`, up to a budget of prompt tokens an iteration; a prompt with more than
     `prefill_chunk` tokens to compute in chunks, between decode steps: admission.py), steps (`decode_steps` at a
-    time while nobody waits for a slot), and hands each request its tokens through a callback (called on the engine thread; the
-    generator forwards them to asyncio with `loop.call_soon_threadsafe`). EOS, max_tokens, the context limit,
-    a callback asking to stop (stop strings) and `cancel()` (client disconnects) free the slot before the next
-    step.
+    time while nobody waits for a slot), and hands each request its tokens through a callback (called on the engine
+    thread; the generator forwards them to asyncio, a step's for every stream in one wake-up of the event loop).
+    EOS, max_tokens, the context limit, a callback asking to stop (stop strings) and `cancel()` (client
+    disconnects) free the slot before the next step.
 No HTTP and no Ray here.
 """
 from __future__ import annotations

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Optional, Sequence
 
 from fastapi import Request
@@ -115,8 +114,22 @@ class Service:
                 st.cancel()
 
     async def merged(self, streams: list) -> AsyncIterator[tuple[int, Any]]:
-        """Yield (stream index, delta) as deltas of any stream arrive. Closing this iterator (client gone)
-        cancels every stream, which frees their engine slots."""
+        """Yield (stream index, delta) as deltas of any stream arrive; at the request's deadline the streams end
+        with a TimeoutError. Closing this iterator (client gone) cancels every stream, which frees their engine
+        slots."""
+        # the deadline is one timer a stream (DeltaStream.expire_at): a timeout around each wait cost a task and
+        # a timer a token; asyncio.timeout() would fire in whatever the consumer is awaiting between our yields
+        # (sending to the client) and surface as a bare cancellation
+        deadline = asyncio.get_running_loop().time() + self.request_timeout
+        for st in streams:
+            st.expire_at(deadline)
+        if len(streams) == 1:  # (the usual request: its deltas as they arrive, no task and queue between)
+            try:
+                async for delta in streams[0]:
+                    yield 0, delta
+            finally:
+                streams[0].cancel()
+            return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, st) -> None:
@@ -128,13 +141,10 @@ class Service:
                 queue.put_nowait((i, None, e))
 
         tasks = [asyncio.create_task(pump(i, st)) for i, st in enumerate(streams)]
-        # a deadline checked at each wait, not asyncio.timeout(): that would fire in whatever the consumer
-        # is awaiting between our yields (sending to the client) and surface as a bare cancellation
-        deadline = time.monotonic() + self.request_timeout
         try:
             remaining = len(tasks)
             while remaining:
-                i, delta, err = await asyncio.wait_for(queue.get(), max(deadline - time.monotonic(), 0))
+                i, delta, err = await queue.get()
                 if err is not None:
                     raise err
                 if delta is None:

@@ -169,10 +169,22 @@ def run_best_beam(*args, **kwargs) -> Completion:
 class BeamStream:
     """One returned beam of a search as a stream of deltas (the whole Completion, once the search ends), so a
     server streams or joins the choices of a beam search as it does sampled ones. The choices of one search share
-    its future: `cancel()` on any stops the search."""
+    its future: `cancel()` on any stops the search; `expire_at(when)` (loop.time()) stops it then and ends the
+    stream with a TimeoutError, as DeltaStream's does."""
 
     def __init__(self, future: "asyncio.Future[list[Completion]]", index: int):
         self._future, self._index, self._done = future, index, False
+        self._expiry: Optional[asyncio.TimerHandle] = None
+        self._expired = False
+
+    def expire_at(self, when: float) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+        self._expiry = asyncio.get_running_loop().call_at(when, self._expire)
+
+    def _expire(self) -> None:
+        self._expired = True
+        self._future.cancel()
 
     def __aiter__(self) -> "BeamStream":
         return self
@@ -181,8 +193,22 @@ class BeamStream:
         if self._done:
             raise StopAsyncIteration
         self._done = True
-        return (await asyncio.shield(self._future))[self._index]  # (one choice's waiter leaving stops no other)
+        try:
+            return (await asyncio.shield(self._future))[self._index]  # (one choice's waiter leaving stops no other)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if self._expired and not (current is not None and current.cancelling()):  # the deadline, not our reader
+                raise TimeoutError("request timed out") from None
+            raise
+        finally:
+            self._drop_expiry()
+
+    def _drop_expiry(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
 
     def cancel(self) -> None:
         self._done = True
+        self._drop_expiry()
         self._future.cancel()

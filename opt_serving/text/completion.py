@@ -4,7 +4,7 @@
 character split over tokens is held until it is whole), stop strings (text is cut at the first one; a tail
 that could still become one is held back, so a stream never leaks part of a stop string), echo of the prompt
 with its scores, OpenAI-style logprobs and offsets. It runs on the engine thread so a stop string frees the slot
-before the next step; its deltas go to a sink: `DeltaStream` (asyncio, through call_soon_threadsafe) or
+before the next step; its deltas go to a sink: `DeltaStream` (asyncio, through its loop's `Mailbox`) or
 `Collector` (blocking callers).
 """
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import weakref
 from typing import Any, Callable, Optional, Sequence
 
 from opt_serving.engine.scheduler import EngineOutput, EngineRequest, SlotSettings, TokenInfo
@@ -247,18 +248,70 @@ class RequestText:
         self.sink(d)
 
 
+class Mailbox:
+    """What the engine thread hands one event loop's streams, delivered in one wake-up of the loop: a step's
+    deltas for every stream on the loop cost one `call_soon_threadsafe` (one write to its self-pipe, one turn of
+    the loop), where one each woke the loop up to once a stream, on the engine thread's path to its next step,
+    with the loop's thread taking the interpreter lock between them. `for_loop` gives a loop's one mailbox."""
+    _of_loop: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Mailbox]" = weakref.WeakKeyDictionary()
+    _made = threading.Lock()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue, Any]] = []
+
+    @classmethod
+    def for_loop(cls, loop: asyncio.AbstractEventLoop) -> "Mailbox":
+        with cls._made:
+            box = cls._of_loop.get(loop)
+            if box is None:
+                box = cls._of_loop[loop] = cls(loop)
+            return box
+
+    def put(self, queue: asyncio.Queue, item) -> None:  # any thread
+        with self._lock:
+            wake = not self._items  # (a wake-up already on its way delivers this item too)
+            self._items.append((queue, item))
+        if wake:
+            self._loop.call_soon_threadsafe(self._deliver)
+
+    def _deliver(self) -> None:  # the loop's thread; each queue's items stay in the order they were put
+        with self._lock:
+            items, self._items = self._items, []
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
 class DeltaStream:
-    """Async iterator over one request's deltas. `cancel()` (or `aclose()`) frees its engine slot."""
+    """Async iterator over one request's deltas. `cancel()` (or `aclose()`) frees its engine slot;
+    `expire_at(when)` ends it with a TimeoutError at that time of its loop's clock."""
 
     def __init__(self, engine):
         self._engine = engine
         self._queue: asyncio.Queue = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
+        self._mailbox = Mailbox.for_loop(self._loop)
         self._req: Optional[EngineRequest] = None
         self._done = False
+        self._expiry: Optional[asyncio.TimerHandle] = None
 
     def _sink(self, item) -> None:  # engine thread
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        self._mailbox.put(self._queue, item)
+
+    def expire_at(self, when: float) -> None:
+        """A deadline as one timer (not a timeout around each wait): at `when` (loop.time()) the stream fails with
+        TimeoutError, after the deltas that came before it; cancel() and the stream's end drop the timer."""
+        if self._expiry is not None:
+            self._expiry.cancel()
+        self._expiry = self._loop.call_at(when, self._expire)
+
+    def _expire(self) -> None:  # the loop's thread: the engine request stops, the reader gets the error next
+        self._expiry = None
+        if not self._done:
+            if self._req is not None:
+                self._engine.cancel(self._req)
+            self._queue.put_nowait(TimeoutError("request timed out"))
 
     def __aiter__(self) -> "DeltaStream":
         return self
@@ -272,15 +325,21 @@ class DeltaStream:
             self.cancel()
             raise
         if isinstance(item, BaseException):
-            self._done = True
+            self._end()
             raise item
         if item.finish_reason is not None:
-            self._done = True
+            self._end()
         return item
+
+    def _end(self) -> None:
+        self._done = True
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
 
     def cancel(self) -> None:
         if not self._done:
-            self._done = True
+            self._end()
             if self._req is not None:
                 self._engine.cancel(self._req)
 
