@@ -5,6 +5,7 @@ Fake model (opt_serving/engine/fake.py): greedy continues with `last + 1`; the t
 Byte tokenizer: byte b is id 4 + b, so "a" is 101 and greedy after "a" spells "bcdef...".
 """
 import asyncio
+import gc
 import math
 import threading
 import time
@@ -264,6 +265,8 @@ def test_a_steps_deltas_for_every_stream_reach_the_loop_in_one_wake_up_in_order(
 
     got, nxt = run(main())
     assert got == [[(i, 0), (i, 1), (i, 2)] for i in range(4)] and nxt == "next"
+    gc.collect()
+    assert not [loop for loop in Mailbox._of_loop if loop.is_closed()]  # a finished loop's mailbox went with it
 
 
 def test_a_stream_past_its_deadline_ends_with_timeout_after_its_deltas_and_frees_its_slot():

@@ -257,7 +257,8 @@ class Mailbox:
     _made = threading.Lock()
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self._loop = loop
+        # (weakly: the table's value must not keep its key, a finished loop, alive; a stream holds its loop)
+        self._loop = weakref.ref(loop)
         self._lock = threading.Lock()
         self._items: list[tuple[asyncio.Queue, Any]] = []
 
@@ -273,8 +274,9 @@ class Mailbox:
         with self._lock:
             wake = not self._items  # (a wake-up already on its way delivers this item too)
             self._items.append((queue, item))
-        if wake:
-            self._loop.call_soon_threadsafe(self._deliver)
+        loop = self._loop()
+        if wake and loop is not None:
+            loop.call_soon_threadsafe(self._deliver)
 
     def _deliver(self) -> None:  # the loop's thread; each queue's items stay in the order they were put
         with self._lock:
