@@ -49,8 +49,8 @@ class Settings:
     avx512       OPT_SERVING_NO_AVX512 (any value): the portable code of the decode attention and of the
                  screened head's passes over the vocabulary
 
-    The last two are read by the C++ extension itself too (csrc/common.cc, csrc/attention.cc, csrc/head.cc, once,
-    when the kernels first run), from the same variables: these fields say what it will read.
+    The last two are read by the C++ extension itself too (csrc/common.cc's pin_team and common.h's use_avx512,
+    once, when the kernels first run), from the same variables: these fields say what it will read.
     """
     kernels: bool = True
     bf16_screen: bool = True

@@ -190,8 +190,7 @@ template <typename KV>
 static void attend(const float* q, const KV* k, const KV* v, const bool* mask, int64_t b_count, int64_t h_count,
                    int64_t t_count, int64_t d, const int64_t* ends, float* out) {
 #if defined(__x86_64__)
-  // OPT_SERVING_NO_AVX512 (any value): the portable code (tests compare the two)
-  static const bool avx512 = __builtin_cpu_supports("avx512f") && std::getenv("OPT_SERVING_NO_AVX512") == nullptr;
+  const bool avx512 = use_avx512();
   if (avx512 && d == 64) return attend_rows_avx512<4>(q, k, v, mask, b_count, h_count, t_count, ends, out);
   if (avx512 && d == 128) return attend_rows_avx512<8>(q, k, v, mask, b_count, h_count, t_count, ends, out);
 #endif

@@ -102,4 +102,13 @@ inline uint16_t to_bf16(float f) {
 
 double dot_exact(const float* x, const float* w, int64_t k);
 
+#if defined(__x86_64__)
+// Whether our kernels take their AVX-512 code (attention.cc, ragged_attention.cc, head.cc): the CPU has it and
+// OPT_SERVING_NO_AVX512 (any value) is not set, which selects the portable code (tests compare the two). Read once.
+inline bool use_avx512() {
+  static const bool on = __builtin_cpu_supports("avx512f") && std::getenv("OPT_SERVING_NO_AVX512") == nullptr;
+  return on;
+}
+#endif
+
 }  // namespace opt

@@ -43,12 +43,6 @@ bool is_allowed(const uint32_t* allowed, int64_t j) { return allowed == nullptr 
 // GCC leaves the portable loops' max reductions scalar, and these passes were then most of a screened step's time
 // after its product.
 #if defined(__x86_64__)
-// OPT_SERVING_NO_AVX512 (any value): the portable loops (tests compare the two); read once
-bool use_avx512() {
-  static const bool on = __builtin_cpu_supports("avx512f") && std::getenv("OPT_SERVING_NO_AVX512") == nullptr;
-  return on;
-}
-
 // the lanes of tokens j.. j1 - 1 among the 16 from j
 inline __mmask16 lanes(int64_t j, int64_t j1) {
   return j1 - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (j1 - j)) - 1);

@@ -305,8 +305,7 @@ template <typename KV>
 void attend_ragged(const Rows<KV>& r, const float* q, const std::vector<Item>& items, float* out) {
   const int64_t h_count = r.h_count, d = r.d;
 #if defined(__x86_64__)
-  // OPT_SERVING_NO_AVX512 (any value): the portable code (tests compare the two)
-  static const bool avx512 = __builtin_cpu_supports("avx512f") && std::getenv("OPT_SERVING_NO_AVX512") == nullptr;
+  const bool avx512 = use_avx512();
 #else
   const bool avx512 = false;
 #endif
