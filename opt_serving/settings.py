@@ -31,13 +31,13 @@ class Settings:
     cpu_threads  OPT_SERVING_CPU_THREADS: the kernels' threads (default: every CPU this process may run on)
     cext         OPT_SERVING_NO_CEXT: "1" makes packing.py keep its pure-Python versions
     bf16_fma_rows  OPT_SERVING_BF16_FMA_ROWS: bfloat16 products of at least that many rows widen the weights
-                 and multiply with float32 FMAs (csrc/products.cc, bf16_fma); 0 never. Default: 8 on Intel
+                 and multiply with float32 FMAs (csrc/products_bf16.cc, bf16_fma); 0 never. Default: 8 on Intel
                  CPUs without AMX (their bfloat16 dot products run no faster than float32 FMAs), else never
     f32_tile_rows  OPT_SERVING_F32_TILE_ROWS: float32 products of 9 to that many rows run our tiled kernel
-                 (csrc/products.cc, f32_tiles: the weights streamed while the rows' tiles compute); 0 never
+                 (csrc/products_f32.cc, f32_tiles: the weights streamed while the rows' tiles compute); 0 never
                  (oneDNN's kernel). Default: 96 on CPUs with AVX-512, else never
     s8_vnni_rows  OPT_SERVING_S8_VNNI_ROWS: int8 products of at least that many rows run our VNNI kernel
-                 (csrc/products.cc, s8_vnni: the same numbers as oneDNN's, its work handed out as the threads
+                 (csrc/products_s8.cc, s8_vnni: the same numbers as oneDNN's, its work handed out as the threads
                  free up); 0 never (oneDNN's kernel). Default: 1 (every int8 product it can read)
     keep_heap    OPT_SERVING_KEEP_HEAP: "0" leaves glibc's malloc thresholds as they are (backend/cpu/heap.py)
     compile_cache  OPT_SERVING_COMPILE_CACHE: the folder compiled steps are kept in between starts, "" for the

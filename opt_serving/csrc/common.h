@@ -1,6 +1,8 @@
 // Shared by the CPU kernels (XLA FFI custom calls, built into opt_serving/_cpu_kernels.so by
 // build.sh; loaded by opt_serving/backend/cpu/_lib.py). One file per kind of kernel:
-//   products.cc   oneDNN matrix products on weights packed once at load (float32, bfloat16, int8)
+//   products.cc   oneDNN matrix products on weights packed once at load (float32, bfloat16, int8), and the
+//                 handlers that pick a kernel of ours where it beats oneDNN's (products.h):
+//                 products_f32.cc (a few float32 rows), products_bf16.cc (float32 FMAs), products_s8.cc (VNNI)
 //   argmax.cc     jnp.argmax over a row at memory speed
 //   attention.cc  a decode step's attention over the cache entries written so far
 //   head.cc       greedy tokens from the LM head, screened in int8 or bfloat16 and decided exactly
