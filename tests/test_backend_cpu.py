@@ -15,7 +15,7 @@ import pytest
 
 from opt_serving.backend import Backend, for_params, sampling
 from opt_serving.backend.cpu import _lib, attention, head, products
-from opt_serving.model import layout, opt, param_tree
+from opt_serving.model import layout, opt, param_tree, steps
 from opt_serving.settings import Settings
 
 from conftest import TINY
@@ -253,8 +253,8 @@ def test_pack_params_round_trip():
                                                      jax.tree_util.tree_leaves(params)))
     # the packed forward pass gives the plain one's numbers
     ids = jnp.asarray(np.random.default_rng(0).integers(3, 96, (2, 7)), jnp.int32)
-    np.testing.assert_allclose(np.asarray(opt.forward(CFG, packed, ids, backend=backend)),
-                               np.asarray(opt.forward(CFG, params, ids)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(steps.forward(CFG, packed, ids, backend=backend)),
+                               np.asarray(steps.forward(CFG, params, ids)), rtol=1e-5, atol=1e-5)
 
 
 @needs_kernels
@@ -264,8 +264,8 @@ def test_350m_projections_are_packed_too():
     backend, packed = layout.runtime_params(params)
     assert sorted(packed["project_in"]) == sorted(packed["project_out"]) == ["packed"]
     ids = jnp.asarray(np.random.default_rng(0).integers(3, 96, (2, 7)), jnp.int32)
-    np.testing.assert_allclose(np.asarray(opt.forward(cfg, packed, ids, backend=backend)),
-                               np.asarray(opt.forward(cfg, params, ids)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(steps.forward(cfg, packed, ids, backend=backend)),
+                               np.asarray(steps.forward(cfg, params, ids)), rtol=1e-5, atol=1e-5)
     back = layout.checkpoint_params(cfg, backend, packed)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(back),
                                                      jax.tree_util.tree_leaves(params)))

@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from opt_serving.model import kv_cache, opt, param_tree
+from opt_serving.model import kv_cache, param_tree, steps
 
 from conftest import TINY
 
@@ -31,8 +31,8 @@ def _prefilled(params, tokens, bucket):
     mask = np.zeros((1, bucket), np.int32)
     ids[0, bucket - len(tokens):], mask[0, bucket - len(tokens):] = tokens, 1
     cache = kv_cache.init_cache(CFG, 1, bucket)
-    logits, cache = opt.prefill(CFG, params, cache, jnp.asarray(ids), jnp.asarray(mask),
-                                all_logits=False)
+    logits, cache = steps.prefill(CFG, params, cache, jnp.asarray(ids), jnp.asarray(mask),
+                                  all_logits=False)
     return logits[0], cache
 
 
@@ -51,16 +51,16 @@ def test_insert_into_slot_then_decode_matches_full_forward():
     for i, p in enumerate(prompts):
         ref_ids[i, 11 - len(p):] = np.concatenate([p, nxt[i:i + 1]])
         ref_mask[i, 11 - len(p):] = 1
-    ref = np.asarray(opt.forward(CFG, params, ref_ids, ref_mask))
+    ref = np.asarray(steps.forward(CFG, params, ref_ids, ref_mask))
     buckets = [kv_cache.bucket_length(len(p), CFG.max_position_embeddings) for p in prompts]
     for slot, (p, bucket) in enumerate(zip(prompts, buckets)):
         first, pc = _prefilled(params, p, bucket)
         np.testing.assert_allclose(np.asarray(first), ref[slot, -2], atol=1e-5)
         decode_cache = kv_cache.insert(decode_cache, pc, jnp.int32(slot))
     # every slot writes at its own entry (its bucket), at its own position (its prompt length)
-    logits, decode_cache = opt.decode(CFG, params, decode_cache, jnp.asarray(nxt),
-                                      jnp.asarray([len(p) for p in prompts], jnp.int32),
-                                      jnp.asarray(buckets, jnp.int32))
+    logits, decode_cache = steps.decode(CFG, params, decode_cache, jnp.asarray(nxt),
+                                        jnp.asarray([len(p) for p in prompts], jnp.int32),
+                                        jnp.asarray(buckets, jnp.int32))
     np.testing.assert_allclose(np.asarray(logits), ref[:, -1], atol=1e-5)
     # slot is traced: four inserts into three slots compiled once per prefill bucket (32, 16)
     assert kv_cache.insert._cache_size() == 2

@@ -14,7 +14,7 @@ import torch
 
 from opt_serving.backend import Backend
 from opt_serving.backend.cpu import _lib, head
-from opt_serving.model import kv_cache, layout, lora, opt, quantize, weights
+from opt_serving.model import kv_cache, layout, lora, opt, quantize, steps, weights
 from opt_serving.model.lora_config import LoraConfig, LoraOptions, parse_module
 from opt_serving.model.peft import AdapterError, read_peft, targets_of
 from opt_serving.settings import Settings
@@ -35,9 +35,9 @@ def run(cfg, params, backend, stack, index, ids=IDS):
     """Full-sequence logits of the Flax model, rows using adapters `index` of `stack` (None: no LoRA at all)."""
     @jax.jit
     def f(params, stack, ids, index):
-        cache = kv_cache.init_cache(cfg, ids.shape[0], ids.shape[1], opt.cache_dtype(params, backend))
+        cache = kv_cache.init_cache(cfg, ids.shape[0], ids.shape[1], kv_cache.cache_dtype(params, backend))
         with lora.applied(None if stack is None else lora.Lora(stack, index)):
-            return opt.prefill_step(cfg, params, cache, ids, jnp.ones_like(ids), backend=backend)[0]
+            return steps.prefill_step(cfg, params, cache, ids, jnp.ones_like(ids), backend=backend)[0]
     return np.asarray(f(params, stack, jnp.asarray(ids), jnp.asarray(index, jnp.int32)))
 
 
@@ -285,9 +285,9 @@ def test_merging_gives_pefts_numbers(tmp_path):
     p32 = weights.params_from_hf_state_dict(cfg, hf.state_dict())
     adapter = read_peft(folder, cfg)
     want = reference_logits(peft_model(cfg, folder, hf=hf))
-    np.testing.assert_allclose(np.asarray(opt.forward(cfg, lora.merge(p32, adapter), IDS)), want, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(steps.forward(cfg, lora.merge(p32, adapter), IDS)), want, atol=1e-4)
     merged8 = lora.merge(quantize.quantize_params(p32), adapter)
     assert merged8["layers_0"]["fc1"]["qkernel"].dtype == np.int8
     backend, params = layout.runtime_params(merged8, Settings(kernels=False), weights="int8")
-    got = np.asarray(opt.forward(cfg, params, IDS, backend=backend))
+    got = np.asarray(steps.forward(cfg, params, IDS, backend=backend))
     assert np.abs(got - want).max() / np.abs(want).max() < 0.06

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from opt_serving.backend import Backend
-from opt_serving.model import kv_cache, layout, opt, param_tree, weights, wrapper
+from opt_serving.model import attends, kv_cache, layout, opt, param_tree, steps, weights, wrapper
 from opt_serving.runner.generate import Generation
 
 from conftest import TINY as PRE_LN, TINY_POST_LN as POST_LN, hf_model, on_cpu
@@ -44,20 +44,20 @@ def test_prefill_and_decode_match_hf(cfg, fused):
         assert layout.fuse_qkv(params) == params  # already fused: unchanged
     rng = np.random.RandomState(0)
     ids, mask = left_padded(rng, [8, 5, 2], 8, cfg.vocab_size)
-    steps = 5
+    decodes = 5
     cache = kv_cache.init_cache(cfg, 3, 16)
-    logits, cache = opt.prefill(cfg, params, cache, jnp.asarray(ids), jnp.asarray(mask), backend=backend)
+    logits, cache = steps.prefill(cfg, params, cache, jnp.asarray(ids), jnp.asarray(mask), backend=backend)
     with torch.no_grad():
         out = hf(torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask), use_cache=True)
     real = mask == 1
     np.testing.assert_allclose(np.asarray(logits)[real], out.logits.numpy()[real], atol=1e-4)
     past, hf_mask = out.past_key_values, torch.tensor(mask)
     n_real = mask.sum(1)
-    for t in range(steps):
+    for t in range(decodes):
         tok = rng.randint(3, cfg.vocab_size, 3).astype(np.int32)
-        logits, cache = opt.decode(cfg, params, cache, jnp.asarray(tok),
-                                   jnp.asarray(n_real + t, jnp.int32), jnp.full((3,), 8 + t, jnp.int32),
-                                   backend=backend)
+        logits, cache = steps.decode(cfg, params, cache, jnp.asarray(tok),
+                                     jnp.asarray(n_real + t, jnp.int32), jnp.full((3,), 8 + t, jnp.int32),
+                                     backend=backend)
         hf_mask = torch.cat([hf_mask, torch.ones((3, 1), dtype=hf_mask.dtype)], 1)
         with torch.no_grad():
             out = hf(torch.tensor(tok[:, None], dtype=torch.long), attention_mask=hf_mask,
@@ -71,26 +71,26 @@ def test_cached_decoding_equals_full_forward():
     params = param_tree.init_params(cfg, seed=1)
     rng = np.random.RandomState(1)
     seq = rng.randint(3, cfg.vocab_size, (2, 12)).astype(np.int32)
-    full = np.asarray(opt.forward(cfg, params, seq))
+    full = np.asarray(steps.forward(cfg, params, seq))
     cache = kv_cache.init_cache(cfg, 2, 16)
-    logits, cache = opt.prefill(cfg, params, cache, jnp.asarray(seq[:, :4]), jnp.ones((2, 4), jnp.int32),
-                                all_logits=False)
+    logits, cache = steps.prefill(cfg, params, cache, jnp.asarray(seq[:, :4]), jnp.ones((2, 4), jnp.int32),
+                                  all_logits=False)
     np.testing.assert_allclose(np.asarray(logits), full[:, 3], atol=1e-5)
     for t in range(4, 12):
         pos = jnp.full((2,), t, jnp.int32)
-        logits, cache = opt.decode(cfg, params, cache, jnp.asarray(seq[:, t]), pos, pos)
+        logits, cache = steps.decode(cfg, params, cache, jnp.asarray(seq[:, t]), pos, pos)
         np.testing.assert_allclose(np.asarray(logits), full[:, t], atol=1e-5)
 
 
 def test_a_long_prompts_attention_by_query_blocks_equals_the_whole():
     """Past PREFILL_BLOCKED_FROM tokens the queries go in blocks, each over the keys before its end (the last
     block shorter here); every real token's output is that of the whole masked S x S attention."""
-    s = opt.PREFILL_BLOCKED_FROM + 37
+    s = attends.PREFILL_BLOCKED_FROM + 37
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((2, s, 3, 8)).astype(np.float32) for _ in range(3))
     mask = np.ones((2, s), np.int32)
     mask[1, :5] = 0  # a left-padded row
-    got = np.asarray(jax.jit(opt._causal_attention)(q, k, v, mask))
+    got = np.asarray(jax.jit(attends.causal_attention)(q, k, v, mask))
     scores = np.einsum("bqhd,bkhd->bhqk", q, k).astype(np.float64)
     allowed = np.tril(np.ones((s, s), bool))[None, None] & mask[:, None, None, :].astype(bool)
     scores = np.where(allowed, scores, -np.inf)
@@ -99,7 +99,7 @@ def test_a_long_prompts_attention_by_query_blocks_equals_the_whole():
         want = np.einsum("bhqk,bkhd->bqhd", p / p.sum(-1, keepdims=True), v)
     real = mask.astype(bool)
     np.testing.assert_allclose(got[real], want[real], rtol=2e-5, atol=2e-5)
-    assert s > opt.PREFILL_QUERY_BLOCK * 4  # more than one block ran
+    assert s > attends.PREFILL_QUERY_BLOCK * 4  # more than one block ran
 
 
 def test_rows_decode_at_their_own_cache_index():
@@ -109,18 +109,18 @@ def test_rows_decode_at_their_own_cache_index():
     rng = np.random.RandomState(2)
     a = rng.randint(3, cfg.vocab_size, 9).astype(np.int32)
     b = rng.randint(3, cfg.vocab_size, 5).astype(np.int32)
-    full_a = np.asarray(opt.forward(cfg, params, a[None]))[0]
-    full_b = np.asarray(opt.forward(cfg, params, b[None]))[0]
+    full_a = np.asarray(steps.forward(cfg, params, a[None]))[0]
+    full_b = np.asarray(steps.forward(cfg, params, b[None]))[0]
     # row 0 holds a[:8] at entries 0..7, row 1 holds b[:4] at entries 0..3 (right-aligned storage)
     cache = kv_cache.init_cache(cfg, 2, 16)
     ids = np.ones((2, 8), np.int32)
     mask = np.zeros((2, 8), np.int32)
     ids[0], mask[0] = a[:8], 1
     ids[1, :4], mask[1, :4] = b[:4], 1
-    _, cache = opt.prefill(cfg, params, cache, jnp.asarray(ids), jnp.asarray(mask))
+    _, cache = steps.prefill(cfg, params, cache, jnp.asarray(ids), jnp.asarray(mask))
     # entries of row 1's positions 4..7 hold pads marked invalid; it writes its next token at entry 4
-    logits, cache = opt.decode(cfg, params, cache, jnp.asarray([a[8], b[4]]),
-                               jnp.asarray([8, 4], jnp.int32), jnp.asarray([8, 4], jnp.int32))
+    logits, cache = steps.decode(cfg, params, cache, jnp.asarray([a[8], b[4]]),
+                                 jnp.asarray([8, 4], jnp.int32), jnp.asarray([8, 4], jnp.int32))
     np.testing.assert_allclose(np.asarray(logits)[0], full_a[8], atol=1e-5)
     np.testing.assert_allclose(np.asarray(logits)[1], full_b[4], atol=1e-5)
 
@@ -137,8 +137,8 @@ def test_half_precision_close_to_float32(dtype):
     p16 = weights.params_from_hf_state_dict(cfg, hf.state_dict(), dtype=dtype)
     assert opt.param_dtype(p16) == jnp.dtype(dtype)
     seq = np.random.RandomState(3).randint(3, cfg.vocab_size, (8, 32)).astype(np.int32)
-    l32 = np.asarray(opt.forward(cfg, p32, seq))
-    l16 = np.asarray(opt.forward(cfg, p16, seq))
+    l32 = np.asarray(steps.forward(cfg, p32, seq))
+    l16 = np.asarray(steps.forward(cfg, p16, seq))
     assert l16.dtype == np.float32  # logits always come back in float32
     diff = np.abs(l32 - l16).max()
     agree = (l32.argmax(-1) == l16.argmax(-1)).mean()
@@ -165,7 +165,7 @@ def test_a_prefill_in_chunks_gives_the_whole_prefill(cfg, per_row):
     ids = np.random.RandomState(4).randint(3, cfg.vocab_size, n).astype(np.int32)
     whole_ids, whole_mask = np.ones((1, size), np.int32), (np.arange(size) < n).astype(np.int32)[None]
     whole_ids[0, :n] = ids
-    want, want_cache = opt.prefill_step(cfg, params, kv_cache.init_cache(cfg, 1, size), whole_ids, whole_mask)
+    want, want_cache = steps.prefill_step(cfg, params, kv_cache.init_cache(cfg, 1, size), whole_ids, whole_mask)
     specs = [opt.StageSpec(0, 1, True, False), opt.StageSpec(1, 2, False, True)]
     parts = [param_tree.stage_params(params, s) for s in specs]
     cache = kv_cache.init_cache(cfg, 1, size)
@@ -174,10 +174,10 @@ def test_a_prefill_in_chunks_gives_the_whole_prefill(cfg, per_row):
         x, mask = np.ones((1, c), np.int32), (np.arange(c) < n - start).astype(np.int32)[None]
         x[0, :mask.sum()] = ids[start:start + c]
         at = np.array([start], np.int32) if per_row else np.int32(start)
-        logits, cache = opt._extend(cfg, params, cache, x, at, mask)
+        logits, cache = steps.extend_step(cfg, params, cache, x, at, mask)
         h = x
         for i, (s, p) in enumerate(zip(specs, parts)):
-            h, staged[i] = opt._extend(cfg, p, staged[i], h, at, mask, stage=s)
+            h, staged[i] = steps.extend_step(cfg, p, staged[i], h, at, mask, stage=s)
     last = (n - 1) % c
     np.testing.assert_allclose(np.asarray(logits[0, last]), np.asarray(want[0, n - 1]), atol=1e-5)
     np.testing.assert_allclose(np.asarray(h[0, last]), np.asarray(want[0, n - 1]), atol=1e-5)

@@ -24,17 +24,17 @@ def _run(prefill, decode, steps=5):
 
 @pytest.fixture(scope="module")
 def reference():
-    from opt_serving.model import opt, param_tree
+    from opt_serving.model import param_tree, steps
     from opt_serving.model.kv_cache import init_cache
     params = param_tree.init_params(CFG, seed=5, std=0.2)
     state = {"cache": init_cache(CFG, 2, 32)}
 
     def prefill(ids, mask):
-        out, state["cache"] = opt.prefill(CFG, params, state["cache"], ids, mask)
+        out, state["cache"] = steps.prefill(CFG, params, state["cache"], ids, mask)
         return out
 
     def decode(*args):
-        out, state["cache"] = opt.decode(CFG, params, state["cache"], *args)
+        out, state["cache"] = steps.decode(CFG, params, state["cache"], *args)
         return out
     return params, _run(prefill, decode)
 

@@ -73,7 +73,7 @@ def _greedy(model_prefill, model_decode, cache, ids, mask, steps):
 def test_tensor_parallel_equals_single_device(folder, tp):
     import jax
     import jax.numpy as jnp
-    from opt_serving.model import opt
+    from opt_serving.model import steps
     from opt_serving.model.kv_cache import init_cache
     from opt_serving.model.weights import load_params
     from opt_serving.parallel.sharding import ShardedOPT, load_sharded_params, make_mesh
@@ -93,8 +93,8 @@ def test_tensor_parallel_equals_single_device(folder, tp):
 
     ids = jnp.asarray([[1, 1, 5, 9, 17, 3], [4, 8, 15, 16, 23, 42]], jnp.int32)   # row 0 left-padded
     mask = jnp.asarray([[0, 0, 1, 1, 1, 1], [1] * 6], jnp.int32)
-    ref = _greedy(lambda c, i, m: opt.prefill(CFG, ref_params, c, i, m),
-                  lambda c, *a: opt.decode(CFG, ref_params, c, *a),
+    ref = _greedy(lambda c, i, m: steps.prefill(CFG, ref_params, c, i, m),
+                  lambda c, *a: steps.decode(CFG, ref_params, c, *a),
                   init_cache(CFG, 2, 32), ids, mask, 6)
     got = _greedy(model.prefill, model.decode, cache, ids, mask, 6)
     for a, b in zip(ref[0], got[0]):

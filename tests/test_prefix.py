@@ -296,7 +296,7 @@ def test_every_weight_format_keeps_its_cache_dtype_in_the_pool(fmt):
     """int8, bfloat16 and float32 weights (the embedded model; int8 and bfloat16 keep a bfloat16 cache as its
     bits where the CPU kernels run): the pool holds the cache's dtype and outputs equal those without it."""
     from opt_serving.model.embedded import ensure_embedded_model
-    from opt_serving.model import opt
+    from opt_serving.model import kv_cache
     from opt_serving.runner.load import load_slots
     from opt_serving.spec import ModelSpec
     path = ensure_embedded_model()
@@ -304,7 +304,7 @@ def test_every_weight_format_keeps_its_cache_dtype_in_the_pool(fmt):
     models = [load_slots(spec, num_slots=2, max_seq_len=64, prefix_caching=on, dtype=fmt.get("dtype", "auto"))
               for on in (False, True)]  # (not warmed up: each compiles only what these prompts run)
     stage = models[1].stages.stages[0]
-    assert stage.pool["k"][0].dtype == opt.cache_dtype(stage.params, stage.backend)
+    assert stage.pool["k"][0].dtype == kv_cache.cache_dtype(stage.params, stage.backend)
     rng = np.random.default_rng(3)
     base = [2] + rng.integers(4, 1000, 40).tolist()
     jobs = [(base + rng.integers(4, 1000, k).tolist(), SlotSettings(max_tokens=4, prompt_logprobs=p))

@@ -11,7 +11,7 @@ import torch
 
 from opt_serving.settings import Settings
 from opt_serving.backend.cpu import _lib, head
-from opt_serving.model import layout, opt, quantize, weights
+from opt_serving.model import kv_cache, layout, quantize, weights
 from opt_serving.model.wrapper import OPTModel, get_model
 from opt_serving.testing import checkpoints
 
@@ -112,7 +112,7 @@ def test_decode_steps_read_a_bfloat16_cache_within_the_formats_bound(fmt):
         m = OPTModel(cfg, params, backend=backend)
     else:
         m = OPTModel(cfg, p32, weights="bfloat16")
-    assert m.backend.attention and opt.cache_dtype(m.fused_params, m.backend) == opt.BF16_BITS
+    assert m.backend.attention and kv_cache.cache_dtype(m.fused_params, m.backend) == kv_cache.BF16_BITS
     cache = m.init_cache(4, 24)
     assert cache["k"][0].dtype == np.uint16
     first, cache = m.prefill(cache, seq[:, :8], np.ones((4, 8), np.int32))
@@ -123,7 +123,7 @@ def test_decode_steps_read_a_bfloat16_cache_within_the_formats_bound(fmt):
     err, agree = compare(ref[:, 7:23], np.stack(steps, 1))
     bound = (0.06, 0.94) if fmt == "int8" else (0.03, 0.96)  # the formats' bounds above, cache included
     assert err < bound[0] and agree >= bound[1], (err, agree)
-    k = opt.from_cache(cache["k"][0], np.float32)  # what was written: bfloat16 numbers, entries 0..22
+    k = kv_cache.from_cache(cache["k"][0], np.float32)  # what was written: bfloat16 numbers, entries 0..22
     assert np.all(np.isfinite(np.asarray(k))) and np.asarray(cache["mask"])[:, :23].all()
 
 

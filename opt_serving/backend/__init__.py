@@ -117,7 +117,7 @@ class Backend:
 
     @property
     def ragged(self) -> bool:
-        """Whether this backend runs ragged steps (opt.ragged_step): prompts continuing rows and cached prefixes
+        """Whether this backend runs ragged steps (steps.ragged_step): prompts continuing rows and cached prefixes
         read from the pool inside decode steps. The CPU attention kernel does; elsewhere prompts are prefilled in
         passes of their own."""
         return self.attention

@@ -19,7 +19,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from opt_serving.backend import Backend, sampling
-from opt_serving.model import kv_cache, opt
+from opt_serving.model import kv_cache, steps
 from opt_serving.model.lora import applied
 
 
@@ -150,7 +150,7 @@ def _search(cfg, params, ids, mask, st, max_new, k, n_return, length_penalty, ea
     n_real = jnp.sum(mask, axis=1).astype(jnp.int32)  # [B*K]; equal within a batch item
     prompt_seen = sampling.init_state(ids, mask, cfg.vocab_size, s + max_new)
     scores_buf = jnp.zeros((max_new if output_scores else 0, bk, cfg.vocab_size), jnp.float32)
-    logits, cache = opt.start(cfg, params, ids, mask, max_new, backend)
+    logits, cache = steps.start(cfg, params, ids, mask, max_new, backend)
 
     def step(carry):
         c, logits, cache, _, scores_buf = carry
@@ -162,7 +162,7 @@ def _search(cfg, params, ids, mask, st, max_new, k, n_return, length_penalty, ea
         logits, cache = jax.lax.cond(
             go,
             # the write index a scalar: see sample.search
-            lambda: opt.decode_step(cfg, params, cache, last, n_real + (cur - s), cur, backend=backend),
+            lambda: steps.decode_step(cfg, params, cache, last, n_real + (cur - s), cur, backend=backend),
             lambda: (logits, cache))
         return c, logits, cache, go, scores_buf
 

@@ -1,4 +1,4 @@
-"""The preallocated KV cache: layout, init, and insert-a-prefill-into-a-slot.
+"""The preallocated KV cache: layout, dtype, init, and insert-a-prefill-into-a-slot.
 
 A cache is a plain dict pytree, so it can be donated to a jitted step and
 sharded like any other array tree:
@@ -16,6 +16,9 @@ Entries are written at explicit indices: prefill writes 0..S-1 of every row,
 decode writes each row at its own index, and `mask` says which entries a row
 attends to. The engine's slots can therefore hold prompts of different lengths.
 
+A cache's dtype is the model's, or bfloat16 kept as its bits beside the CPU kernels' bfloat16 and int8
+weights (`cache_dtype`); `to_cache` / `from_cache` write and read its values.
+
 The prefix cache's pool (`init_pool`) keeps prompts' KV after their requests end, in blocks of a fixed number
 of entries: {"k", "v": tuple of num_layers arrays [heads, blocks, block_size, head_dim]}. Heads first, as the
 cache's rows are: a batch-1 cache gathered from blocks (`gather_blocks`) is then a reshape of the gathered
@@ -28,7 +31,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from opt_serving.backend import Backend
 from opt_serving.config import OPTConfig
+from opt_serving.model.opt import XLA, param_dtype
 
 # Prompt lengths are padded up to one of these so only a few prefills compile.
 MIN_BUCKET = 16
@@ -45,6 +50,42 @@ def init_cache(cfg: OPTConfig, batch: int, max_len: int, dtype=jnp.float32) -> d
 def _empty(shape: tuple, layers: int, dtype) -> dict:  # shape: [batch, heads, max_len, head_dim]
     zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(layers))
     return {"k": zeros(), "v": zeros(), "mask": jnp.zeros(shape[:1] + shape[2:3], jnp.bool_)}
+
+
+def cache_dtype(params, backend: Backend = XLA):
+    """The KV cache's dtype: the model's, but bfloat16 where the CPU's decode attention reads it beside
+    bfloat16 or int8 weights (a decode step's attention is a read of the cache: half the bytes; those formats
+    already round each product's rows). Every cache of a model follows this one rule, so the engine and
+    generate() compute the same tokens. That bfloat16 cache holds its numbers' bits as uint16: XLA's CPU
+    scatters bfloat16 by converting the whole operand to float32 and back (a decode step's one-entry write
+    then cost more than the step), uint16 in place; `to_cache` / `from_cache` read and write it."""
+    if backend.attention and backend.weights in ("bfloat16", "int8"):
+        return BF16_BITS
+    return param_dtype(params)
+
+
+BF16_BITS = jnp.dtype(jnp.uint16)  # a cache dtype: bfloat16 numbers kept as their bits (see cache_dtype)
+
+
+def to_cache(x, dtype):
+    """k or v values as a cache of `dtype` holds them."""
+    if dtype == BF16_BITS:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+    return x.astype(dtype)
+
+
+def from_cache(x, dtype):
+    """Cache entries as numbers of `dtype`."""
+    if x.dtype == BF16_BITS:
+        x = jax.lax.bitcast_convert_type(x, jnp.bfloat16)
+    return x.astype(dtype)
+
+
+def as_cached(x, dtype):
+    """k or v as a cache of `dtype` gives them back: a prompt's tokens attend to each other's k/v as every later
+    step reads them, so a prompt prefilled whole, in chunks, after a cached prefix or joining a step gets the
+    same numbers (a bfloat16 cache rounds them)."""
+    return x if dtype == x.dtype else from_cache(to_cache(x, dtype), x.dtype)
 
 
 def cache_max_len(cache: dict) -> int:

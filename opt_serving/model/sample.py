@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from opt_serving.backend import Backend, sampling
-from opt_serving.model import kv_cache, opt
+from opt_serving.model import kv_cache, opt, steps
 from opt_serving.model.lora import applied
 
 
@@ -66,7 +66,7 @@ def _search(cfg, params, ids, mask, st, max_new, new_bucket, pad, output_scores,
     total = s + new_bucket
     windows = [total] if backend.attention else decode_windows(s, total)
     n_real = jnp.sum(mask, axis=1).astype(jnp.int32)
-    h, cache = opt.start(cfg, params, ids, mask, windows[0] - s, backend, return_hidden=True)
+    h, cache = steps.start(cfg, params, ids, mask, windows[0] - s, backend, return_hidden=True)
     state = sampling.init_state(ids, mask, cfg.vocab_size, total)
     scores_buf = jnp.zeros((new_bucket if output_scores else 0, b, cfg.vocab_size), jnp.float32)
     plain_when_greedy = not output_scores
@@ -92,8 +92,8 @@ def _search(cfg, params, ids, mask, st, max_new, new_bucket, pad, output_scores,
         i, tok, cache, state, unfinished, scores_buf = c
         # one write index for all rows (a scalar): an in-place slice update, where a per-row
         # scatter makes XLA copy the loop-carried cache every step
-        h, cache = opt.decode_step(cfg, params, cache, tok, n_real + i - 1, s + i - 1,
-                                   read_len=s + i, return_hidden=True, backend=backend)
+        h, cache = steps.decode_step(cfg, params, cache, tok, n_real + i - 1, s + i - 1,
+                                     read_len=s + i, return_hidden=True, backend=backend)
         tok, state, unfinished, scores_buf = pick(h, state, unfinished, scores_buf, i)
         return i + 1, tok, cache, state, unfinished, scores_buf
 
@@ -104,5 +104,5 @@ def _search(cfg, params, ids, mask, st, max_new, new_bucket, pad, output_scores,
         # step i writes entry s + i - 1: this window holds the steps up to i = window - s
         carry = jax.lax.while_loop(
             lambda c, last=window - s: (c[0] < max_new) & (c[0] <= last) & jnp.any(c[4]), body, carry)
-    steps, _, _, state, _, scores_buf = carry
-    return state.history, steps, scores_buf
+    n_steps, _, _, state, _, scores_buf = carry
+    return state.history, n_steps, scores_buf

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from opt_serving.backend import Backend
 from opt_serving.config import OPTConfig
-from opt_serving.model import kv_cache, layout, opt
+from opt_serving.model import kv_cache, layout, opt, steps
 from opt_serving.model.weights import resolve_numpy_folder  # noqa: F401 (notebooks import it from here)
 from opt_serving.parallel.sharding import ShardedOPT
 from opt_serving.spec import PREFIXES  # noqa: F401 (notebooks import it from here)
@@ -44,22 +44,22 @@ class OPTModel:
     def init_cache(self, batch: int, max_len: int):
         if self._sharded is not None:
             return self._sharded.init_cache(batch, max_len)
-        return kv_cache.init_cache(self.config, batch, max_len, opt.cache_dtype(self.fused_params, self.backend))
+        return kv_cache.init_cache(self.config, batch, max_len, kv_cache.cache_dtype(self.fused_params, self.backend))
 
     def prefill(self, cache, input_ids, attention_mask, all_logits=True):
         if self._sharded is not None:
             return self._sharded.prefill(cache, input_ids, attention_mask, all_logits)
-        return opt.prefill(self.config, self.fused_params, cache, input_ids, attention_mask,
-                           all_logits=all_logits, backend=self.backend)
+        return steps.prefill(self.config, self.fused_params, cache, input_ids, attention_mask,
+                             all_logits=all_logits, backend=self.backend)
 
     def decode(self, cache, tokens, positions, write_index):
         if self._sharded is not None:
             return self._sharded.decode(cache, tokens, positions, write_index)
-        return opt.decode(self.config, self.fused_params, cache, tokens, positions, write_index,
-                          backend=self.backend)
+        return steps.decode(self.config, self.fused_params, cache, tokens, positions, write_index,
+                            backend=self.backend)
 
     def __call__(self, input_ids, attention_mask=None):
-        return opt.forward(self.config, self.fused_params, input_ids, attention_mask, self.backend)
+        return steps.forward(self.config, self.fused_params, input_ids, attention_mask, self.backend)
 
 
 def __getattr__(name: str):

@@ -283,7 +283,7 @@ def _layer_overhead(device, layers=(2, 10)) -> float:
     slope between a shallow and a deep narrow model is the per-layer fixed cost."""
     import jax
     import jax.numpy as jnp
-    from opt_serving.model import kv_cache, opt, param_tree  # JAX: measuring only (the planner imports none)
+    from opt_serving.model import kv_cache, param_tree, steps  # JAX: measuring only (the planner imports none)
     times = []
     for n in layers:
         cfg = OPTConfig(vocab_size=128, hidden_size=64, num_hidden_layers=n, num_attention_heads=4,
@@ -293,7 +293,7 @@ def _layer_overhead(device, layers=(2, 10)) -> float:
         tok = jax.device_put(jnp.zeros((1,), jnp.int32), device)
 
         def step():
-            out, state["cache"] = opt.decode(cfg, params, state["cache"], tok, tok, tok)
+            out, state["cache"] = steps.decode(cfg, params, state["cache"], tok, tok, tok)
             return out
         times.append(_best_time(step, repeat=20))
     return max(0.0, (times[1] - times[0]) / (layers[1] - layers[0]))

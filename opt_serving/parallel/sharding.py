@@ -4,7 +4,7 @@ Every parameter and cache array has logical axis names ('embed', 'heads', 'mlp',
 the plan's rules table (`Plan.axis_rules()`) maps them to axes of a stage's `Mesh`. With
 the tp rules that is Megatron's layout: q/k/v and fc1 column-parallel, out_proj and fc2
 row-parallel, vocab-parallel embedding and logits, KV cache split by heads. The model file
-is untouched: `opt.prefill` / `opt.decode` are jitted again with these shardings and XLA
+is untouched: `steps.prefill` / `steps.decode` are jitted again with these shardings and XLA
 inserts the all-reduces.
 
 Each device reads only its slice of each memory-mapped weight file. int8 weights (model/quantize.py) are
@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from opt_serving.backend import Backend
 from opt_serving.backend.tree import at as tree_at
 from opt_serving.config import OPTConfig
-from opt_serving.model import opt
+from opt_serving.model import opt, steps
 from opt_serving.model import quantize as quantization
 from opt_serving.model import sources
 from opt_serving.model.kv_cache import init_cache
@@ -165,7 +165,7 @@ def shard_params(params: dict, cfg: OPTConfig, mesh: Mesh, rules: Rules = TP_RUL
 class ShardedOPT:
     """One tensor-parallel group: params, cache and jitted steps sharded over `mesh`.
 
-    Same signatures as `opt.prefill` / `opt.decode` minus cfg and params, so generate
+    Same signatures as `steps.prefill` / `steps.decode` minus cfg and params, so generate
     code can drive it like the single-device model.
     """
 
@@ -176,10 +176,10 @@ class ShardedOPT:
         cache_sh = cache_shardings(cfg, mesh, rules)
         full = NamedSharding(mesh, P())
         # logits gathered to every device: the sampler is not sharded
-        self._prefill = jax.jit(opt.prefill_step, static_argnums=(0,), static_argnames=("all_logits", "backend"),
+        self._prefill = jax.jit(steps.prefill_step, static_argnums=(0,), static_argnames=("all_logits", "backend"),
                                 donate_argnums=(2,), out_shardings=(full, cache_sh))
-        self._decode = jax.jit(opt.decode_step, static_argnums=(0,), static_argnames=("backend",), donate_argnums=(2,),
-                               out_shardings=(full, cache_sh))
+        self._decode = jax.jit(steps.decode_step, static_argnums=(0,), static_argnames=("backend",),
+                               donate_argnums=(2,), out_shardings=(full, cache_sh))
         self._cache_sh = cache_sh
 
     def init_cache(self, batch: int, max_len: int) -> dict:

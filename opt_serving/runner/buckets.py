@@ -40,7 +40,7 @@ def cache_buckets(max_seq_len: int) -> list[int]:
 
 
 def job_size(n: int, max_seq_len: int) -> int:
-    """The cache of a prompt prefilled in chunks (or after a cached prefix, opt._extend): powers of two from 32,
+    """The cache of a prompt prefilled in chunks (or after a cached prefix, steps.extend_step): powers of two from 32,
     then max_seq_len. Fewer sizes than `cache_buckets` (each is one more compile of every chunk width), and
     each is one of them, so its inserts are compiled already."""
     return kv_cache.bucket_length(n, max_seq_len, 2 * PREFIX_BLOCK)

@@ -3,13 +3,13 @@
 A prompt that joins takes a free slot at once; its tokens go into the block of prompt tokens a decode step carries
 beside its rows' newest tokens (a `JoinBlock`), and the step that carries its last token chooses its first.
 
-- On stages with ragged steps (opt.ragged_step: the CPU attention kernel) any prompt joins, and a step carries up
+- On stages with ragged steps (steps.ragged_step: the CPU attention kernel) any prompt joins, and a step carries up
   to `budget` prompt tokens, oldest prompt first: a long prompt goes a part at a time over several steps, each part
   reading what the earlier parts (and a cached prefix, from the pool) put in its row. The rows' newest tokens never
   wait behind more than a budget's worth of prompt tokens, and a burst of prompts is computed in as few passes as
   the budget allows, each reading the weights once for the prompts and the rows together (vLLM's chunked prefill).
 - Elsewhere (a tensor-parallel mesh, a GPU) a short prompt (at most `longest` tokens) joins whole, its tokens
-  attending to each other within the block (opt.decode_joining_step), while the block has room; longer ones are
+  attending to each other within the block (steps.decode_joining_step), while the block has room; longer ones are
   prefilled in passes of their own.
 A step chooses the first tokens of at most JOIN_PROMPTS prompts (the sampler's fixed shapes).
 """

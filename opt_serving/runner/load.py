@@ -14,7 +14,7 @@ from typing import Optional
 import jax
 
 from opt_serving.backend import Backend
-from opt_serving.model import loader, opt
+from opt_serving.model import kv_cache, loader, opt
 from opt_serving.parallel import backend as parallel
 from opt_serving.parallel.pipeline import RayStages
 from opt_serving.runner.prefix import default_blocks
@@ -70,7 +70,7 @@ def _load_slots(spec, dtype, num_slots, max_seq_len, device_memory, micro_batche
             stages = RayStages(cfg, plan, source, dtype=dtype, seed=spec.weights.seed or 0, rows=num_slots // groups,
                                groups=groups, max_seq_len=max_seq_len, quantize=spec.quantize, prefix_blocks=blocks,
                                handoff=handoff, lora=lora)
-            width = 2 if spec.quantize == "int8" or dtype != "float32" else 4  # opt.cache_dtype's rule
+            width = 2 if spec.quantize == "int8" or dtype != "float32" else 4  # kv_cache.cache_dtype's rule
             costs = ModelCosts.of(cfg, spec.quantize or dtype, width)
             return Slots(cfg, stages, num_slots, groups, max_seq_len, plan=plan, prefix_blocks=blocks, costs=costs)
         m = parallel.tensor_parallel_model(cfg, plan, source, dtype, spec.weights.seed or 0, spec.quantize)
@@ -104,6 +104,6 @@ def local_slots(cfg, params, num_slots: int = 8, max_seq_len: Optional[int] = No
     stage = StageSlots(cfg, params, opt.StageSpec.whole(cfg), num_slots, 1, max_seq_len, backend, prefix_blocks,
                        lora)
     weights = stage.backend.weights if stage.backend.weights != "float32" else str(opt.param_dtype(stage.params))
-    costs = ModelCosts.of(cfg, weights, jax.numpy.dtype(opt.cache_dtype(stage.params, stage.backend)).itemsize)
+    costs = ModelCosts.of(cfg, weights, jax.numpy.dtype(kv_cache.cache_dtype(stage.params, stage.backend)).itemsize)
     return Slots(cfg, LocalStages([stage]), num_slots, 1, max_seq_len, plan=plan, prefix_blocks=prefix_blocks,
                  costs=costs)

@@ -64,7 +64,7 @@ class StageLora:
 
     def batch(self, index, rows: int, ragged: bool = False) -> Optional[lora_model.Lora]:
         """What a step of `rows` rows takes, their adapters `index` (int32 [rows], -1: none; None: none).
-        `ragged`: the step is opt.ragged_step, whose rows are one sequence of tokens ([1, rows])."""
+        `ragged`: the step is steps.ragged_step, whose rows are one sequence of tokens ([1, rows])."""
         if self.layout is None:
             return None
         index = np.full(rows, -1, np.int32) if index is None else np.asarray(index, np.int32)

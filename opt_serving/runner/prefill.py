@@ -6,7 +6,7 @@ one at a time; each pass's first tokens are chosen on the last stage and its cac
 until inserted (`Slots.insert`) or discarded.
 
 Chunked prefill (`open_prefill`, `prefill_chunk`): a long prompt goes through the stages a fixed number of
-tokens at a time (opt._extend) into its own batch-1 cache (job_size), so the engine can run decode steps between
+tokens at a time (steps.extend_step) into its own batch-1 cache (job_size), so the engine can run decode steps between
 its chunks; the last chunk, padded only to the next of `chunk_widths`, chooses the first token.
 
 Prefix caching (`prefix_blocks`; runner/prefix.py holds the index): the KV of every prefilled prompt's full

@@ -15,8 +15,8 @@ changed).
 
 Joining (`join`): a short prompt takes a free slot in its group's next decode step. Its tokens ride in that
 step's products beside the decode rows (a `JoinBlock` of 8 to 128 tokens, 512 on a GPU, up to 16 prompts; its
-k/v go straight into the slot's cache row, opt.decode_joining_step), and the step chooses its first token as it chooses
-the others'. A prefill pass of its own would read every weight again for a handful of tokens, about the cost
+k/v go straight into the slot's cache row, steps.decode_joining_step), and the step chooses its first token as it
+chooses the others'. A prefill pass of its own would read every weight again for a handful of tokens, about the cost
 of a decode step. Longer prompts, prompts whose scores are asked for, and those a full block leaves over are
 prefilled (`prefill_batch`) and inserted.
 
@@ -94,7 +94,7 @@ class Slots(Prefills, SlotModel):
         # (group, future, slots sent, their generations), oldest first
         self._flights: collections.deque = collections.deque()
         self._handles = itertools.count()
-        # ragged steps (every stage's backend: opt.ragged_step) take any prompt a part at a time, cached prefixes in
+        # ragged steps (every stage's backend: steps.ragged_step) take any prompt a part at a time, cached prefixes in
         # place; otherwise short prompts join whole (runner/joins.py)
         self.ragged = self.joins_in_parts = all(stages.get([stages.call(i, "is_ragged") for i in range(stages.n)]))
         self._platform = stages.get(stages.call(stages.n - 1, "platform"))

@@ -75,7 +75,7 @@ class StageSlots:
         self.max_seq_len = min(max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         smallest = KERNEL_MIN_WINDOW if backend.attention else kv_cache.MIN_BUCKET
         self.windows = cache_windows(self.max_seq_len, smallest)
-        dtype = opt.cache_dtype(params, backend)
+        dtype = kv_cache.cache_dtype(params, backend)
         scfg = cfg.replace(num_hidden_layers=stage.num_layers)
         self._new_cache = lambda batch, n: kv_cache.init_cache(scfg, batch, n, dtype)
         self._empty_cache = lambda: self._new_cache(rows, self.windows[0])  # smallest window
@@ -84,7 +84,7 @@ class StageSlots:
         # the prefix cache's blocks (runner/prefix.py: the driver decides which block holds what)
         self.pool = kv_cache.init_pool(scfg, prefix_blocks, PREFIX_BLOCK, dtype) if prefix_blocks else None
         # ragged steps: each group row's cached prefix, read from the pool (ptab [rows, Mp] blocks, plen [rows]
-        # entries; opt.ragged_step); without a prefix cache an empty pool stands in
+        # entries; steps.ragged_step); without a prefix cache an empty pool stands in
         mp = max(1, -(-self.max_seq_len // PREFIX_BLOCK))
         self.ptab = [np.zeros((rows, mp), np.int32) for _ in range(groups)]
         self.plen = [np.zeros(rows, np.int32) for _ in range(groups)]
@@ -102,7 +102,7 @@ class StageSlots:
         self.sampler = Sampler(cfg, backend, rows, groups, self.max_seq_len) if stage.last else None
         self.lora = StageLora(cfg, lora, stage, params)  # (lora None: every step takes None, traces no LoRA)
 
-        self.ragged = backend.ragged  # prompts continue rows and cached prefixes are read in place (opt.ragged_step)
+        self.ragged = backend.ragged  # prompts continue rows and cached prefixes are read in place (steps.ragged_step)
         self.seqs: dict = {}  # key -> a whole-sequence cache (generate() over a pipeline)
         (self._prefill, self._chunk, self._step, self._step_joining, self._step_packed, self._steps, self._seq_prefill,
          self._seq_decode,
@@ -225,7 +225,7 @@ class StageSlots:
         return tuple(np.asarray(a) for a in out)
 
     def _prefix(self, group: int):
-        """What a ragged step of the group reads cached prefixes from (opt.ragged_step's `prefix`); None on a stage
+        """What a ragged step of the group reads cached prefixes from (steps.ragged_step's `prefix`); None on a stage
         that prefills prompts in passes of their own."""
         if not self.ragged:
             return None
@@ -362,7 +362,7 @@ class StageSlots:
         """Tokens x [B, C] (the previous stage's hidden states [B, C, D] on a stage that is not first) at entries
         (= positions: unpadded rows) start..start+C-1 of each row, after its valid entries; `chunk_mask` [B, C]
         marks the real ones (a right-padded chunk) -> hidden states [B, C, D], or on the last stage logits
-        [B, C, V] (opt._extend); with `exclude` [B, C] (int32, -1 none; greedy rows) the last stage's argmax
+        [B, C, V] (steps.extend_step); with `exclude` [B, C] (int32, -1 none; greedy rows) the last stage's argmax
         tokens [B, C] instead, each leaving out its excluded token (the screened head: no logits made)."""
         greedy = exclude is not None
         fn = seq_extend_fn(self.cfg, self.spec, self.backend, greedy)

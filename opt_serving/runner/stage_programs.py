@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from opt_serving.backend import Backend
-from opt_serving.model import kv_cache, opt
+from opt_serving.model import kv_cache, opt, steps
 from opt_serving.model.lora import with_lora
 from opt_serving.runner.buckets import cache_bucket
 from opt_serving.runner.sampler import split_rows
@@ -76,15 +76,15 @@ def _passes(cfg, stage: opt.StageSpec, backend: Backend, max_seq_len: int, new_c
         pass -> k batch-1 caches and the hidden states [k, n, D] (final ones on the last stage)."""
         k, n = mask.shape  # [k, n]: n a prefill width, the cache a coarser size (cache_bucket)
         cache = new_cache(k, cache_bucket(n, max_seq_len))
-        h, cache = opt.prefill_step(cfg, params, cache, x, mask, return_hidden=True, stage=stage,
-                                    backend=backend)
+        h, cache = steps.prefill_step(cfg, params, cache, x, mask, return_hidden=True, stage=stage,
+                                      backend=backend)
         return split_rows(cache, k), h
 
     def chunk(params, cache, x, start, mask):
-        """A chunk of a prompt's prefill into its batch-1 cache (opt._extend) -> hidden states [1, C, D]."""
-        return opt._extend(cfg, params, cache, x, start, mask, return_hidden=True, stage=stage, backend=backend)
+        """A chunk of a prompt's prefill into its batch-1 cache (steps.extend_step) -> hidden states [1, C, D]."""
+        return steps.extend_step(cfg, params, cache, x, start, mask, return_hidden=True, stage=stage, backend=backend)
 
-    ragged = backend.ragged  # prompts continue rows and cached prefixes are read in place (opt.ragged_step)
+    ragged = backend.ragged  # prompts continue rows and cached prefixes are read in place (steps.ragged_step)
     no_block = (np.zeros(0, np.int32),) * 3
 
     def step(params, cache, x, pos, read_len, prefix=None):
@@ -92,19 +92,19 @@ def _passes(cfg, stage: opt.StageSpec, backend: Backend, max_seq_len: int, new_c
         is not stepped (free, or its prompt is being prefilled: ragged steps leave its entries alone)."""
         if ragged:
             write = jnp.where(pos >= 0, pos, kv_cache.cache_max_len(cache))
-            return opt.ragged_step(cfg, params, cache, x, jnp.maximum(pos, 0), write, no_block, prefix,
-                                   stage=stage, backend=backend)
+            return steps.ragged_step(cfg, params, cache, x, jnp.maximum(pos, 0), write, no_block, prefix,
+                                     stage=stage, backend=backend)
         pos = jnp.maximum(pos, 0)
-        return opt.decode_step(cfg, params, cache, x, pos, pos, read_len=read_len, return_hidden=True,
-                               stage=stage, backend=backend)
+        return steps.decode_step(cfg, params, cache, x, pos, pos, read_len=read_len, return_hidden=True,
+                                 stage=stage, backend=backend)
 
     def step_joining(params, cache, x, pos, read_len, block, last, last_rows, prefix=None):
-        # as `step`, with short prompts joining free rows whole in the same pass (opt.decode_joining_step; ragged
+        # as `step`, with short prompts joining free rows whole in the same pass (steps.decode_joining_step; ragged
         # stages take every step's tokens as one list: step_packed); the last stage hands the sampler each
         # prompt's hidden state at its last token
         pos = jnp.maximum(pos, 0)
-        h, cache = opt.decode_joining_step(cfg, params, cache, x, pos, pos, read_len, block, stage=stage,
-                                           backend=backend)
+        h, cache = steps.decode_joining_step(cfg, params, cache, x, pos, pos, read_len, block, stage=stage,
+                                             backend=backend)
         if stage.last:  # [B + T, D] -> [B, D]
             b = pos.shape[0]
             h = h[:b].at[last_rows].set(h[b + last], mode="drop")
@@ -120,8 +120,8 @@ def _passes(cfg, stage: opt.StageSpec, backend: Backend, max_seq_len: int, new_c
             tokens, block = empty, (x, rows, entries)
         else:
             tokens, block = x, (empty, rows, entries)
-        h, cache = opt.ragged_step(cfg, params, cache, tokens, empty, empty, block, prefix, stage=stage,
-                                   backend=backend)
+        h, cache = steps.ragged_step(cfg, params, cache, tokens, empty, empty, block, prefix, stage=stage,
+                                     backend=backend)
         if stage.last:  # [N, D] -> [B, D]
             h = jnp.take(h, out, axis=0, mode="clip")
         return h, cache
@@ -132,11 +132,11 @@ def _passes(cfg, stage: opt.StageSpec, backend: Backend, max_seq_len: int, new_c
 def _seq_passes(cfg, stage: opt.StageSpec, backend: Backend):
     """generate()'s passes over a pipeline's whole-sequence caches: (seq_prefill, seq_decode), not jitted."""
     def seq_prefill(params, cache, x, mask, all_logits):
-        return opt.prefill_step(cfg, params, cache, x, mask, all_logits=all_logits, stage=stage,
-                                backend=backend)
+        return steps.prefill_step(cfg, params, cache, x, mask, all_logits=all_logits, stage=stage,
+                                  backend=backend)
 
     def seq_decode(params, cache, x, positions, write_index):
-        return opt.decode_step(cfg, params, cache, x, positions, write_index, stage=stage, backend=backend)
+        return steps.decode_step(cfg, params, cache, x, positions, write_index, stage=stage, backend=backend)
 
     return seq_prefill, seq_decode
 
@@ -163,11 +163,11 @@ def _many_steps(step, choose):
 @functools.lru_cache(maxsize=None)
 def seq_extend_fn(cfg, stage, backend, greedy: bool):
     """A speculative check's pass (StageSlots.seq_extend): drafted tokens [B, C] after each row's cache, each
-    query's attention as its own decode step's (opt._extend per_query) -> the greedy tokens [B, C] on the last
+    query's attention as its own decode step's (steps.extend_step per_query) -> the greedy tokens [B, C] on the last
     stage (screened head), else its hidden states or logits."""
     def extend(params, cache, x, start, chunk_mask, exclude):
-        out, cache = opt._extend(cfg, params, cache, x, start, chunk_mask, return_hidden=greedy, stage=stage,
-                                 backend=backend, per_query=True)
+        out, cache = steps.extend_step(cfg, params, cache, x, start, chunk_mask, return_hidden=greedy, stage=stage,
+                                       backend=backend, per_query=True)
         if greedy and stage.last:  # [B, C, D] -> the tokens [B, C]
             b, c = chunk_mask.shape
             out = opt.lm_argmax(params, out.reshape(b * c, -1), exclude.reshape(-1), backend=backend).reshape(b, c)
@@ -179,8 +179,8 @@ def seq_extend_fn(cfg, stage, backend, greedy: bool):
 def seq_prefill_greedy_fn(cfg, stage, backend):
     """A speculative run's prefill: the first greedy token from the whole prompt (as plain generate()'s)."""
     def prefill(params, cache, x, mask, exclude):
-        out, cache = opt.prefill_step(cfg, params, cache, x, mask, all_logits=False, return_hidden=True, stage=stage,
-                                      backend=backend)
+        out, cache = steps.prefill_step(cfg, params, cache, x, mask, all_logits=False, return_hidden=True, stage=stage,
+                                        backend=backend)
         return (opt.lm_argmax(params, out, exclude, backend=backend) if stage.last else out), cache
     return jax.jit(with_lora(prefill), donate_argnums=(1,))
 
