@@ -13,9 +13,7 @@ MAX_MODULE_LINES = 450
 MAX_FUNCTION_LINES = 60
 
 # the offenders left, each being split by its own change: "path" for a module, "path:qualified.name" for a function
-KNOWN = {
-    "opt_serving/text/generator.py",  # checking and tokenising apart from the streams
-}
+KNOWN: set[str] = set()  # none now
 
 
 def sources() -> list[Path]:

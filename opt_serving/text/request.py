@@ -14,7 +14,8 @@ lines, library callers) and every check below raises `errors.InvalidRequest` nam
     context (the engine calls it too: these are the slot model's invariants, so it and `check_bad_words` are
     defined with the engine's types, engine/types.py, and re-exported here);
   * `check_n(n, best_of)`: how many samples a prompt asks for.
-`Generator.prepare` (and `prepare_many`, the batch runner's) runs them in that order.
+`Checker.prepare` (checking.py; a `Generator` is one) and `prepare_many`, the batch runner's, run them in that
+order.
 """
 from __future__ import annotations
 
