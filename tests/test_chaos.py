@@ -22,7 +22,8 @@ KILL_AFTER_S = (3.0, 6.0)
 
 @pytest.mark.slow
 def test_killing_the_replica_and_the_controller_under_load_fails_requests_cleanly_and_recovers():
-    with harness.serve(["--num-cpus", "2", "--drain-timeout", "2"], timeout=300) as server:
+    # each step compiled at its first use (--no-warmup): the kills and recoveries are tested, not warm-up's length
+    with harness.serve(["--num-cpus", "2", "--drain-timeout", "2", "--no-warmup"], timeout=300) as server:
         targets = chaos.targets(server.processes, ["replica", "controller"])
         report = asyncio.run(chaos.run_chaos(server.url, targets, duration_s=0, clients=16,
                                              interval_s=KILL_AFTER_S,

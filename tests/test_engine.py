@@ -1115,6 +1115,23 @@ def test_the_prefix_caching_option_reaches_the_slot_model(monkeypatch):
     assert seen["prefix_caching"] is False
 
 
+def test_the_warmup_option_reaches_the_generator(monkeypatch):
+    """Warm-up is on by default (`serve`, ServeArgs); `--no-warmup` (warmup=False) reaches load_generator."""
+    from opt_serving.cli import build_parser
+    from opt_serving.service import deployment
+    from opt_serving.service.cli_args import serve_args_from
+    from opt_serving.service.deployment import ServeArgs, build_generator
+    serve, _ = build_parser("serve")
+    assert serve_args_from(serve.parse_args(["serve"])).warmup is True
+    assert serve_args_from(serve.parse_args(["serve", "--no-warmup"])).warmup is False
+    seen = {}
+    monkeypatch.setattr(deployment, "load_generator", lambda *a, **kw: seen.update(kw))
+    build_generator(ServeArgs())
+    assert seen["warmup"] is True
+    build_generator(ServeArgs(warmup="false"))  # `serve run ... warmup=false`, serve_config.yaml's `warmup: false`
+    assert seen["warmup"] is False
+
+
 def test_prefill_widths_pad_long_prompts_by_at_most_a_quarter():
     from opt_serving.runner.buckets import cache_bucket, cache_buckets, prefill_bucket, prefill_buckets
     assert prefill_buckets(1024) == [8, 16, 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512,

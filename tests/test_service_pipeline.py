@@ -6,7 +6,8 @@ and eight requests at once against each alone. The two stages run on the two nod
 replica's placement group. A killed stage fails requests with a 503 naming it, and Serve rebuilds the
 replica with its stages. int8 weights pipelined over the two nodes serve the jax/ int8 engine's answers, and
 the planner gives them one device where float32 needs two. Ray starts are slow on 2 cores: one cluster
-serves the whole module.
+serves the whole module. The first deployment warms up as a server does (its stage actors compile every shape);
+the later plans compile each step at its first use (warmup=False), what those tests check being their tokens.
 """
 import concurrent.futures
 import os
@@ -76,8 +77,9 @@ RUNNING = {}  # "plan": the arguments of the app the module's cluster runs now
 
 
 def deploy(folder, **plan):
-    """The app for alpa/opt-tiny with `plan`, replacing whatever ran before; returns its plan. The app already
-    running with these very arguments is kept (a pipelined deployment takes tens of seconds to start)."""
+    """The app for alpa/opt-tiny with `plan` (ServeArgs' arguments, warmup=False among them), replacing whatever ran
+    before; returns its plan. The app already running with these very arguments is kept (a pipelined deployment
+    takes tens of seconds to start)."""
     from ray import serve
     from opt_serving.service.deployment import ServeArgs, build_app
     args = ServeArgs(model="alpa/opt-tiny", path=str(folder), max_batch_size=8, max_seq_len=64, **plan)
@@ -151,8 +153,8 @@ def test_nothing_fits_says_what_opt_serving_plan_says(cluster, folder, capsys):
 
 
 def test_a_killed_stage_gives_503s_and_serve_rebuilds_the_replica(cluster, folder, reference):
-    # the planner's pp 2 of the first test: its deployment when that test ran before this one
-    args = deploy(folder, device_memory="5MB")
+    # the planner's pp 2 of the first test, compiling at first use: Serve rebuilds it the same way after the kill
+    args = deploy(folder, device_memory="5MB", warmup=False)
     assert (args.pipeline_parallel, args.tensor_parallel) == (2, 1)
     assert texts(cluster, GREEDY)[:2] == reference["greedy"][:2]
     _, pid, stage = stages_by_node()[1]
@@ -177,7 +179,7 @@ def test_a_killed_stage_gives_503s_and_serve_rebuilds_the_replica(cluster, folde
 
 
 def test_pp2_by_tp2_serves_the_same_tokens(cluster, folder, reference):
-    args = deploy(folder, pipeline_parallel=2, tensor_parallel=2)
+    args = deploy(folder, pipeline_parallel=2, tensor_parallel=2, warmup=False)
     assert (args.pipeline_parallel, args.tensor_parallel) == (2, 2)
     assert len(stages_by_node()) == 2
     assert texts(cluster, GREEDY, concurrent=True) == reference["greedy"]
@@ -194,7 +196,7 @@ def test_int8_weights_pipelined_over_both_nodes_serve_the_jax_int8_engines_token
     assert [(a.pipeline_parallel, a.tensor_parallel) for a in planned] == [(2, 1), (1, 1)]
     want = engine_reference(folder, quantize="int8")
     assert want["greedy"] != reference["greedy"]  # int8's tokens are not float32's on this model
-    deploy(folder, pipeline_parallel=2, quantize="int8")
+    deploy(folder, pipeline_parallel=2, quantize="int8", warmup=False)
     assert [node for node, _, _ in stages_by_node()] == ["node0", "node1"]
     assert texts(cluster, GREEDY, concurrent=True) == want["greedy"]
     assert texts(cluster, SAMPLED) == want["sampled"]

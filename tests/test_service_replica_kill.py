@@ -2,10 +2,11 @@
 replica, a private Ray) with 64 streaming requests running or waiting; SIGKILL the replica's process. The
 in-flight requests must end (an error or a dropped connection) within 60 s (the issue's bound on a failed
 request: later than that, a client cannot tell it from a hang), and a new request must be served on the same
-port again. How soon is a figure, printed here and recorded in benchmark/README.md (benchmark/faults/chaos.py measures
-it under load): on a busy machine the replacement's start (loading the model, compiling its steps) took 104.9 s
-where 13-25 s is usual, so the test waits for the real condition, a request served, up to RECOVER_LIMIT_S, a
-limit that only keeps a server that never comes back from hanging the suite.
+port again. The server compiles each step at its first use (--no-warmup): what is tested is that the requests end
+and the port serves again, not how long a warm-up takes; how soon at the defaults is a figure benchmark/faults/chaos.py
+measures under load (benchmark/README.md). On a busy machine a replacement's start (loading the model, compiling its
+steps) took 104.9 s where 13-25 s is usual, so the test waits for the real condition, a request served, up to
+RECOVER_LIMIT_S, a limit that only keeps a server that never comes back from hanging the suite.
 
 Before, new requests were refused for 150-190 s, for two reasons in Ray Serve's direct ingress, both fixed
 on our side (opt_serving/service/ray_session.py direct_ingress_env, deployment.py reuse_replica_port_after_crash):
@@ -105,7 +106,7 @@ def test_killed_replica_fails_in_flight_requests_and_serves_again_on_the_same_po
     t0 = time.monotonic()
     proc = subprocess.Popen(
         [sys.executable, "-m", "opt_serving", "serve", "--port", str(port), "--num-cpus", "2",
-         "--ray-address", "local", "--drain-timeout", "2"],
+         "--ray-address", "local", "--drain-timeout", "2", "--no-warmup"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_for_line(proc, f"http://127.0.0.1:{port}/", timeout=240)

@@ -53,6 +53,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="do not keep prompts' KV cache for later prompts that start the same way (on by "
                         "default: such a prompt prefills only what follows its cached prefix)")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="compile each program at its first use instead of every shape before serving: the server "
+                        "answers in seconds, and the first request of each new shape (prompt width, cache window, "
+                        "joining block) waits for its compile, read from the compile cache when an earlier start "
+                        "compiled it")
     p.add_argument("--max-batch-size", type=int, default=16, help="decode slots (requests advanced per step)")
     p.add_argument("--max-seq-len", type=int, default=None, help="prompt + generated tokens (default: the model's)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond which the answer is 429")
@@ -123,7 +128,7 @@ def serve_args_from(args: argparse.Namespace):
     return ServeArgs(engine=args.engine, model=args.model, path=path, dummy=args.dummy, seed=args.seed,
                      tokenizer=tokenizer, dtype=args.dtype, quantize=args.quantize, prefill_chunk=args.prefill_chunk,
                      prefill_budget=args.prefill_budget, decode_steps=args.decode_steps,
-                     prefix_caching=args.prefix_caching, max_batch_size=args.max_batch_size,
+                     prefix_caching=args.prefix_caching, warmup=args.warmup, max_batch_size=args.max_batch_size,
                      max_seq_len=args.max_seq_len, max_queue=args.max_queue, request_timeout=args.request_timeout,
                      api_keys=keys, served_model_name=args.served_model_name,
                      num_replicas=args.num_replicas, num_gpus=args.num_gpus,

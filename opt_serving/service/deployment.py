@@ -47,6 +47,9 @@ class ServeArgs(BaseModel):
     prefill_budget: Optional[PositiveInt] = None  # prompt tokens an iteration, whole and chunks (None: 2048)
     decode_steps: PositiveInt = DECODE_STEPS  # decode steps in one call while nobody waits for a slot
     prefix_caching: bool = True          # keep prompts' KV for later prompts that start the same way
+    # compile every shape serving runs before the replica serves (False: each at its first use, a start in
+    # seconds and a first request of each new shape that waits for its compile)
+    warmup: bool = True
     request_timeout: float = 600.0
     api_keys: list[str] | str = []       # a list, or comma separated
     # the names requests may call the model by (vLLM's --served-model-name; a list, or comma separated); the
@@ -129,7 +132,8 @@ def build_generator(args: ServeArgs):
                           max_seq_len=args.max_seq_len, max_queue=args.max_queue, dummy=args.dummy, seed=args.seed,
                           tokenizer=args.tokenizer, quantize=args.quantize, prefill_chunk=args.prefill_chunk,
                           prefill_budget=args.prefill_budget, decode_steps=args.decode_steps,
-                          prefix_caching=args.prefix_caching, lora=args.lora_options(), **args.plan_args())
+                          prefix_caching=args.prefix_caching, warmup=args.warmup, lora=args.lora_options(),
+                          **args.plan_args())
 
 
 def placement(args: ServeArgs) -> dict:
