@@ -52,7 +52,8 @@ def server(folders):
     command line as `serve` builds a replica's generator -> (generator, base URL, openai client)."""
     args = serve_args_from(parse("--lora-modules", f"sql={folders['sql']}", f"chat={folders['chat']}",
                                  "--max-loras", "2", "--max-lora-rank", "8", "--enable-lora-runtime-updates",
-                                 "--max-batch-size", "4", "--max-seq-len", "64", "--no-prefix-caching"))
+                                 "--max-batch-size", "4", "--max-seq-len", "64", "--no-prefix-caching",
+                                 "--no-warmup"))  # (LoRA's warm-up: test_runner_lora.py)
     assert check_args(args) is None
     g = build_generator(args)
     app = create_app(g, model_name=args.model_names(), lora_runtime_updates=args.enable_lora_runtime_updates)

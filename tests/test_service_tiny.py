@@ -1,4 +1,4 @@
-"""The service over the real embedded tiny OPT (random weights, its own tokenizer), compiled once per module:
+"""The service over the real embedded tiny OPT (random weights, its own tokenizer), one generator per module:
 greedy text through the `openai` client equals offline generate(), and 64 concurrent streaming clients all get
 their offline output while the decode steps carry more than one request each."""
 import asyncio
@@ -26,7 +26,8 @@ def tiny():
     except ImportError:
         pytest.skip("opt_serving.model.embedded not available yet")
     path = ensure_embedded_model()
-    g = load_generator("jax/opt-tiny", str(path), max_batch_size=16, max_seq_len=64, max_queue=64)
+    # each step compiled at its first use: the service is tested here, warm-up in test_engine.py and test_runner.py
+    g = load_generator("jax/opt-tiny", str(path), max_batch_size=16, max_seq_len=64, max_queue=64, warmup=False)
     with serve_in_thread(create_app(g)) as url:
         yield g, path, url
     g.close()
