@@ -1090,10 +1090,6 @@ def test_the_prefix_caching_option_reaches_the_slot_model(monkeypatch):
     from opt_serving import batch
     from opt_serving.text import loading
     from opt_serving.model.embedded import ensure_embedded_model
-    from opt_serving.cli import build_parser
-    from opt_serving.service.cli_args import serve_args_from
-    from opt_serving.service import deployment
-    from opt_serving.service.deployment import ServeArgs, build_generator
     folder = ensure_embedded_model()
     for kw, on in (({}, True), ({"prefix_caching": False}, False)):
         e = loading.load_engine("jax/opt-tiny", folder, num_slots=2, max_seq_len=64, warmup=False, **kw)
@@ -1104,32 +1100,30 @@ def test_the_prefix_caching_option_reaches_the_slot_model(monkeypatch):
     files = ["--input", "in.jsonl", "--output", "out.jsonl"]
     assert parser.parse_args(files).prefix_caching is True
     assert parser.parse_args(files + ["--no-prefix-caching"]).prefix_caching is False
-    serve, _ = build_parser("serve")
-    assert serve_args_from(serve.parse_args(["serve"])).prefix_caching is True
-    assert serve_args_from(serve.parse_args(["serve", "--no-prefix-caching"])).prefix_caching is False
-    seen = {}
-    monkeypatch.setattr(deployment, "load_generator", lambda *a, **kw: seen.update(kw))
-    build_generator(ServeArgs())
-    assert seen["prefix_caching"] is True
-    build_generator(ServeArgs(prefix_caching="false"))  # a builder argument from `serve run ... prefix_caching=false`
-    assert seen["prefix_caching"] is False
+    assert_serve_switch_reaches_the_generator(monkeypatch, "prefix_caching", "--no-prefix-caching")
 
 
 def test_the_warmup_option_reaches_the_generator(monkeypatch):
     """Warm-up is on by default (`serve`, ServeArgs); `--no-warmup` (warmup=False) reaches load_generator."""
+    assert_serve_switch_reaches_the_generator(monkeypatch, "warmup", "--no-warmup")
+
+
+def assert_serve_switch_reaches_the_generator(monkeypatch, field: str, flag: str):
+    """ServeArgs' `field`, on by default: `serve`'s command line without and with `flag`, and the builder's argument
+    left out and given as "false" (`serve run ... field=false`, serve_config.yaml), each reach load_generator."""
     from opt_serving.cli import build_parser
     from opt_serving.service import deployment
     from opt_serving.service.cli_args import serve_args_from
     from opt_serving.service.deployment import ServeArgs, build_generator
     serve, _ = build_parser("serve")
-    assert serve_args_from(serve.parse_args(["serve"])).warmup is True
-    assert serve_args_from(serve.parse_args(["serve", "--no-warmup"])).warmup is False
+    assert getattr(serve_args_from(serve.parse_args(["serve"])), field) is True
+    assert getattr(serve_args_from(serve.parse_args(["serve", flag])), field) is False
     seen = {}
     monkeypatch.setattr(deployment, "load_generator", lambda *a, **kw: seen.update(kw))
     build_generator(ServeArgs())
-    assert seen["warmup"] is True
-    build_generator(ServeArgs(warmup="false"))  # `serve run ... warmup=false`, serve_config.yaml's `warmup: false`
-    assert seen["warmup"] is False
+    assert seen[field] is True
+    build_generator(ServeArgs(**{field: "false"}))
+    assert seen[field] is False
 
 
 def test_prefill_widths_pad_long_prompts_by_at_most_a_quarter():
