@@ -1,6 +1,7 @@
 """Fixtures and model configs shared by several test files (`from conftest import TINY`:
 pytest puts tests/ on sys.path)."""
 import atexit
+import contextlib
 import os
 import shutil
 import tempfile
@@ -78,6 +79,23 @@ def hf_model(cfg, seed=0):
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))
     return model
+
+
+@contextlib.contextmanager
+def xla_compiles():
+    """The executables XLA builds, or loads from the compile cache, in this process while the block runs (one entry
+    each, its function's name, from any thread: an engine's too): a warmed model's requests must ask for none."""
+    import jax
+    asked = []
+
+    def on(event, _secs, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            asked.append(kw.get("fun_name", "?"))
+    jax.monitoring.register_event_duration_secs_listener(on)
+    try:
+        yield asked
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on)
 
 
 def xla_slots(cfg, params, **kwargs):

@@ -12,7 +12,7 @@ from opt_serving.engine.scheduler import MAX_TOP_LOGPROBS, Engine, EngineClosed,
 from opt_serving.backend.cpu import head
 from opt_serving.model import weights
 from opt_serving.runner.types import JOIN_PROMPTS
-from conftest import xla_slots
+from conftest import xla_compiles, xla_slots
 from opt_serving.runner.joins import Part
 
 CFG = OPTConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
@@ -664,18 +664,15 @@ def test_a_finished_request_has_left_its_slot_when_its_last_token_arrives():
 
 
 def test_warmup_compiled_every_shape(engine, model):
-    stage = model.stages.stages[0]
-    s = stage.sampler
-    compiled = (stage._prefill, s._first, s._split_rows, s._choose, s._insert, s._free, s._choose_joining,
-                s._scores_block, stage._insert_cache, stage._resize, stage._step, stage._step_joining, stage._free)
-    sizes = [f._cache_size() for f in compiled]
+    s = model.stages.stages[0].sampler
     jobs = [([2] + [7] * (n - 1), SlotSettings(max_tokens=MAX_SEQ - n, temperature=0.5, top_p=0.9, seed=n,
                                                prompt_logprobs=n in (17, 3)))
             for n in (1, 15, 16, 17, 31, 3, 9)]
-    run_all(engine, jobs)
-    assert [f._cache_size() for f in compiled] == sizes
+    with xla_compiles() as asked:
+        run_all(engine, jobs)
+    assert asked == []
     # the sampler's side of a joining step and the prompt scores: one program whatever the block or the width
-    assert len(model.join_blocks) > 1 and s._choose_joining._cache_size() == s._scores_block._cache_size() == 1
+    assert len(model.join_blocks) > 1 and len(s._choose_joining.warmed) == len(s._scores_block.warmed) == 1
 
 
 def test_queue_full_too_long_and_close(model):
@@ -1042,16 +1039,15 @@ def test_warmup_compiles_the_chunked_prefill(model):
     s = stage.sampler
     e = Engine(model, start=False, prefill_chunk=8)
     e.warmup()
-    compiled = (stage._prefill, stage._chunk, s._first, s._chunked_first, s._split_rows, s._choose, s._insert,
-                s._free, s._scores_block, stage._insert_cache, stage._resize, stage._step, stage._free)
-    sizes = [f._cache_size() for f in compiled]
     e.start()
     try:
-        run_all(e, [(p, SlotSettings(max_tokens=32 - len(p), temperature=0.5, seed=1))
-                    for p in LONG + [[2] * 9, [2, 5, 6], [2] * 12]])
+        with xla_compiles() as asked:
+            run_all(e, [(p, SlotSettings(max_tokens=32 - len(p), temperature=0.5, seed=1))
+                        for p in LONG + [[2] * 9, [2, 5, 6], [2] * 12]])
     finally:
         e.close()
-    assert [f._cache_size() for f in compiled] == sizes
+    assert asked == []
+    assert stage._chunk.warmed and s._chunked_first.warmed  # (the chunked prefill compiled: a prompt is longer than 8)
 
 
 def test_the_prefill_chunk_option_reaches_the_engine(monkeypatch):
@@ -1155,18 +1151,18 @@ def test_prompts_at_the_finer_widths_give_hf_tokens_with_no_new_insert_compiled(
         sizes.append(stage.pending[prefix.state]["mask"].shape[1])
         slots.discard(prefix)
     assert sizes == [96, 128]
-    compiled = (stage._prefill._cache_size(), stage._insert_cache._cache_size())
     e = Engine(slots)
     try:
-        got = [Collect() for _ in prompts]
-        for c, prompt in zip(got, prompts):
-            e.submit(prompt, SlotSettings(max_tokens=5), c)
-        for c in got:
-            assert c.done.wait(60)
+        with xla_compiles() as asked:
+            got = [Collect() for _ in prompts]
+            for c, prompt in zip(got, prompts):
+                e.submit(prompt, SlotSettings(max_tokens=5), c)
+            for c in got:
+                assert c.done.wait(60)
     finally:
         e.close()
     assert [c.ids for c in got] == [hf_greedy(ref, p, 5) for p in prompts]
-    assert (stage._prefill._cache_size(), stage._insert_cache._cache_size()) == compiled
+    assert asked == []
 
 class Sizes(Collect):
     """Collect, also keeping how many tokens each output carried."""

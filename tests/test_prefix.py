@@ -3,7 +3,6 @@ runner/stage.py): a prompt that starts as an earlier one did computes only the r
 without the cache, across evictions, on one device, over pipeline stages and in every cache format."""
 import threading
 
-import jax
 import numpy as np
 import pytest
 
@@ -11,7 +10,7 @@ from opt_serving.config import OPTConfig
 from opt_serving.engine.scheduler import Engine, OPTSlots, SlotSettings
 from opt_serving.runner.prefix import BLOCK_SIZE, PrefixCache
 
-from conftest import hf_model
+from conftest import hf_model, xla_compiles
 
 # vocabulary 128 and positions 128: prompts of several blocks with shared prefixes
 CFG = OPTConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
@@ -251,13 +250,7 @@ def test_a_burst_sharing_a_prefix_computes_it_once_and_reads_it_in_place(params,
 def test_warm_up_compiles_every_shape_a_cached_prefix_runs(params):
     """After warm-up, prompts that hit, miss, evict and are scored, prefilled whole and in chunks, compile
     nothing (XLA's backend compiles are counted)."""
-    compiles = []
-
-    def on(event, secs, **kw):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(secs)
-    jax.monitoring.register_event_duration_secs_listener(on)
-    try:
+    with xla_compiles() as compiles:
         for chunk in (16, None):  # (the chunk sets which steps run: a model is warmed up for its engine's)
             compiles.clear()
             model = OPTSlots(CFG, params, num_slots=3, max_seq_len=MAX_SEQ, prefix_blocks=6)
@@ -268,8 +261,6 @@ def test_warm_up_compiles_every_shape_a_cached_prefix_runs(params):
             one_by_one(model, jobs, chunk)
             assert model.prefix.evictions > 0 and warm > 0
             assert len(compiles) == warm, chunk
-    finally:
-        jax.monitoring.unregister_event_duration_listener(on)
 
 
 def test_pipeline_stages_keep_their_own_layers_blocks(params, plain):

@@ -7,7 +7,7 @@ import pytest
 
 from opt_serving.engine.scheduler import Engine, SlotSettings
 
-from conftest import SMALL
+from conftest import SMALL, xla_compiles
 
 CFG = SMALL
 
@@ -38,13 +38,6 @@ def one_device(params):
     reuse its compiled steps (no prefix cache: each run frees every slot and leaves nothing behind)."""
     from opt_serving.engine.scheduler import OPTSlots
     return OPTSlots(CFG, params, num_slots=4, max_seq_len=64)
-
-
-def served_programs(piped) -> list:
-    """The jitted functions a served pipeline's steps run: the stages' steps, inserts and frees, the sampler's."""
-    sampler = piped.stages.stages[-1].sampler
-    return ([f for s in piped.stages.stages for f in (s._step, s._step_joining, s._insert_cache, s._free)]
-            + [sampler._choose, sampler._choose_joining, sampler._insert, sampler._free])
 
 
 def two_stage_slots(params, num_slots=4, groups=2, xla=False):
@@ -99,13 +92,12 @@ def test_two_stages_and_two_groups_equal_one_device(params, one_device):
     want = [c.ids for c in run(one_device, JOBS)]  # six jobs, four slots: later ones wait for a free slot
     piped = two_stage_slots(params)
     piped.warmup()
-    jitted = served_programs(piped)
-    programs = [f._cache_size() for f in jitted]
-    got = run(piped, JOBS)
+    with xla_compiles() as asked:
+        got = run(piped, JOBS)
     assert [c.ids for c in got] == want
     # six jobs in four slots: prompts joined both groups, after inserts and frees, and serving compiled nothing
     # (group 1's sampler arrays are as warm-up left group 0's; a cache is spelled alike whatever made it)
-    assert [f._cache_size() for f in jitted] == programs
+    assert asked == []
     assert [len(c.ids) for c in got] == [s.max_tokens for _, s in JOBS]
     # a step returns one group's slots (consecutive slots alternate groups)
     assert piped.group_of(0) == (0, 0) and piped.group_of(1) == (1, 0) and piped.group_of(2) == (0, 1)
@@ -124,14 +116,13 @@ def test_after_warm_up_prompts_joining_each_group_right_after_an_insert_compile_
         stages.append(StageSlots(CFG, stage_params, spec, 2, 2, 64, backend=backend))
     piped = Slots(CFG, LocalStages(stages), 4, 2, 64)
     piped.warmup()
-    jitted = served_programs(piped)
-    programs = [f._cache_size() for f in jitted]
-    for slot in (0, 1):  # groups 0 and 1
-        piped.insert(piped.prefill([2, 5, 6, 7], SlotSettings(max_tokens=4)), slot)
-        assert piped.join([2, 9, 9], SlotSettings(max_tokens=4), slot + 2)  # 3 tokens: the smallest block
-    for _ in range(4):
-        piped.step()
-    assert [f._cache_size() for f in jitted] == programs
+    with xla_compiles() as asked:
+        for slot in (0, 1):  # groups 0 and 1
+            piped.insert(piped.prefill([2, 5, 6, 7], SlotSettings(max_tokens=4)), slot)
+            assert piped.join([2, 9, 9], SlotSettings(max_tokens=4), slot + 2)  # 3 tokens: the smallest block
+        for _ in range(4):
+            piped.step()
+    assert asked == []
 
 
 def test_a_slot_cancelled_and_refilled_while_its_group_is_in_flight_gets_no_stale_token(params, one_device):

@@ -4,7 +4,7 @@ import pytest
 
 from opt_serving.runner.types import SlotSettings
 
-from conftest import SMALL
+from conftest import SMALL, xla_compiles
 
 CFG = SMALL
 pytestmark = pytest.mark.cpu_kernels  # ragged steps: the CPU kernels (conftest.py)
@@ -26,6 +26,7 @@ def slots():
 
 
 def programs(slots) -> dict:
+    """Each program's shapes warm-up compiled."""
     stage = slots.stages.stages[0]
     sampler = stage.sampler
     jitted = {name: getattr(stage, name) for name in ("_prefill", "_chunk", "_step", "_step_joining", "_step_packed",
@@ -33,7 +34,7 @@ def programs(slots) -> dict:
                                                       "_store_row")}
     jitted.update({"sampler" + name: getattr(sampler, name) for name in ("_first", "_choose", "_choose_joining",
                                                                          "_insert", "_free", "_chunked_first")})
-    return {name: f._cache_size() for name, f in jitted.items()}
+    return {name: len(f.warmed) for name, f in jitted.items()}
 
 
 def test_the_shapes_are_the_bucket_helpers_and_the_stages_own(slots):
@@ -69,22 +70,43 @@ def test_the_list_compiles_exactly_its_shapes(slots):
 def test_after_warm_up_a_mixed_workload_compiles_nothing(slots):
     """Prompts of every kind after warm-up: batched and whole prefills, inserts, prompts joining a part at a time,
     a chunked prompt with a cached prefix, steps one and four at a time, frees: no program compiles again."""
-    before = programs(slots)
-    long = [2] + list(range(10, 50))
-    slots.insert(slots.prefill(long, SlotSettings(max_tokens=6)), 0)
-    batch = slots.prefill_batch([[2, 5], [2, 6, 7]], [SlotSettings(), SlotSettings(temperature=0.8, seed=1)])
-    slots.discard(batch[0])
-    slots.insert(batch[1], 1)
-    assert slots.join([2, 40, 41], SlotSettings(), 2)
-    assert slots.join(long[:33] + [3, 4], SlotSettings(), 3)  # its first two blocks are cached: the rest joins
-    for _ in range(4):
+    with xla_compiles() as asked:
+        long = [2] + list(range(10, 50))
+        slots.insert(slots.prefill(long, SlotSettings(max_tokens=6)), 0)
+        batch = slots.prefill_batch([[2, 5], [2, 6, 7]], [SlotSettings(), SlotSettings(temperature=0.8, seed=1)])
+        slots.discard(batch[0])
+        slots.insert(batch[1], 1)
+        assert slots.join([2, 40, 41], SlotSettings(), 2)
+        assert slots.join(long[:33] + [3, 4], SlotSettings(), 3)  # its first two blocks are cached: the rest joins
+        for _ in range(4):
+            slots.step()
+        slots.step_many(4)
+        job = slots.open_prefill(long + [7, 8], SlotSettings(prompt_logprobs=True), 16)
+        prefix = slots._run(job)
+        slots.free(1)
+        slots.insert(prefix, 1)
         slots.step()
-    slots.step_many(4)
-    job = slots.open_prefill(long + [7, 8], SlotSettings(prompt_logprobs=True), 16)
-    prefix = slots._run(job)
-    slots.free(1)
-    slots.insert(prefix, 1)
-    slots.step()
-    for s in range(4):
-        slots.free(s)
-    assert programs(slots) == before
+        for s in range(4):
+            slots.free(s)
+    assert asked == []
+
+
+def test_a_warm_up_that_fails_leaves_its_stage_running_its_programs(monkeypatch):
+    """A shape that fails stops warm-up with its own error, and the stage runs its programs again (none is left
+    compiling instead of running)."""
+    from opt_serving.model import param_tree
+    from opt_serving.runner import warmup
+    from opt_serving.runner.load import local_slots
+    params = param_tree.init_params(CFG, seed=3, std=0.3)
+    model, fresh = (local_slots(CFG, params, num_slots=2, max_seq_len=64) for _ in range(2))
+
+    def fail(self, shape):
+        raise RuntimeError("a shape failed")
+    monkeypatch.setattr(warmup._Runner, "decode", fail)
+    with pytest.raises(RuntimeError, match="a shape failed"):
+        model.warmup()
+    stage = model.stages.stages[0]
+    assert not stage.programs.compiling and not stage._warming
+    # its prefill computes (a compile-only call would have returned token 0): the same token as a model never warmed
+    got, want = (m.prefill([2, 5, 6, 7], SlotSettings()).first for m in (model, fresh))
+    assert got.id == want.id and got.logprob == want.logprob and got.logprob not in (None, 0.0)

@@ -68,7 +68,9 @@ def cluster():
     RUNNING.clear()
     with simulated_cluster(nodes=2, cpus_per_node=2):
         port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        # one proxy, on the head: both simulated nodes are this host, and with a proxy on each Serve drained and
+        # removed the one on the node a redeploy left without a replica while it still held a request of ours
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
         yield f"http://127.0.0.1:{port}"
     RUNNING.clear()
 

@@ -162,7 +162,7 @@ class Sampler:
     rows of prefilled requests waiting to be inserted (by handle). `backend`: the one the params passed to
     its calls were prepared for."""
 
-    def __init__(self, cfg, backend: Backend, rows: int, groups: int, max_seq_len: int):
+    def __init__(self, cfg, backend: Backend, rows: int, groups: int, max_seq_len: int, jit=jax.jit):
         self.cfg, self.rows, self.max_seq_len = cfg, rows, max_seq_len
         L, V = max_seq_len, cfg.vocab_size
         empty = jnp.zeros((rows, 1), jnp.int32)
@@ -191,14 +191,14 @@ class Sampler:
 
         choose, choose_joining, scores_block = _choice(backend, L, V)
         self.choose_rows = choose  # traced inside the stage's decode steps taken in one call (StageSlots)
-        self._scores_block = jax.jit(scores_block)
-        self._first = jax.jit(first, static_argnums=(4,))
-        self._choose_joining = jax.jit(choose_joining, donate_argnums=(2, 3, 4))
-        self._chunked_first = jax.jit(functools.partial(chunked_first, history_len=L, vocab=V))
-        self._choose = jax.jit(choose, donate_argnums=(2,))
-        self._insert = jax.jit(insert, donate_argnums=(0, 1, 2))
-        self._split_rows = jax.jit(split_rows)  # a pass's sampling state and settings -> batch-1 rows
-        self._free = jax.jit(lambda active, slot: active.at[slot].set(False), donate_argnums=(0,))
+        self._scores_block = jit(scores_block)
+        self._first = jit(first, static_argnums=(4,))
+        self._choose_joining = jit(choose_joining, donate_argnums=(2, 3, 4))
+        self._chunked_first = jit(functools.partial(chunked_first, history_len=L, vocab=V))
+        self._choose = jit(choose, donate_argnums=(2,))
+        self._insert = jit(insert, donate_argnums=(0, 1, 2))
+        self._split_rows = jit(split_rows)  # a pass's sampling state and settings -> batch-1 rows
+        self._free = jit(lambda active, slot: active.at[slot].set(False), donate_argnums=(0,))
 
     def settle_groups(self) -> None:
         """After warm-up, which runs group 0 alone: every other group's arrays as group 0's left them (its rows

@@ -19,6 +19,7 @@ every step takes its rows' adapter slots too, and the stage holds its layers' sh
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any, Optional, Protocol, Sequence
@@ -35,6 +36,7 @@ from opt_serving.model import quantize as quantization
 from opt_serving.runner.buckets import KERNEL_MIN_WINDOW, cache_windows
 from opt_serving.runner.lora import StageLora
 from opt_serving.runner.prefix import BLOCK_SIZE as PREFIX_BLOCK
+from opt_serving.runner.programs import Programs
 from opt_serving.runner.sampler import Sampler
 from opt_serving.runner.stage_programs import seq_extend_fn, seq_prefill_greedy_fn, stage_programs, truncate
 from opt_serving.runner.types import DecodeStep, SlotSettings
@@ -42,14 +44,15 @@ from opt_serving.runner.types import DecodeStep, SlotSettings
 
 def _settles(method):
     """During warm-up (begin_warmup to end_warmup), after each call: what JAX keeps of the programs it just
-    compiled besides their executables (xla_cache.drop_staging_caches) and the heap pages the compiles freed go
-    back, so a stage's peak while it compiles its programs is its arrays and executables, not every program's
-    lowering as well."""
+    compiled besides their executables (xla_cache.drop_staging_caches; not where the programs only compile, whose
+    lowerings are what their first runs call) and the heap pages the compiles freed go back, so a stage's peak
+    while it compiles its programs is its arrays and executables, not every program's lowering as well."""
     @functools.wraps(method)
     def run(self, *args, **kwargs):
         out = method(self, *args, **kwargs)
         if self._warming:
-            xla_cache.drop_staging_caches()
+            if not self.programs.compiling:
+                xla_cache.drop_staging_caches()
             if self._on_cpu:
                 heap.trim()
         return out
@@ -96,10 +99,14 @@ class StageSlots:
         self._devices = devices
         self._device = next(iter(devices)) if len(devices) == 1 else None
         self._on_cpu = bool(devices) and all(d.platform == "cpu" for d in devices)
+        self._alone = self._device is not None and all(  # (warm-up compiles without running: begin_warmup)
+            isinstance(leaf.sharding, jax.sharding.SingleDeviceSharding)
+            for leaf in jax.tree_util.tree_leaves(params) if hasattr(leaf, "sharding"))
         self._warming = False  # from begin_warmup to end_warmup (_settles)
+        self.programs = Programs()  # (warm-up compiles them without running them)
         if self.pool is not None and self._device is not None:  # placed as the pools its stores make
             self.pool = jax.device_put(self.pool, self._device)
-        self.sampler = Sampler(cfg, backend, rows, groups, self.max_seq_len) if stage.last else None
+        self.sampler = Sampler(cfg, backend, rows, groups, self.max_seq_len, self.programs.jit) if stage.last else None
         self.lora = StageLora(cfg, lora, stage, params)  # (lora None: every step takes None, traces no LoRA)
 
         self.ragged = backend.ragged  # prompts continue rows and cached prefixes are read in place (steps.ragged_step)
@@ -108,7 +115,8 @@ class StageSlots:
          self._seq_decode,
          self._seq_reorder, self._insert_cache, self._gather, self._store, self._store_row, self._resize,
          self._free) = stage_programs(cfg, stage, backend, self.max_seq_len, self._new_cache,
-                                      self.sampler.choose_rows if stage.first and stage.last else None)
+                                      self.sampler.choose_rows if stage.first and stage.last else None,
+                                      self.programs.jit)
 
     # ---- prefill ----
     @_settles
@@ -294,9 +302,22 @@ class StageSlots:
             self.caches[group] = self._resize(self.caches[group], self.windows[at])
 
     def begin_warmup(self) -> None:
-        """Warm-up (Slots.warmup) starts: until end_warmup, each call settles the memory its compiles used."""
+        """Warm-up (Slots.warmup) starts: until end_warmup, each call settles the memory its compiles used, and on a
+        stage whose weights lie on one device alone compiles its programs without running them (runner/programs.py).
+        On a mesh (tensor-parallel, or a pipeline stage's mesh of one device) the programs' outputs carry their
+        mesh in ways only a run shows, so there they run."""
         self._warming = True
         self.lora.warm()
+        if self._alone:
+            self.programs.begin()
+
+    def abandon_warmup(self) -> None:
+        """Warm-up failed: the programs run again (the compiles begun are waited for, their errors dropped: the
+        failure that stopped warm-up is the one raised)."""
+        self._warming = False
+        if self.programs.compiling:
+            with contextlib.suppress(Exception):
+                self.programs.end()
 
     def end_warmup(self) -> None:
         """After warm-up grew group 0's cache to every window (its rows freed): compile the shrinking resizes
@@ -316,7 +337,10 @@ class StageSlots:
         if self.sampler is not None:
             self.sampler.settle_groups()
         self._warming = False
-        xla_cache.drop_staging_caches()
+        if self.programs.compiling:
+            self.programs.end()  # (their lowerings stay: the first run of each calls the executable kept there)
+        else:
+            xla_cache.drop_staging_caches()
         if self._on_cpu:  # the weights are in place: from now on a step's temporaries stay in the heap
             heap.keep_heap()
 

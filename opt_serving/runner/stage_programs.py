@@ -41,31 +41,32 @@ class StagePrograms(NamedTuple):
 
 
 def stage_programs(cfg, stage: opt.StageSpec, backend: Backend, max_seq_len: int, new_cache,
-                   choose=None) -> StagePrograms:
+                   choose=None, jit=jax.jit) -> StagePrograms:
     """The jitted programs of a stage over `stage`'s layers on `backend` (`new_cache(batch, entries)`: an empty
     cache of its layers; `choose`: the sampler's token choice, traced into the steps taken in one call, on a stage
-    that is the whole model; without it there are none)."""
+    that is the whole model; without it there are none; `jit`: how each is jitted, runner/programs.py's
+    `Programs.jit` for a stage that warm-up compiles without running)."""
     prefill, chunk, step, step_joining, step_packed = _passes(cfg, stage, backend, max_seq_len, new_cache)
     seq_prefill, seq_decode = _seq_passes(cfg, stage, backend)
-    steps = None if choose is None else jax.jit(with_lora(_many_steps(step, choose)), static_argnums=(10,),
+    steps = None if choose is None else jit(with_lora(_many_steps(step, choose)), static_argnums=(10,),
                                                 donate_argnums=(1, 5))
     return StagePrograms(
-        prefill=jax.jit(with_lora(prefill)),
-        chunk=jax.jit(with_lora(chunk), donate_argnums=(1,)),
-        step=jax.jit(with_lora(step), donate_argnums=(1,)),
-        step_joining=jax.jit(with_lora(step_joining), donate_argnums=(1,)),
-        step_packed=None if step_packed is None else jax.jit(with_lora(step_packed), donate_argnums=(1,)),
+        prefill=jit(with_lora(prefill)),
+        chunk=jit(with_lora(chunk), donate_argnums=(1,)),
+        step=jit(with_lora(step), donate_argnums=(1,)),
+        step_joining=jit(with_lora(step_joining), donate_argnums=(1,)),
+        step_packed=None if step_packed is None else jit(with_lora(step_packed), donate_argnums=(1,)),
         steps=steps,
-        seq_prefill=jax.jit(with_lora(seq_prefill), static_argnums=(4,), donate_argnums=(1,)),
-        seq_decode=jax.jit(with_lora(seq_decode), donate_argnums=(1,)),
-        seq_reorder=jax.jit(kv_cache.reorder, donate_argnums=(0,)),
-        insert_cache=jax.jit(lambda cache, pcache, row: kv_cache._insert(cache, pcache, row), donate_argnums=(0,)),
-        gather=jax.jit(kv_cache.gather_blocks),  # one compile per cache size
-        store=jax.jit(kv_cache.store_blocks, donate_argnums=(0,)),
-        store_row=jax.jit(lambda pool, cache, row, ids: kv_cache.store_blocks(
+        seq_prefill=jit(with_lora(seq_prefill), static_argnums=(4,), donate_argnums=(1,)),
+        seq_decode=jit(with_lora(seq_decode), donate_argnums=(1,)),
+        seq_reorder=jit(kv_cache.reorder, donate_argnums=(0,)),
+        insert_cache=jit(lambda cache, pcache, row: kv_cache._insert(cache, pcache, row), donate_argnums=(0,)),
+        gather=jit(kv_cache.gather_blocks),  # one compile per cache size
+        store=jit(kv_cache.store_blocks, donate_argnums=(0,)),
+        store_row=jit(lambda pool, cache, row, ids: kv_cache.store_blocks(
             pool, kv_cache.row_of(cache, row), ids), donate_argnums=(0,)),
-        resize=jax.jit(lambda cache, n: kv_cache._resize(cache, n), static_argnums=(1,)),
-        free=jax.jit(kv_cache.free_slot, donate_argnums=(0,)))
+        resize=jit(lambda cache, n: kv_cache._resize(cache, n), static_argnums=(1,)),
+        free=jit(kv_cache.free_slot, donate_argnums=(0,)))
 
 
 def _passes(cfg, stage: opt.StageSpec, backend: Backend, max_seq_len: int, new_cache):

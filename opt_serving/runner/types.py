@@ -219,7 +219,8 @@ class StageDied(Unavailable):
 STAGE_CALLS = {"prefill": True, "prefill_chunk": True, "decode": True, "decode_steps": True,
                "insert": False, "store_prefix": False, "use_prefix": False, "store_row": False, "drop": False,
                "free": False, "use_tokenizer": False, "is_ragged": False,
-               "begin_warmup": False, "end_warmup": False, "cache_windows": False, "platform": False, "ready": False,
+               "begin_warmup": False, "end_warmup": False, "abandon_warmup": False, "cache_windows": False,
+               "platform": False, "ready": False,
                "set_lora": False, "lora_layout": False,  # LoRA adapters (runner/lora.py)
                # whole-sequence caches: generate() over a pipeline (runner/generate.py)
                "seq_open": False, "seq_prefill": True, "seq_decode": True, "seq_reorder": False, "seq_close": False,

@@ -1,8 +1,11 @@
 """Warm-up: compile now, not at a request, every program serving runs (`Slots.warmup`).
 
 `compiled_shapes` lists every shape the steps compile at, built from the bucket helpers the steps pad with
-(runner/buckets.py) and the stages' own cache windows and join blocks; `warm_up` runs each entry in that order,
-through the slot model's own calls, so what it compiles is what serving then runs. Every group's cache has the
+(runner/buckets.py) and the stages' own cache windows and join blocks; `warm_up` drives each entry in that order
+through the slot model's own calls, so what it compiles is what serving then runs. The stages' programs only
+compile meanwhile (runner/programs.py): nothing of a prompt is computed, each call's compile goes to a thread and
+the next shape is traced while it runs, so a warm start (every program in the compile cache) loads them and no
+more. Every group's cache has the
 same shapes: warming group 0 compiles all. Each run of shapes of one group (`group_of`) is a line of the start log
 (startlog.py: its time, its XLA compiles and compile-cache hits). The order matters:
 
@@ -129,12 +132,16 @@ def warm_up(slots: "Slots", prefill_chunk: Optional[int] = None, decode_steps: i
     slots.set_prefill_chunk(prefill_chunk)
     slots._to_all("begin_warmup")
     run = _Runner(slots)
-    for group, shapes in itertools.groupby(compiled_shapes(slots, prefill_chunk, decode_steps), key=group_of):
-        shapes = list(shapes)
-        with startlog.PHASES.phase(f"warm-up {group}", shapes=len(shapes), compiles=True):
-            for shape in shapes:
-                getattr(run, shape.kind)(shape)
-    with startlog.PHASES.phase("warm-up end (the caches cut back)", compiles=True):
+    try:
+        for group, shapes in itertools.groupby(compiled_shapes(slots, prefill_chunk, decode_steps), key=group_of):
+            shapes = list(shapes)
+            with startlog.PHASES.phase(f"warm-up {group}", shapes=len(shapes), compiles=True):
+                for shape in shapes:
+                    getattr(run, shape.kind)(shape)
+    except BaseException:
+        slots._to_all("abandon_warmup")  # (no stage is left compiling its programs instead of running them)
+        raise
+    with startlog.PHASES.phase("warm-up end (the last compiles, the caches cut back)", compiles=True):
         for prefix in run.held.values():
             slots.discard(prefix)
         if slots.prefix is not None:
@@ -193,18 +200,24 @@ class _Runner:
 
     def join(self, shape: Shape) -> None:
         """Prompts fill the block: `block` tokens in all (with slot 0's, where a step's tokens are one list), no two
-        alike (none waits for another's prefix blocks), none reusing another's blocks (each fills its share)."""
+        alike (none waits for another's prefix blocks), none reusing another's blocks (each fills its share). The
+        largest block is the budget and every running row's token: with slot 0 alone running, the budget is raised
+        to the block for this step, or its prompts would stop at the budget and run in a smaller block."""
         slots, b = self.slots, shape.block - (1 if self.slots.packed else 0)
         slots.table.lengths[0] = shape.window
         if slots.prefix is not None:
             slots.prefix.clear()
-        some = range(slots.groups, slots.num_slots, slots.groups)[:JOIN_PROMPTS][:b]  # group 0's rows after slot 0
-        for i, slot in enumerate(some):
-            n = b // len(some) + (i < b % len(some))
-            filler = (self.cfg.bos_token_id + 2 + i) % self.cfg.vocab_size
-            if not slots.join([self.cfg.bos_token_id] + [filler] * (n - 1), SlotSettings(), slot):
-                raise RuntimeError(f"warm-up: a prompt did not join a block of {b}")
-        slots.step()
+        budget, slots.joins.budget = slots.joins.budget, max(slots.joins.budget, b)
+        try:
+            some = range(slots.groups, slots.num_slots, slots.groups)[:JOIN_PROMPTS][:b]  # group 0's rows after slot 0
+            for i, slot in enumerate(some):
+                n = b // len(some) + (i < b % len(some))
+                filler = (self.cfg.bos_token_id + 2 + i) % self.cfg.vocab_size
+                if not slots.join([self.cfg.bos_token_id] + [filler] * (n - 1), SlotSettings(), slot):
+                    raise RuntimeError(f"warm-up: a prompt did not join a block of {b}")
+            slots.step()
+        finally:
+            slots.joins.budget = budget
         for slot in some:
             slots.free(slot)
 
