@@ -18,16 +18,12 @@ program's outputs without running it, so the host code driving warm-up goes on t
 from __future__ import annotations
 
 import concurrent.futures
-import os
 from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
 
-
-def compile_threads() -> int:
-    """Compile threads for warm-up: this process's cores (XLA's compile releases the GIL)."""
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+from opt_serving.settings import Settings
 
 
 class Programs:
@@ -42,9 +38,10 @@ class Programs:
         return Program(self, jax.jit(fn, **jit_kwargs), jit_kwargs.get("donate_argnums", ()))
 
     def begin(self, threads: Optional[int] = None) -> None:
-        """From now until `end`, a call compiles its program and does not run it."""
+        """From now until `end`, a call compiles its program and does not run it, on `threads` threads (default: the
+        kernels' threads, every CPU this process may run on; XLA's compile releases the GIL)."""
         self.compiling = True
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads or compile_threads(),
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads or Settings.from_env().threads(),
                                                            thread_name_prefix="opt-compile")
 
     def end(self) -> None:

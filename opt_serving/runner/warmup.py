@@ -5,9 +5,9 @@
 through the slot model's own calls, so what it compiles is what serving then runs. The stages' programs only
 compile meanwhile (runner/programs.py): nothing of a prompt is computed, each call's compile goes to a thread and
 the next shape is traced while it runs, so a warm start (every program in the compile cache) loads them and no
-more. Every group's cache has the
-same shapes: warming group 0 compiles all. Each run of shapes of one group (`group_of`) is a line of the start log
-(startlog.py: its time, its XLA compiles and compile-cache hits). The order matters:
+more. Every group's cache has the same shapes: warming group 0 compiles all. Each run of shapes of one group
+(`group_of`) is a line of the start log (startlog.py: its time, its XLA compiles and compile-cache hits). The order
+matters:
 
 - the scored prefill and the chunked prompts come first, while a stage holds the fewest compiled programs: their
   compiles take the most memory while they run, before the windows' steps add theirs;
@@ -207,9 +207,9 @@ class _Runner:
         slots.table.lengths[0] = shape.window
         if slots.prefix is not None:
             slots.prefix.clear()
+        some = range(slots.groups, slots.num_slots, slots.groups)[:JOIN_PROMPTS][:b]  # group 0's rows after slot 0
         budget, slots.joins.budget = slots.joins.budget, max(slots.joins.budget, b)
         try:
-            some = range(slots.groups, slots.num_slots, slots.groups)[:JOIN_PROMPTS][:b]  # group 0's rows after slot 0
             for i, slot in enumerate(some):
                 n = b // len(some) + (i < b % len(some))
                 filler = (self.cfg.bos_token_id + 2 + i) % self.cfg.vocab_size
