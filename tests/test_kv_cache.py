@@ -1,4 +1,5 @@
 """The KV cache: bucketed lengths, inserting a prefilled prompt into an engine slot, freeing it."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -91,3 +92,22 @@ def test_resize_keeps_entries_and_adds_invalid_ones():
         for a, b in zip(filled[name], back[name]):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     np.testing.assert_array_equal(np.asarray(filled["mask"]), np.asarray(back["mask"]))
+
+
+@pytest.mark.parametrize("row", [0, 2])
+def test_store_blocks_writes_a_rows_kept_blocks_into_their_pool_blocks_and_nothing_else(row):
+    # TINY's heads and head size; a cache of 3 rows x 64 entries, a pool of 6 blocks of 16
+    h, d, bs = TINY.num_attention_heads, TINY.head_dim, 16
+    pool = kv_cache.init_pool(TINY, 6, bs)
+    rng = np.random.default_rng(row)
+    ks = [rng.normal(size=(3, h, 64, d)).astype(np.float32) for _ in range(TINY.num_hidden_layers)]
+    vs = [rng.normal(size=(3, h, 64, d)).astype(np.float32) for _ in range(TINY.num_hidden_layers)]
+    cache = {"k": tuple(map(jnp.asarray, ks)), "v": tuple(map(jnp.asarray, vs)), "mask": jnp.ones((3, 64), bool)}
+    ids = np.array([4, 6, 1, -1], np.int32)  # block 0 -> 4, block 1 past the pool, block 2 -> 1, block 3 kept out
+    out = jax.jit(kv_cache.store_blocks)(pool, cache, ids, np.int32(row))
+    for layer in range(TINY.num_hidden_layers):
+        for got, src in ((out["k"][layer], ks[layer]), (out["v"][layer], vs[layer])):
+            want = np.zeros((h, 6, bs, d), np.float32)
+            want[:, 4] = src[row, :, 0:16]
+            want[:, 1] = src[row, :, 32:48]
+            np.testing.assert_array_equal(np.asarray(got), want)

@@ -206,19 +206,29 @@ def gather_blocks(pool: dict, ids, cached) -> dict:
     return {"k": tuple(map(take, pool["k"])), "v": tuple(map(take, pool["v"])), "mask": mask}
 
 
-def row_of(cache: dict, row) -> dict:
-    """Row `row` (traced) of a cache, as a batch-1 cache."""
-    take = lambda a: jax.lax.dynamic_slice_in_dim(a, row, 1, axis=0)  # noqa: E731
-    return {"k": tuple(map(take, cache["k"])), "v": tuple(map(take, cache["v"])), "mask": take(cache["mask"])}
+def store_blocks(pool: dict, cache: dict, ids, row=0) -> dict:
+    """The pool with blocks of a cache's row `row` (traced; 0 for a batch-1 cache) written: its entries
+    [j * bs, (j + 1) * bs) into pool block ids[j] (int32 [m], m * bs entries at most the cache's; an id past the
+    pool, or negative: not written).
 
-
-def store_blocks(pool: dict, cache: dict, ids) -> dict:
-    """The pool with the batch-1 cache's blocks written: its entries [j * bs, (j + 1) * bs) into pool block
-    ids[j] (int32 [entries // bs]; an id past the pool: not written)."""
-    bs = pool_block_size(pool)
+    A loop over the blocks kept, each an in-place slice update of every layer's pool: a scatter along the pool's
+    blocks axis (not its first) made XLA transpose the row's m blocks and copy the pool around them, about 100 ms
+    a row of a 2048-entry window where the loop takes about 3 (benchmark/README.md)."""
+    bs, total = pool_block_size(pool), pool_blocks(pool)
     m = ids.shape[0]
+    keep = (ids >= 0) & (ids < total)
+    src = jnp.nonzero(keep, size=m, fill_value=0)[0]  # the kept blocks' j, first
+    row = jnp.asarray(row, jnp.int32)
+    zero = jnp.int32(0)
 
-    def put(p, c):  # c [1, H, n, D]: its first m blocks -> [H, m, bs, D] into p [H, P, bs, D]
-        h, d = c.shape[1], c.shape[3]
-        return p.at[:, ids].set(c[0, :, :m * bs].reshape(h, m, bs, d), mode="drop")
-    return {"k": tuple(map(put, pool["k"], cache["k"])), "v": tuple(map(put, pool["v"], cache["v"]))}
+    def put(i, pools):  # the i-th kept block j of the row into pool block ids[j], every layer's k and v
+        j = src[i]
+        out = []
+        for p, c in zip(pools, cache["k"] + cache["v"]):  # p [H, P, bs, D], c [B, H, n, D]
+            h, d = c.shape[1], c.shape[3]
+            block = jax.lax.dynamic_slice(c, (row, zero, j * bs, zero), (1, h, bs, d)).reshape(h, 1, bs, d)
+            out.append(jax.lax.dynamic_update_slice(p, block.astype(p.dtype), (zero, ids[j], zero, zero)))
+        return tuple(out)
+    layers = len(pool["k"])
+    pools = jax.lax.fori_loop(0, jnp.sum(keep, dtype=jnp.int32), put, tuple(pool["k"]) + tuple(pool["v"]))
+    return {"k": pools[:layers], "v": pools[layers:]}

@@ -63,8 +63,8 @@ def stage_programs(cfg, stage: opt.StageSpec, backend: Backend, max_seq_len: int
         insert_cache=jit(lambda cache, pcache, row: kv_cache._insert(cache, pcache, row), donate_argnums=(0,)),
         gather=jit(kv_cache.gather_blocks),  # one compile per cache size
         store=jit(kv_cache.store_blocks, donate_argnums=(0,)),
-        store_row=jit(lambda pool, cache, row, ids: kv_cache.store_blocks(
-            pool, kv_cache.row_of(cache, row), ids), donate_argnums=(0,)),
+        store_row=jit(lambda pool, cache, row, ids: kv_cache.store_blocks(pool, cache, ids, row),
+                      donate_argnums=(0,)),
         resize=jit(lambda cache, n: kv_cache._resize(cache, n), static_argnums=(1,)),
         free=jit(kv_cache.free_slot, donate_argnums=(0,)))
 
