@@ -188,3 +188,28 @@ def test_a_prefill_in_chunks_gives_the_whole_prefill(cfg, per_row):
     for a, b, s in zip(got_k, list(want_cache["k"]) + list(want_cache["v"]), staged_k):
         np.testing.assert_allclose(np.asarray(a)[:, :, :n], np.asarray(b)[:, :, :n], atol=1e-5)
         np.testing.assert_allclose(np.asarray(s)[:, :, :n], np.asarray(b)[:, :, :n], atol=1e-5)
+
+
+@pytest.mark.parametrize("cfg", [PRE_LN, POST_LN], ids=["pre_ln", "post_ln_350m"])
+def test_a_ragged_step_keeping_some_tokens_gives_their_hidden_states_and_the_same_cache(cfg):
+    # three prompts of 5, 7 and 3 tokens in one ragged step, one padding token; kept: each prompt's last token
+    backend, params = layout.runtime_params(param_tree.init_params(cfg, seed=1))
+    assert backend.ragged
+    lengths = (5, 7, 3)
+    rows = np.concatenate([np.full(n, r, np.int32) for r, n in enumerate(lengths)] + [np.array([3], np.int32)])
+    entries = np.concatenate([np.arange(n, dtype=np.int32) for n in lengths] + [np.array([0], np.int32)])
+    ids = np.random.RandomState(0).randint(3, cfg.vocab_size, rows.shape[0]).astype(np.int32)
+    empty = np.zeros(0, np.int32)
+    prefix = (kv_cache.init_pool(cfg, 0, 16)["k"], kv_cache.init_pool(cfg, 0, 16)["v"], np.zeros((3, 2), np.int32),
+              np.zeros(3, np.int32))
+    run = jax.jit(steps.ragged_step, static_argnums=(0,), static_argnames=("backend",))
+    new_cache = lambda: kv_cache.init_cache(cfg, 3, 32, kv_cache.cache_dtype(params, backend))  # noqa: E731
+    whole, whole_cache = run(cfg, params, new_cache(), empty, empty, empty, (ids, rows, entries), prefix,
+                             backend=backend)
+    keep = np.array([4, 11, 14, 4], np.int32)  # (a row without a token of its own takes another's)
+    kept, kept_cache = run(cfg, params, new_cache(), empty, empty, empty, (ids, rows, entries), prefix,
+                           backend=backend, keep=keep)
+    assert kept.shape == (4, cfg.word_embed_proj_dim)
+    np.testing.assert_allclose(np.asarray(kept), np.asarray(whole)[keep], rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(kept_cache), jax.tree_util.tree_leaves(whole_cache)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

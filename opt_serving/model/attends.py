@@ -140,9 +140,10 @@ def joining_attend(k_cache, v_cache, mask, write_index, read_len, rows, entries,
 def ragged_attend(k_cache, v_cache, rows, entries, ends, pool_k, pool_v, ptab, plen, backend: Backend):
     """A ragged step's attention (Backend.ragged_attention): the N queries' k/v go into the cache at (rows,
     entries) (out of range: dropped) with one scatter, then query i reads entries [0, ends[i]) of its row."""
-    def attend(q, k, v):  # each [1, N, H, D]
+    def attend(q, k, v, keep=None):  # each [1, N, H, D]; keep int32 [K]: only those queries
         kc = k_cache.at[rows, :, entries].set(to_cache(k[0], k_cache.dtype), mode="drop")  # [N, H, D] entries
         vc = v_cache.at[rows, :, entries].set(to_cache(v[0], v_cache.dtype), mode="drop")
-        ctx = backend.ragged_attention(q[0], kc, vc, rows, ends, pool_k, pool_v, ptab, plen)  # [N, H, D]
+        q_rows, q_ends, q = (rows, ends, q[0]) if keep is None else (rows[keep], ends[keep], q[0, keep])
+        ctx = backend.ragged_attention(q, kc, vc, q_rows, q_ends, pool_k, pool_v, ptab, plen)  # [N or K, H, D]
         return ctx[None], (kc, vc)
     return attend

@@ -71,7 +71,9 @@ class SelfAttention(nn.Module):
             self.q_proj, self.k_proj, self.v_proj = (dense(h, name=n) for n in ("q_proj", "k_proj", "v_proj"))
         self.out_proj = dense(h, name="out_proj")
 
-    def __call__(self, x, attend: Callable):
+    def __call__(self, x, attend: Callable, keep=None):
+        """`keep` (int32 [K]): only these tokens' queries attend (every token's k/v still goes into the cache)
+        -> [B, K, D]; the attend takes it as a fourth argument."""
         cfg = self.cfg
         b, s, _ = x.shape
         split = lambda t: t.reshape(b, s, cfg.num_attention_heads, cfg.head_dim)  # [B, S, H, D]
@@ -81,8 +83,8 @@ class SelfAttention(nn.Module):
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         # OPT scales q after its bias, as HF and metaseq do
         q, k, v = split(q * (cfg.head_dim ** -0.5)), split(k), split(v)
-        ctx, cache_out = attend(q, k, v)  # ctx [B, S, H, D]
-        return self.out_proj(ctx.reshape(b, s, cfg.hidden_size)), cache_out
+        ctx, cache_out = attend(q, k, v) if keep is None else attend(q, k, v, keep)  # ctx [B, S or K, H, D]
+        return self.out_proj(ctx.reshape(b, ctx.shape[1], cfg.hidden_size)), cache_out
 
 
 class DecoderLayer(nn.Module):
@@ -99,11 +101,13 @@ class DecoderLayer(nn.Module):
         self.fc2 = Linear(cfg.hidden_size, dtype=dt, backend=be)
         self.final_layer_norm = LayerNorm(dt)
 
-    def __call__(self, h, attend: Callable):
+    def __call__(self, h, attend: Callable, keep=None):
+        """h [B, S, D] -> [B, S, D], or with `keep` (int32 [K]) only those tokens past the attention's k/v:
+        [B, K, D]."""
         pre = self.cfg.do_layer_norm_before
-        residual = h
+        residual = h if keep is None else h[:, keep]
         x = self.self_attn_layer_norm(h) if pre else h
-        x, cache_out = self.self_attn(x, attend)
+        x, cache_out = self.self_attn(x, attend, keep)
         h = residual + x
         if not pre:
             h = self.self_attn_layer_norm(h)
@@ -161,7 +165,10 @@ class OPT(nn.Module):
             self.layer_norm = LayerNorm(dt)
 
     def __call__(self, x, positions, attends, all_logits: bool = True,
-                 return_hidden: bool = False):
+                 return_hidden: bool = False, keep=None):
+        """`keep` (int32 [K], a last stage): the tokens whose outputs are wanted, all others' only as k/v for the
+        cache. The last layer then computes those K alone past its k/v (a step's prompt tokens but their last
+        need nothing more from it): outputs [B, K, ...]."""
         cfg = self.cfg
         st = self.stage or StageSpec.whole(cfg)
         if st.first:
@@ -173,8 +180,8 @@ class OPT(nn.Module):
             h = x.astype(self.dtype)  # the previous stage's hidden states [B, S, D]
         caches = []
         # unrolled on purpose: a scan carrying the cache copies it every step
-        for layer, attend in zip(self.layers, attends):
-            h, c = layer(h, attend)
+        for i, (layer, attend) in enumerate(zip(self.layers, attends)):
+            h, c = layer(h, attend, keep if st.last and i == len(self.layers) - 1 else None)
             caches.append(c)
         if not st.last:
             return h, caches

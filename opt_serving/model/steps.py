@@ -115,7 +115,7 @@ def decode_joining_step(cfg, params, cache, tokens, positions, write_index, read
 
 
 def ragged_step(cfg, params, cache, tokens, positions, write_index, block, prefix,
-                stage: StageSpec | None = None, backend: Backend = XLA):
+                stage: StageSpec | None = None, backend: Backend = XLA, keep=None):
     """A step of the cache's B rows and of T prompt tokens in one pass (the backend's ragged attention): row b's
     newest token at positions[b] written at entry write_index[b] (out of range: the row is not stepped: it is free,
     or its prompt is still being prefilled), and `block` = (ids [T] (on a stage that is not first nothing: `tokens`
@@ -125,7 +125,8 @@ def ragged_step(cfg, params, cache, tokens, positions, write_index, block, prefi
     (pool k, pool v (tuples over layers of [H, P, bs, D]), ptab [B, Mp], plen [B]): a row's first plen entries are
     read from those pool blocks (a cached prefix shared by rows, never copied into them). With no rows stepped
     (positions [0]) every token is in the block: a running row's newest token is then a block token at its entry.
-    -> (hidden states [B + T, D], cache)."""
+    `keep` (int32 [K], a last stage): only those tokens' hidden states are wanted (opt.OPT's keep).
+    -> (hidden states [B + T, D], or [K, D] with `keep`; cache)."""
     ids, rows, entries = block
     pool_k, pool_v, ptab, plen = prefix
     b, (rows_count, n) = positions.shape[0], cache["mask"].shape  # (b: 0 where every token is in the block)
@@ -137,7 +138,7 @@ def ragged_step(cfg, params, cache, tokens, positions, write_index, block, prefi
     first = stage is None or stage.first
     x = jnp.concatenate([tokens, ids])[None] if first else tokens[None]  # [1, B + T] or [1, B + T, D]
     out, caches = OPT(cfg, param_dtype(params), is_fused(params), stage, backend).apply(
-        {"params": params}, x, jnp.concatenate([positions, entries])[None], attends, return_hidden=True)
+        {"params": params}, x, jnp.concatenate([positions, entries])[None], attends, return_hidden=True, keep=keep)
     mask = cache["mask"].at[q_rows, q_entries].set(True, mode="drop")  # (bookkeeping: the kernel reads ends)
     return out[0], {"k": tuple(c[0] for c in caches), "v": tuple(c[1] for c in caches), "mask": mask}
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from opt_serving.backend import Backend
 from opt_serving.model import kv_cache, opt, steps
-from opt_serving.model.lora import with_lora
+from opt_serving.model.lora import applied, with_lora
 from opt_serving.runner.buckets import cache_bucket
 from opt_serving.runner.sampler import split_rows
 
@@ -55,7 +55,7 @@ def stage_programs(cfg, stage: opt.StageSpec, backend: Backend, max_seq_len: int
         chunk=jit(with_lora(chunk), donate_argnums=(1,)),
         step=jit(with_lora(step), donate_argnums=(1,)),
         step_joining=jit(with_lora(step_joining), donate_argnums=(1,)),
-        step_packed=None if step_packed is None else jit(with_lora(step_packed), donate_argnums=(1,)),
+        step_packed=None if step_packed is None else jit(step_packed, donate_argnums=(1,)),  # (its own LoRA)
         steps=steps,
         seq_prefill=jit(with_lora(seq_prefill), static_argnums=(4,), donate_argnums=(1,)),
         seq_decode=jit(with_lora(seq_decode), donate_argnums=(1,)),
@@ -111,19 +111,25 @@ def _passes(cfg, stage: opt.StageSpec, backend: Backend, max_seq_len: int, new_c
             h = h[:b].at[last_rows].set(h[b + last], mode="drop")
         return h, cache
 
-    def step_packed(params, cache, x, src, ids, rows, entries, out, prefix=None):
+    def step_packed(params, cache, x, src, ids, rows, entries, out, prefix=None, lora=None):
         """A ragged step of one list of N tokens (runner.types.PackedTokens): x is the group's newest tokens [B]
         (first stage: a running row's token is x[src]) or the previous stage's hidden states [N, D]; the last
-        stage hands the sampler each row's hidden state at its token `out` [B] -> [B, D]."""
+        stage hands the sampler each row's hidden state at its token `out` [B] -> [B, D]. There, with more
+        tokens than rows, the last layer computes only those B past its k/v (opt.OPT's keep): the prompt
+        tokens but each prompt's last need nothing more from it. (Not under LoRA adapters, whose products
+        take every token's adapter.)"""
         empty = jnp.zeros(0, jnp.int32)
         if stage.first:
             x = jnp.where(src >= 0, x[jnp.maximum(src, 0)], ids)  # [N]
             tokens, block = empty, (x, rows, entries)
         else:
             tokens, block = x, (empty, rows, entries)
-        h, cache = steps.ragged_step(cfg, params, cache, tokens, empty, empty, block, prefix, stage=stage,
-                                     backend=backend)
-        if stage.last:  # [N, D] -> [B, D]
+        cut = stage.last and lora is None and out.shape[0] < src.shape[0]
+        keep = jnp.clip(out, 0, src.shape[0] - 1) if cut else None
+        with applied(lora):
+            h, cache = steps.ragged_step(cfg, params, cache, tokens, empty, empty, block, prefix, stage=stage,
+                                         backend=backend, keep=keep)
+        if stage.last and keep is None:  # [N, D] -> [B, D]
             h = jnp.take(h, out, axis=0, mode="clip")
         return h, cache
 
