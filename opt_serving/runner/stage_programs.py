@@ -111,6 +111,11 @@ def _passes(cfg, stage: opt.StageSpec, backend: Backend, max_seq_len: int, new_c
             h = h[:b].at[last_rows].set(h[b + last], mode="drop")
         return h, cache
 
+    return prefill, chunk, step, step_joining, _packed_pass(cfg, stage, backend) if ragged else None
+
+
+def _packed_pass(cfg, stage: opt.StageSpec, backend: Backend):
+    """A ragged stage's step of one list of tokens (step_packed), not jitted."""
     def step_packed(params, cache, x, src, ids, rows, entries, out, prefix=None, lora=None):
         """A ragged step of one list of N tokens (runner.types.PackedTokens): x is the group's newest tokens [B]
         (first stage: a running row's token is x[src]) or the previous stage's hidden states [N, D]; the last
@@ -132,8 +137,7 @@ def _passes(cfg, stage: opt.StageSpec, backend: Backend, max_seq_len: int, new_c
         if stage.last and keep is None:  # [N, D] -> [B, D]
             h = jnp.take(h, out, axis=0, mode="clip")
         return h, cache
-
-    return prefill, chunk, step, step_joining, step_packed if ragged else None
+    return step_packed
 
 
 def _seq_passes(cfg, stage: opt.StageSpec, backend: Backend):
