@@ -200,8 +200,8 @@ def test_a_ragged_step_keeping_some_tokens_gives_their_hidden_states_and_the_sam
     entries = np.concatenate([np.arange(n, dtype=np.int32) for n in lengths] + [np.array([0], np.int32)])
     ids = np.random.RandomState(0).randint(3, cfg.vocab_size, rows.shape[0]).astype(np.int32)
     empty = np.zeros(0, np.int32)
-    prefix = (kv_cache.init_pool(cfg, 0, 16)["k"], kv_cache.init_pool(cfg, 0, 16)["v"], np.zeros((3, 2), np.int32),
-              np.zeros(3, np.int32))
+    pool = kv_cache.init_pool(cfg, 0, 16)  # no cached prefix
+    prefix = (pool["k"], pool["v"], np.zeros((3, 2), np.int32), np.zeros(3, np.int32))
     run = jax.jit(steps.ragged_step, static_argnums=(0,), static_argnames=("backend",))
     new_cache = lambda: kv_cache.init_cache(cfg, 3, 32, kv_cache.cache_dtype(params, backend))  # noqa: E731
     whole, whole_cache = run(cfg, params, new_cache(), empty, empty, empty, (ids, rows, entries), prefix,
