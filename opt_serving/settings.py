@@ -35,7 +35,7 @@ class Settings:
                  CPUs without AMX (their bfloat16 dot products run no faster than float32 FMAs), else never
     f32_tile_rows  OPT_SERVING_F32_TILE_ROWS: float32 products of 9 to that many rows run our tiled kernel
                  (csrc/products_f32.cc, f32_tiles: the weights streamed while the rows' tiles compute); 0 never
-                 (oneDNN's kernel). Default: 96 on CPUs with AVX-512, else never
+                 (oneDNN's kernel). Default with AVX-512: 48 on AMD CPUs, 96 on others; never without it
     s8_vnni_rows  OPT_SERVING_S8_VNNI_ROWS: int8 products of at least that many rows run our VNNI kernel
                  (csrc/products_s8.cc, s8_vnni: the same numbers as oneDNN's, its work handed out as the threads
                  free up); 0 never (oneDNN's kernel). Default: 1 (every int8 product it can read)
