@@ -1,6 +1,6 @@
 """Where oneDNN's float32 kernel catches up with our tiles (`csrc/products_f32.cc` `f32_tiles`): the four packed
 products of OPT-125m's 12 layers ([768, 2304], [768, 768], [768, 3072], [3072, 768]) at decode-step row counts,
-chained in one jitted call, under each setting of the threshold in turn (`products.f32_tile_rows`: 0 is oneDNN's
+as independent products in one jitted call (XLA may overlap them), under each setting of the threshold in turn (`products.f32_tile_rows`: 0 is oneDNN's
 kernel for every row count, -1 the CPU's default). 48 distinct weights, 340 MB, so they come from memory as in a
 step. Prints the best of --reps calls a row count and setting; the crossover is where `f32_tile_rows()` defaults
 (48 rows on AMD CPUs, 96 on others).
@@ -41,9 +41,9 @@ def main(argv=None) -> None:
     for m in (int(r) for r in args.rows.split(",")):
         xs = [jnp.asarray(rng.standard_normal((m, k), np.float32)) for k, _ in SHAPES]
         flops = 2 * m * sum(k * n for k, n in SHAPES) * LAYERS
+        f = jax.jit(chain)  # one program for every setting: the kernel reads the setting when a product runs
         for setting in (int(s) for s in args.settings.split(",")):
             products.f32_tile_rows(setting)
-            f = jax.jit(chain)  # traced again: the setting is read when a product runs, not when it compiles
             jax.block_until_ready(f(xs, weights))
             best = float("inf")
             for _ in range(args.reps):
