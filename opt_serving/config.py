@@ -163,3 +163,61 @@ def config_for(name: str, folder: str | Path | None = None) -> OPTConfig:
     if folder is not None and (Path(folder) / "config.json").is_file():
         return OPTConfig.from_hf_json(Path(folder) / "config.json")
     return get_config(name)
+
+
+# the most tokens a served row drafts a step (each is one more token in the step's products)
+MAX_SPECULATIVE_TOKENS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Served speculative decoding, as vLLM's `--speculative-config` spells it. Only prompt lookup ("ngram": the
+    tokens that followed the latest earlier occurrence of a row's last n tokens, n from `prompt_lookup_max` down to
+    `prompt_lookup_min`) is served; a draft model is generate()'s (`assistant_model=`)."""
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
+
+    @classmethod
+    def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """A JSON object (a string, as on the command line) or a dict (serve_config.yaml) -> the config; None or an
+        empty value -> None (no speculation). ValueError naming what is wrong."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            if not value.strip():
+                return None
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        if not value:
+            return None
+        value = dict(value)
+        if value.get("model") is not None or value.get("method") in ("draft_model", "eagle", "medusa", "mtp"):
+            raise ValueError("speculative_config: only prompt lookup ({\"method\": \"ngram\"}) is served; a draft "
+                             "model is used in notebooks with generate(assistant_model=...)")
+        method = value.pop("method", "ngram")
+        if method != "ngram":
+            raise ValueError(f"speculative_config: unknown method {method!r} (served: 'ngram')")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; known: "
+                             f"{', '.join(sorted(known))}")
+        for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            if key in value and (not isinstance(value[key], int) or isinstance(value[key], bool)):
+                raise ValueError(f"speculative_config: {key} must be an integer, got {value[key]!r}")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config: num_speculative_tokens is required")
+        config = cls(method="ngram", **value)
+        if not 1 <= config.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be 1 to {MAX_SPECULATIVE_TOKENS}, "
+                             f"got {config.num_speculative_tokens}")
+        if not 1 <= config.prompt_lookup_min <= config.prompt_lookup_max:
+            raise ValueError(f"speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{config.prompt_lookup_min} and {config.prompt_lookup_max}")
+        return config

@@ -116,6 +116,24 @@ def peft_model(cfg, folder, seed=0, hf=None):
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
 
+# Served speculative decoding's configs (config.SpeculativeConfig, vLLM's --speculative-config): one that is served,
+# and bad ones, each with a piece of the error it must give; the `serve` flag (test_service_cli.py) and the builder
+# argument (test_deploy_configs.py) refuse the same values
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+BAD_SPECULATIVE_CONFIGS = {
+    "bad-json": ('{"method": "ngram", "num_speculative_tokens": 4', "not valid JSON"),
+    "not-an-object": ("[4]", "must be a JSON object"),
+    "draft-model": ('{"model": "facebook/opt-125m", "num_speculative_tokens": 4}', "only prompt lookup"),
+    "eagle": ('{"method": "eagle", "num_speculative_tokens": 4}', "only prompt lookup"),
+    "unknown-method": ('{"method": "suffix", "num_speculative_tokens": 4}', "unknown method 'suffix'"),
+    "unknown-key": ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_maximum": 3}',
+                    "unknown key(s) prompt_lookup_maximum"),
+    "no-token-count": ('{"method": "ngram"}', "num_speculative_tokens is required"),
+    "too-many-tokens": ('{"method": "ngram", "num_speculative_tokens": 64}', "num_speculative_tokens must be 1 to"),
+    "min-above-max": ('{"num_speculative_tokens": 4, "prompt_lookup_min": 3, "prompt_lookup_max": 2}',
+                      "prompt_lookup_min <= prompt_lookup_max"),
+}
+
 
 @pytest.fixture(scope="module", autouse=True)
 def cpu_kernels_run_on_the_cpu(request):

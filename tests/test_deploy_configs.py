@@ -1,13 +1,18 @@
 """The shipped deployment configs agree: deploy/kuberay-rayservice.yaml's serveConfigV2 runs serve_config.yaml's
 applications (on 0.0.0.0:8000, where KubeRay's serve Service sends traffic) with the Ray version requirements.txt
-pins, and both are configs Ray Serve accepts with builder arguments the application builder knows."""
+pins, and both are configs Ray Serve accepts with builder arguments the application builder knows; the builder's
+speculative_config is checked when its arguments are made, as serve_config.yaml's example gives it."""
+import json
 import re
 from pathlib import Path
 
 import pytest
 import yaml
 
-from opt_serving.service.deployment import ServeArgs
+from opt_serving.config import SpeculativeConfig
+from opt_serving.service.deployment import ServeArgs, check_model_args
+
+from conftest import BAD_SPECULATIVE_CONFIGS, NGRAM
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,3 +52,57 @@ def test_ray_serve_and_the_builder_accept_the_config(which):
     schema.ServeDeploySchema.parse_obj(config)  # what `serve deploy` and KubeRay submit
     for app in config["applications"]:
         ServeArgs(**app["args"])  # an argument the builder does not know would fail the deployment
+
+
+def test_the_speculative_config_example_in_serve_config_is_accepted():
+    """serve_config.yaml's commented `speculative_config` line, uncommented, is YAML the builder takes: the
+    config it names is served prompt lookup."""
+    lines = [line for line in (REPO / "serve_config.yaml").read_text().splitlines()
+             if line.strip().startswith("# speculative_config:")]
+    assert len(lines) == 1, lines
+    example = yaml.safe_load(lines[0].replace("# ", "", 1).strip())
+    args = ServeArgs(**example)
+    assert args.speculative() == SpeculativeConfig(**example["speculative_config"])
+
+
+@pytest.mark.parametrize("given", [NGRAM, json.dumps(NGRAM)], ids=["yaml-mapping", "json-string"])
+def test_speculative_config_as_a_mapping_or_json(given):
+    """A mapping (serve_config.yaml) or its JSON (`serve run ... speculative_config='{...}'`) becomes the config's
+    dict, every key spelt out, which the replica's own ServeArgs (made from model_dump()) takes again."""
+    args = ServeArgs(speculative_config=given)
+    want = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3)
+    assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+                                       "prompt_lookup_min": 1}
+    assert args.speculative() == want and ServeArgs(**args.model_dump()).speculative() == want
+    check_model_args(args)  # (the embedded model speculates)
+
+
+@pytest.mark.parametrize("off", [None, "", "  ", {}, "{}"])
+def test_speculative_config_left_out_or_empty_is_off(off):
+    args = ServeArgs(speculative_config=off)
+    assert args.speculative_config is None and args.speculative() is None
+    assert ServeArgs().speculative() is None
+
+
+@pytest.mark.parametrize("value, message", BAD_SPECULATIVE_CONFIGS.values(), ids=BAD_SPECULATIVE_CONFIGS.keys())
+def test_a_bad_speculative_config_is_refused_naming_the_argument(value, message):
+    """The JSON the flag takes, and where it is an object the mapping serve_config.yaml would give, are refused
+    when the builder's arguments are made (before anything loads), the error naming speculative_config and the
+    problem."""
+    givens = [value]
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError:
+        parsed = None
+    if isinstance(parsed, (dict, list)):
+        givens.append(parsed)
+    for given in givens:
+        with pytest.raises(ValueError, match="speculative_config") as refused:
+            ServeArgs(speculative_config=given)
+        assert message in str(refused.value), (given, str(refused.value))
+
+
+def test_the_fake_engine_takes_no_speculative_config():
+    with pytest.raises(ValueError, match="does not speculate"):
+        check_model_args(ServeArgs(engine="fake", speculative_config=NGRAM))
+    check_model_args(ServeArgs(engine="fake", speculative_config={}))  # empty: off

@@ -487,8 +487,9 @@ def test_on_ragged_stages_a_step_packs_the_running_rows_and_the_prompt_tokens_in
     """A ragged step's tokens are one list (PackedTokens): the running rows' newest tokens, then the prompt tokens,
     padded as a whole to a block size (not every row of the group and then a block); the sampler takes each row's
     hidden state at its token, and the tokens are HF's."""
-    packs, real = [], model8._packed
-    monkeypatch.setattr(model8, "_packed", lambda *a: (packs.append(real(*a)), packs[-1])[1])
+    from opt_serving.runner import slots as slots_module
+    packs, real = [], slots_module.pack_step
+    monkeypatch.setattr(slots_module, "pack_step", lambda *a: (packs.append(real(*a)), packs[-1])[1])
     s = SlotSettings(max_tokens=3)
     a, b = PROMPTS[2], PROMPTS[3]  # 2 and 11 tokens
     tokens = {0: [], 2: []}

@@ -1,6 +1,6 @@
-"""`opt-serving serve`'s model arguments (opt_serving/service/cli.py, cli_args.py): --dummy, --seed and
---tokenizer reach the generator a replica builds, and bad combinations exit 2 before Ray starts. No Ray here: the
-Ray round trip is tests/test_service_signals.py."""
+"""`opt-serving serve`'s model arguments (opt_serving/service/cli.py, cli_args.py): --dummy, --seed, --tokenizer
+and --speculative-config reach the generator a replica builds, and bad combinations exit 2 before Ray starts. No Ray
+here: the Ray round trip is tests/test_service_signals.py."""
 import asyncio
 import json
 import os
@@ -15,11 +15,15 @@ import numpy as np
 import pytest
 
 from opt_serving.cli import build_parser, main
-from opt_serving.config import get_config
+from opt_serving.config import SpeculativeConfig, get_config
 from opt_serving.model.embedded import ensure_embedded_model
-from opt_serving.service.deployment import build_generator
+from opt_serving.service import cli as serve_cli
+from opt_serving.service.deployment import ServeArgs, build_generator
 from opt_serving.service.cli_args import check_args, serve_args_from
+from opt_serving.text import loading
 from opt_serving.text.tokenizer import load_tokenizer
+
+from conftest import BAD_SPECULATIVE_CONFIGS, NGRAM
 
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = REPO / ".." / "shared" / "opt-assets"
@@ -66,9 +70,10 @@ def test_dummy_large_vocab_without_tokenizer_exits_2_naming_the_flag():
     (["--engine", "fake", "--dummy"], "--engine fake"),
     (["--engine", "fake", "--chat-template", "no/such.jinja"], "--chat-template no/such.jinja: no such file"),
     (["--engine", "fake", "--chat-template", "{% if %}"], "the chat template does not parse"),
+    (["--engine", "fake", "--speculative-config", json.dumps(NGRAM)], "does not speculate"),
 ], ids=["dummy-without-model", "dummy-and-path", "model-without-weights", "unknown-size",
         "tokenizer-for-embedded", "missing-tokenizer-folder", "niceness-out-of-range", "fake-with-weights",
-        "missing-chat-template", "chat-template-syntax"])
+        "missing-chat-template", "chat-template-syntax", "fake-speculating"])
 def test_bad_model_arguments_exit_2(argv, message, capsys):
     assert main(["serve", *argv]) == 2
     err = capsys.readouterr().err
@@ -106,6 +111,48 @@ def test_a_chat_template_file_reaches_the_replica_as_an_absolute_path(monkeypatc
     assert args.chat_template == str(REPO / "deploy" / "opt-chat-template.jinja") and check_args(args) is None
     inline = "{{ bos_token }}{{ messages[0]['content'] }}"  # (the template itself, as vLLM's flag takes it)
     assert serve_args_from(parse("--engine", "fake", "--chat-template", inline)).chat_template == inline
+
+
+class _Loaded(Exception):
+    """What the stand-in load_engine raises once it has seen its arguments (nothing is loaded)."""
+
+
+def test_the_speculative_config_flag_reaches_load_engine(monkeypatch):
+    """--speculative-config (vLLM's flag and JSON) is parsed with the command line, travels to the replica as
+    ServeArgs' dict (every key spelt out, the model_dump() the replica is given) and reaches load_engine as the
+    parsed config; left out, or empty, load_engine gets None (no speculation)."""
+    seen = []
+
+    def load_engine(*args, **kwargs):
+        seen.append(kwargs)
+        raise _Loaded
+    monkeypatch.setattr(loading, "load_engine", load_engine)
+    args = serve_args_from(parse("--speculative-config", json.dumps(NGRAM), "--max-batch-size", "2"))
+    assert args.speculative_config == {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+                                       "prompt_lookup_min": 1}
+    assert check_args(args) is None
+    for serve_args in (args, ServeArgs(**args.model_dump())):  # this process's, the replica's
+        with pytest.raises(_Loaded):
+            build_generator(serve_args)
+        assert seen.pop()["speculative"] == SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=3)
+    for argv in ([], ["--speculative-config", "{}"], ["--speculative-config", ""]):
+        args = serve_args_from(parse(*argv))
+        assert args.speculative_config is None
+        with pytest.raises(_Loaded):
+            build_generator(args)
+        assert seen.pop()["speculative"] is None
+
+
+@pytest.mark.parametrize("value, message", BAD_SPECULATIVE_CONFIGS.values(), ids=BAD_SPECULATIVE_CONFIGS.keys())
+def test_a_bad_speculative_config_exits_2_naming_the_flag(value, message, capsys, monkeypatch):
+    """A bad --speculative-config is refused when the command line is parsed (argparse's exit 2, the flag and the
+    problem named): the command never runs, so nothing loads and Ray does not start."""
+    monkeypatch.setattr(serve_cli, "run", lambda args: pytest.fail("the command ran"))
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--speculative-config", value])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --speculative-config: " in err and message in err, err
 
 
 def test_dummy_tiny_needs_no_tokenizer():

@@ -81,6 +81,43 @@ def test_where_the_engines_time_goes_becomes_counters_histograms_and_the_models_
     assert wait.quantile(0.5) == 0.25 and wait.quantile(0.99) == 10.0
 
 
+def engine_stats(**kw):
+    """An EngineStats as the engine hands it out, `kw` over a few steps' counts."""
+    from opt_serving.engine.types import EngineStats
+    base = dict(queue_length=0, running=2, num_slots=4, steps=10, step_calls=5, step_tokens=32, prefills=2,
+                joined=0, generated_tokens=34, prompt_tokens=16, cached_tokens=0, last_step_batch=2,
+                active_per_step={2: 10})
+    return EngineStats(**{**base, **kw})
+
+
+SPEC = {"drafts": "opt_serving_spec_decode_num_drafts_total",
+        "draft_tokens": "opt_serving_spec_decode_num_draft_tokens_total",
+        "accepted": "opt_serving_spec_decode_num_accepted_tokens_total",
+        "length": "opt_serving_spec_decode_mean_acceptance_length"}
+
+
+def test_speculative_decoding_counters_and_the_mean_acceptance_length():
+    """EngineStats' spec_* running totals become vLLM's spec_decode counters, and 1 + accepted / drafts the mean
+    acceptance length gauge (EngineStats.mean_acceptance_length), from the dataclass and from the generator's
+    dict of it alike."""
+    stats = engine_stats(spec_drafts=8, spec_draft_tokens=30, spec_accepted_tokens=12)
+    for source in (lambda: stats, lambda: {**dataclasses.asdict(stats), "tokens_per_step": stats.tokens_per_step}):
+        text = render(ServiceMetrics(source))
+        assert [value(text, SPEC[k]) for k in ("drafts", "draft_tokens", "accepted")] == [8, 30, 12]
+        assert value(text, SPEC["length"]) == stats.mean_acceptance_length == 2.5
+        assert "# TYPE opt_serving_spec_decode_num_drafts_total counter" in text
+        assert "# TYPE opt_serving_spec_decode_mean_acceptance_length gauge" in text
+
+
+def test_speculative_decoding_metrics_before_any_draft_are_zero():
+    """No speculation (or none yet): counters at 0 and a mean acceptance length of 0, not a division by zero; a
+    stats source without the fields (an older engine's dict) gives no spec_decode metric at all."""
+    stats = engine_stats()
+    text = render(ServiceMetrics(lambda: stats))
+    assert [value(text, SPEC[k]) for k in SPEC] == [0, 0, 0, 0] and stats.mean_acceptance_length == 0.0
+    assert "spec_decode" not in render(ServiceMetrics(lambda: {"steps": 4, "step_tokens": 10}))
+
+
 def test_batch_buckets_are_fixed_by_the_slot_count():
     from opt_serving.service.metrics import _batch_buckets
     assert _batch_buckets(4) == [1, 2, 3, 4]
@@ -153,6 +190,9 @@ def test_metrics_endpoint_counts_what_the_api_served(client):
     assert value(text, 'opt_serving_e2e_request_latency_seconds_count{endpoint="completions"}') == 2
     assert value(text, "opt_serving_running_slots") == 0
     assert value(text, "opt_serving_decode_steps_total") >= 1
+    # the fake engine does not speculate: its spec_decode metrics are there, at 0
+    assert value(text, "opt_serving_spec_decode_num_drafts_total") == 0
+    assert value(text, "opt_serving_spec_decode_mean_acceptance_length") == 0
 
 
 def test_rejected_requests_are_counted_by_status(client):

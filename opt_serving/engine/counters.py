@@ -21,6 +21,7 @@ class EngineCounters:
         self.prefill_s = self.decode_s = 0.0
         self.prefill_passes = self.computed = self.joined_tokens = self.decode_kv = 0
         self.queue_wait, self.prompt_time, self.decode_gap = Durations(), Durations(), Durations()
+        self.spec_drafts = self.spec_draft_tokens = self.spec_accepted = 0
 
     def passes(self, seconds: float, passes: int, computed: int) -> None:
         """Prefill passes (batched whole prompts, or chunks) that took `seconds` and computed `computed` tokens."""
@@ -35,11 +36,16 @@ class EngineCounters:
         self.prompt_tokens += len(req.prompt)
         self.cached_tokens += cached
 
-    def step_call(self, steps: int, active: list[EngineRequest], seconds: float) -> None:
-        """A call of the slot model that took `steps` decode steps over the `active` requests in `seconds`."""
+    def step_call(self, steps: int, active: list[EngineRequest], seconds: float, results=()) -> None:
+        """A call of the slot model that took `steps` decode steps over the `active` requests in `seconds`, giving
+        `results` (runner.types.StepResult: what its rows drafted and kept)."""
         self.steps += steps
         self.step_calls += 1
         self.step_tokens += len(active) * steps
+        for r in results:
+            self.spec_drafts += r.drafts
+            self.spec_draft_tokens += r.drafted
+            self.spec_accepted += r.accepted
         self.last_batch = len(active)
         self.active_hist[len(active)] += steps
         self.decode_s += seconds
@@ -58,4 +64,5 @@ class EngineCounters:
             prefill_s=self.prefill_s, prefill_passes=self.prefill_passes, computed_tokens=self.computed,
             joined_tokens=self.joined_tokens, decode_s=self.decode_s, decode_kv_entries=self.decode_kv,
             queue_wait=self.queue_wait.copy(), prompt_time=self.prompt_time.copy(),
-            decode_gap=self.decode_gap.copy(), costs=costs)
+            decode_gap=self.decode_gap.copy(), spec_drafts=self.spec_drafts,
+            spec_draft_tokens=self.spec_draft_tokens, spec_accepted_tokens=self.spec_accepted, costs=costs)

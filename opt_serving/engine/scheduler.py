@@ -359,9 +359,10 @@ class Engine:
         rows = results[0].rows
         active = [r for r in self._slots if r is not None and (rows is None or rows[r.slot])]
         with self._cv:
-            self._counts.step_call(len(results), active, end - t)
+            self._counts.step_call(len(results), active, end - t, results)
         for req in active:
-            self._deliver(req, [result.token(req.slot, req.settings.logprob) for result in results])
+            logprob = req.settings.logprob
+            self._deliver(req, [tok for result in results for tok in result.tokens_of(req.slot, logprob)])
         self._last_step_at = t if any(self._slots) else None
 
     def _deliver(self, req: EngineRequest, toks: list[TokenInfo]) -> None:

@@ -132,7 +132,17 @@ class EngineStats:
     prompt_time: Durations = dataclasses.field(default_factory=Durations)  # that start -> its first token
     decode_gap: Durations = dataclasses.field(default_factory=Durations)  # from one decode call's start to the
     #                                                                     next's, rows running (prefills between)
+    # speculative decoding (runner/ngram.py): rows that drafted in a step (summed over steps), tokens drafted,
+    # drafts accepted; a drafting row's step gives 1 + its accepted drafts
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     costs: Optional[dict] = None  # the slot model's `costs` (bytes and FLOPs a token: runner.types.ModelCosts)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a drafting row's step gave on average (vLLM's: 1 + accepted / drafts; 0 before any draft)."""
+        return 1 + self.spec_accepted_tokens / self.spec_drafts if self.spec_drafts else 0.0
 
     @property
     def tokens_per_step(self) -> float:

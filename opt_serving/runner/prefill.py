@@ -205,7 +205,7 @@ class Prefills:
             prompt = _prompt_infos(job.tokens, per_token)
         tok, lp, top_ids, top_lp = first
         return Prefix(length=n, first=_first_info(tok, lp, top_ids, top_lp, 0), prompt=prompt, state=job.state,
-                      settings=job.settings, cached=job.cached)
+                      settings=job.settings, cached=job.cached, tokens=tuple(job.tokens))
 
     def _run(self, job: PartialPrefill) -> Prefix:
         """A job's every chunk -> its Prefix (a job that fails lets its rows go)."""
@@ -249,7 +249,8 @@ class Prefills:
                          np.concatenate([np.zeros((1, ptop.shape[-1])), ptop_lp[j, :n - 1]]).astype(np.float32))
             self._keep_scores(tokens, per_token, s)
             prompt = _prompt_infos(tokens, per_token)
-        return Prefix(length=len(tokens), first=_first_info(*first, j), prompt=prompt, state=handle, settings=s)
+        return Prefix(length=len(tokens), first=_first_info(*first, j), prompt=prompt, state=handle, settings=s,
+                      tokens=tuple(tokens))
 
     def discard(self, prefix: Prefix) -> None:
         self.adapters.drop(prefix.state)

@@ -157,6 +157,32 @@ def _choice(backend: Backend, history_len: int, vocab: int):
     return choose, choose_joining, scores_block
 
 
+def _drafts_check(backend: Backend):
+    """Speculative decoding's check of a step's drafts, not jitted (Sampler._check)."""
+    def check(params, hv, state, settings, active, chosen, draft_ids, draft_at):
+        """Speculative decoding's check (runner/ngram.py): hv [E, D] the drafts' final hidden states, draft_ids and
+        draft_at [B, K] each row's drafts and where in hv each is (-1: none), `chosen` [B] the step's own tokens (in
+        `state` already) -> the state with the kept drafts' successors appended, each draft's successor (its greedy
+        choice, the stop token left out where min_tokens holds it back there) [B, K], and the drafts kept [B]:
+        those up to the first that differs from the choice before it."""
+        e, k = hv.shape[0], draft_at.shape[1]
+        # draft i's successor is chosen after state.length + i tokens (as held_back reads a state that long)
+        length = state.length[:, None] + jnp.arange(k)[None]  # [B, K]
+        banned = ((length < settings.min_length[:, None])
+                  | (length - state.prompt_length[:, None] < settings.min_new_tokens[:, None]))
+        held = jnp.where(banned & (settings.eos_token_id[:, None] >= 0), settings.eos_token_id[:, None], -1)
+        exclude = jnp.full(e, -1, jnp.int32).at[jnp.where(draft_at >= 0, draft_at, e)].set(held, mode="drop")
+        greedy = opt.lm_argmax(params, hv, exclude, backend)  # [E]
+        after = jnp.where(draft_at >= 0, greedy[jnp.maximum(draft_at, 0)], -1)  # [B, K]
+        before = jnp.concatenate([chosen[:, None], after[:, :-1]], axis=1)  # what each draft must equal
+        kept = jnp.cumprod((draft_ids >= 0) & (draft_ids == before), axis=1).astype(jnp.bool_)
+        for i in range(kept.shape[1]):
+            state = sampling.update_state(state, after[:, i], active & kept[:, i])
+        return state, after, kept.sum(axis=1, dtype=jnp.int32)
+
+    return check
+
+
 class Sampler:
     """Token choice over `groups` groups of `rows` slots: state/settings/active arrays per group, and the
     rows of prefilled requests waiting to be inserted (by handle). `backend`: the one the params passed to
@@ -190,6 +216,7 @@ class Sampler:
                     jax.tree_util.tree_map(put, settings, row_settings), active.at[slot].set(True))
 
         choose, choose_joining, scores_block = _choice(backend, L, V)
+        self._check = jit(_drafts_check(backend), donate_argnums=(2,))
         self.choose_rows = choose  # traced inside the stage's decode steps taken in one call (StageSlots)
         self._scores_block = jit(scores_block)
         self._first = jit(first, static_argnums=(4,))
@@ -307,10 +334,14 @@ class Sampler:
 
     def choose(self, params, h, step: DecodeStep):
         """-> (tokens, logprobs, top ids, top logprobs) of the step's group's rows (final hidden states h [rows, D]),
-        as numpy. With the step's `join`, its prompts take their rows first: their tokens are their first.
+        as numpy; where rows drafted (h [rows + E, D]), also `check`'s successors [rows, K] and kept [rows]. With
+        the step's `join`, its prompts take their rows first: their tokens are their first.
         Constrained rows choose within their masks, and their matchers take the tokens."""
-        g, join = step.group, step.join
+        g, join, packed = step.group, step.join, step.packed
         want_scores, want_top = np.bool_(step.want_scores), np.bool_(step.want_top)
+        drafted = packed is not None and packed.verify is not None
+        if drafted:  # [B + E, D]: the rows' tokens, then the drafts'
+            h, hv = h[:self.rows], h[self.rows:]
         if join is not None:  # a constrained prompt's matcher starts with its row
             for j, s in enumerate(join.settings):
                 if s.grammar is not None:
@@ -325,6 +356,10 @@ class Sampler:
                        join.last_rows)
             self.state[g], self.settings[g], self.active[g], out = self._choose_joining(
                 params, h, self.state[g], self.settings[g], self.active[g], want_scores, want_top, masks, joining)
+        if drafted:
+            self.state[g], after, kept = self._check(params, hv, self.state[g], self.settings[g], self.active[g],
+                                                     out[0], packed.draft_ids, packed.draft_at)
+            out = (*out, after, kept)
         out = tuple(np.asarray(a) for a in out)
         self.grammar.consume(constrained, out[0])
         return out

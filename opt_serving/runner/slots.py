@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import time
 from typing import Optional, Sequence
 
 import numpy as np
@@ -41,13 +42,15 @@ from opt_serving.runner.buckets import prefill_buckets
 from opt_serving.runner.generate import Generation
 from opt_serving.runner.joins import Joining, Joins, block_sizes
 from opt_serving.runner.lora import Adapters, SlotAdapters
+from opt_serving.runner.ngram import NgramSpeculation
+from opt_serving.runner.packed import pack_step
 from opt_serving.runner.prefill import Prefills
 from opt_serving.runner.prefix import BLOCK_SIZE, PrefixCache
 from opt_serving.runner.slot_table import SlotTable
 from opt_serving.runner.stage import LocalStages, Stages
 from opt_serving.runner.types import (ACCELERATOR_JOIN_BLOCKS, JOIN_BLOCKS, JOIN_PROMPT_TOKENS, JOIN_PROMPTS,
                                       MAX_TOP_LOGPROBS, PREFILL_BATCH_TOKENS, DecodeStep, JoinBlock, ModelCosts,
-                                      PackedTokens, Prefix, SlotModel, SlotSettings, StepResult)
+                                      Prefix, SlotModel, SlotSettings, StepResult)
 from opt_serving.runner.warmup import warm_up
 
 # the chunk a prompt's part past its cached prefix is computed in where the engine prefills it whole (the
@@ -106,6 +109,7 @@ class Slots(Prefills, SlotModel):
         layouts = stages.get([stages.call(i, "lora_layout") for i in range(stages.n)])
         self.loras = Adapters(cfg, layouts) if layouts[0] is not None else None  # the adapters served
         self.adapters = SlotAdapters(stages, num_slots, self.loras)
+        self.spec: Optional[NgramSpeculation] = None  # served speculative decoding (use_speculation)
         self._set_joins(HIT_CHUNK)  # (warmup sets the engine's chunk)
 
     def _set_joins(self, chunk: int) -> None:
@@ -124,11 +128,21 @@ class Slots(Prefills, SlotModel):
             width, sizes = longest, join_blocks(self._platform, self.max_seq_len, self.join_room)
             budget = sizes[-1]
         old = getattr(self, "joins", None)
+        if self.spec is not None:
+            self.spec.sizes = sizes
         if old is not None and (old.sizes, old.budget) == (sizes, budget):
             return
         if old is not None and any(old.waiting(g) for g in range(self.groups)):
             raise RuntimeError("the prefill chunk changed while prompts were joining")
         self.joins = Joins(self.groups, rows, sizes, self.ragged, longest, width, self.cfg.pad_token_id, budget)
+
+    def use_speculation(self, config) -> None:
+        """Serve speculative decoding by prompt lookup (config.SpeculativeConfig; runner/ngram.py): its drafts ride
+        in ragged steps, so only where the stages run them."""
+        if not self.ragged:
+            raise ValueError("speculative decoding is served on ragged steps (the CPU backend's attention kernel); "
+                             "this model's stages do not run them")
+        self.spec = NgramSpeculation(config, self.num_slots, self.max_seq_len, self.joins.sizes)
 
     @property
     def packed(self) -> bool:
@@ -209,6 +223,8 @@ class Slots(Prefills, SlotModel):
             joining.keys = self._keys(joining.tokens, settings)
             self._match(g, joining)
         self.table.join(slot, settings)
+        if self.spec is not None:
+            self.spec.start(slot, joining.tokens, settings)
         return True
 
     def cached_of(self, slot: int) -> int:
@@ -269,6 +285,8 @@ class Slots(Prefills, SlotModel):
         self._to_all("insert", prefix.state, g, row, keep)
         self.adapters.insert(prefix.state, slot, keep)
         self.table.insert(slot, prefix.length + 1, prefix.first.id, prefix.settings)  # the prompt and first token
+        if self.spec is not None:
+            self.spec.start(slot, prefix.tokens + (prefix.first.id,), prefix.settings)
 
     def free(self, slot: int) -> None:
         g, row = self.group_of(slot)
@@ -281,6 +299,8 @@ class Slots(Prefills, SlotModel):
         self._to_all("free", g, row)
         self.table.free(slot)
         self.adapters.free(slot)
+        if self.spec is not None:
+            self.spec.end(slot)
 
     def window_needed(self, g: int, steps: int = 1, entries: int = 0) -> int:
         """The cache window a group's next `steps` steps need: the bucket holding every active slot's tokens (and
@@ -296,7 +316,7 @@ class Slots(Prefills, SlotModel):
         for i in range(self.stages.n):
             x = self.stages.call(i, "decode", x, step)
         sent = slots[self.table.lengths[slots] > 0]
-        self._flights.append((g, x, sent, self.table.generation[sent]))
+        self._flights.append((g, x, sent, self.table.generation[sent], step))
         for p in parts:  # a prompt's blocks into the prefix cache once the step wrote them
             if p.final and self.ragged:
                 self._keep_row(g, p.joining, step.window)
@@ -312,40 +332,24 @@ class Slots(Prefills, SlotModel):
         running = int((positions >= 0).sum())
         parts = self.joins.take(g, rows_running=running > 0, decoding=running if self.packed else 0)
         block = self._block(parts) if parts else None
+        tokens = running + sum(p.end - p.start for p in parts)
+        drafts = [] if self.spec is None else self.spec.drafts(slots, positions, tokens,
+                                                               self.joins.sizes[-1] - tokens, self.max_seq_len)
         for p in parts:
             if p.final:
                 self.table.lengths[p.joining.slot] = len(p.joining.tokens)
         lengths = self.table.lengths[slots]
         want_scores, want_top = self.table.wants(slots[lengths > 0])
-        window = self.window_needed(g, entries=max((p.end for p in parts), default=0))
+        ends = [p.end for p in parts] + [int(positions[d.row]) + 1 + len(d.tokens) for d in drafts]
+        window = self.window_needed(g, entries=max(ends, default=0))
         adapters = self.adapters.rows(slots)
-        packed = self._packed(positions, block, adapters) if self.packed else None
+        packed = None
+        if self.packed:
+            spec = self.spec
+            packed = pack_step(positions, block, adapters, self.joins.sizes, self.adapters.on, drafts,
+                               spec.verify_rows if spec else 0, spec.k if spec else 0)
         return DecodeStep(g, positions, window, int(lengths.max()), want_scores, want_top, block, adapters,
                           packed=packed), parts
-
-    def _packed(self, positions: np.ndarray, block: Optional[JoinBlock], adapters) -> PackedTokens:
-        """A ragged step's tokens as one list: each running row's newest token (positions >= 0), then the prompt
-        tokens of `block`, padded to the smallest block size that holds them all."""
-        rows = len(positions)
-        running = np.flatnonzero(positions >= 0).astype(np.int32)
-        nd, real = len(running), 0 if block is None else int((block.rows < rows).sum())  # (the block's padding last)
-        n = next(b for b in self.joins.sizes if b >= nd + real)
-        src, ids = np.full(n, -1, np.int32), np.zeros(n, np.int32)
-        at_rows, entries, out = np.full(n, rows, np.int32), np.zeros(n, np.int32), np.zeros(rows, np.int32)
-        src[:nd], at_rows[:nd], entries[:nd], out[running] = running, running, positions[running], np.arange(nd)
-        tokens = None
-        if self.adapters.on:
-            tokens = np.full(n, -1, np.int32)
-            if adapters is not None:
-                tokens[:nd] = np.asarray(adapters, np.int32)[running]
-        if block is not None:
-            ids[nd:nd + real], at_rows[nd:nd + real], entries[nd:nd + real] = (
-                block.ids[:real], block.rows[:real], block.entries[:real])
-            final = block.last_rows < rows  # the prompts whose last part is here: their rows' first tokens
-            out[block.last_rows[final]] = nd + block.last[final]
-            if tokens is not None and block.adapters is not None:
-                tokens[nd:nd + real] = block.adapters[:real]
-        return PackedTokens(src, ids, at_rows, entries, out, tokens)
 
     def _keep_row(self, g: int, joining: Joining, window: int) -> None:
         """Claim pool blocks for a joined prompt's full blocks not cached yet and have every stage write them from
@@ -361,14 +365,18 @@ class Slots(Prefills, SlotModel):
         self._unpromise(joining.slot)  # (stored: the prompts waiting for them find them in the cache)
 
     def step(self) -> StepResult:
+        t = time.perf_counter()
         for g in range(self.groups):  # every idle group with work goes into the stages
             busy = self.table.lengths[self.table.group_slots(g)].any()
             if not self._in_flight(g) and (self.joins.waiting(g) or busy):
                 self._send_decode(g)
-        g, future, sent, generations = self._flights.popleft()
+        g, future, sent, generations, step = self._flights.popleft()
         rows = np.zeros(self.num_slots, np.bool_)  # a slot freed or refilled since the step was sent takes nothing
         rows[self.table.current(sent, generations)] = True
-        return self._result(self.table.group_slots(g), rows, *self.stages.get(future))
+        out = self.stages.get(future)
+        if self.spec is not None and step.packed is not None:  # (a pipeline: the oldest group's step, a call a group)
+            self.spec.observe_call(len(step.packed.src), step.packed.verify is not None, 1, t, time.perf_counter())
+        return self._result(self.table.group_slots(g), rows, *out, step=step)
 
     def step_many(self, n: int) -> list[StepResult]:
         """Up to `n` decode steps of every slot in one call of the stage, each fed the tokens of the one
@@ -380,16 +388,23 @@ class Slots(Prefills, SlotModel):
         if (n <= 1 or self.stages.n > 1 or self.groups > 1 or self.joins.waiting(0)
                 or lengths.max() + n - 1 > self.max_seq_len):
             return [self.step()]
+        if self.spec is not None and self.spec.plan_ahead(lengths, self.joins.sizes[-1], self.max_seq_len):
+            return [self.step()]  # (rows drafting take one step: the plan just made is that step's)
+        t = time.perf_counter()
         slots, sent = self.table.group_slots(0), lengths > 0
         positions = np.where(sent, lengths - 1, -1).astype(np.int32)
         want_scores, want_top = self.table.wants(sent)
         step = DecodeStep(0, positions, self.window_needed(0, n), int(lengths.max()), want_scores, want_top,
                           adapters=self.adapters.rows(slots), steps=n)
         outs = self.stages.get(self.stages.call(0, "decode_steps", self.table.next.copy(), step))
+        if self.spec is not None:
+            nd = int(sent.sum())
+            self.spec.observe_call(next(b for b in self.joins.sizes if b >= nd), False, n, t, time.perf_counter())
         return [self._result(slots, sent, *(a[i] for a in outs)) for i in range(n)]
 
-    def _result(self, slots, rows, tok, lp, top_ids, top_lp) -> StepResult:
-        """A step's tokens for the group's `slots` (its rows, in order); the slots marked in `rows` take them."""
+    def _result(self, slots, rows, tok, lp, top_ids, top_lp, more=None, kept=None, step=None) -> StepResult:
+        """A step's tokens for the group's `slots` (its rows, in order); the slots marked in `rows` take them (and,
+        where rows drafted, `more` [rows, K] the tokens after each draft, the first `kept` [rows] of them)."""
         tokens = np.zeros(self.num_slots, np.int32)
         logprobs = np.zeros(self.num_slots, np.float32)
         ids = np.full((self.num_slots, MAX_TOP_LOGPROBS), -1, np.int32)
@@ -398,7 +413,10 @@ class Slots(Prefills, SlotModel):
         # the top-k ran for every row if one wanted it: the others get none
         ids = np.where(self.table.want_top[:, None], ids, -1)
         self.table.advance(rows, tokens)
-        return StepResult(tokens, logprobs, ids, lps, rows=rows)
+        result = StepResult(tokens, logprobs, ids, lps, rows=rows)
+        if self.spec is not None:
+            self.spec.settle(result, slots, more, kept, step.packed if step is not None else None, self.table)
+        return result
 
     # ---- life ----
     def warmup(self, prefill_chunk: Optional[int] = None, decode_steps: int = 1) -> None:

@@ -194,7 +194,7 @@ class StageSlots:
         if step.packed is not None:
             p = step.packed
             h, self.caches[group] = self._step_packed(self.params, self.caches[group], x, p.src, p.ids, p.rows,
-                                                      p.entries, p.out, prefix, self.lora.packed(p))
+                                                      p.entries, p.out, prefix, self.lora.packed(p), p.verify)
         elif join is None:
             h, self.caches[group] = self._step(self.params, self.caches[group], x, positions,
                                                np.int32(step.read_len), prefix,

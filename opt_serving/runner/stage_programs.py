@@ -116,26 +116,28 @@ def _passes(cfg, stage: opt.StageSpec, backend: Backend, max_seq_len: int, new_c
 
 def _packed_pass(cfg, stage: opt.StageSpec, backend: Backend):
     """A ragged stage's step of one list of tokens (step_packed), not jitted."""
-    def step_packed(params, cache, x, src, ids, rows, entries, out, prefix=None, lora=None):
+    def step_packed(params, cache, x, src, ids, rows, entries, out, prefix=None, lora=None, verify=None):
         """A ragged step of one list of N tokens (runner.types.PackedTokens): x is the group's newest tokens [B]
         (first stage: a running row's token is x[src]) or the previous stage's hidden states [N, D]; the last
         stage hands the sampler each row's hidden state at its token `out` [B] -> [B, D]. There, with more
         tokens than rows, the last layer computes only those B past its k/v (opt.OPT's keep): the prompt
         tokens but each prompt's last need nothing more from it. (Not under LoRA adapters, whose products
-        take every token's adapter.)"""
+        take every token's adapter.) With `verify` [E] (speculative decoding: the drafts' tokens in the list, -1
+        padding) the last stage hands the sampler their hidden states too: [B + E, D]."""
         empty = jnp.zeros(0, jnp.int32)
         if stage.first:
             x = jnp.where(src >= 0, x[jnp.maximum(src, 0)], ids)  # [N]
             tokens, block = empty, (x, rows, entries)
         else:
             tokens, block = x, (empty, rows, entries)
-        cut = stage.last and lora is None and out.shape[0] < src.shape[0]
-        keep = jnp.clip(out, 0, src.shape[0] - 1) if cut else None
+        picks = out if verify is None else jnp.concatenate([out, verify])
+        cut = stage.last and lora is None and picks.shape[0] < src.shape[0]
+        keep = jnp.clip(picks, 0, src.shape[0] - 1) if cut else None
         with applied(lora):
             h, cache = steps.ragged_step(cfg, params, cache, tokens, empty, empty, block, prefix, stage=stage,
                                          backend=backend, keep=keep)
-        if stage.last and keep is None:  # [N, D] -> [B, D]
-            h = jnp.take(h, out, axis=0, mode="clip")
+        if stage.last and keep is None:  # [N, D] -> [B (+ E), D]
+            h = jnp.take(h, picks, axis=0, mode="clip")
         return h, cache
     return step_packed
 

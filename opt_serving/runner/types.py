@@ -96,6 +96,7 @@ class Prefix:
     state: Any                       # the slot model's own (the runner: a handle on the stages' rows)
     settings: SlotSettings
     cached: int = 0                  # prompt tokens whose KV came from the prefix cache, not computed
+    tokens: tuple = ()               # the prompt's tokens (speculative decoding drafts from them)
 
 
 @dataclasses.dataclass
@@ -133,7 +134,7 @@ class JoinBlock:
 
 @dataclasses.dataclass(frozen=True)
 class PackedTokens:
-    """A ragged step's tokens as one list (`Slots._packed`): the rows running first, then the prompts' parts, padded
+    """A ragged step's tokens as one list (runner/packed.py): the rows running first, then the prompts' parts, padded
     to a block size as a whole, so a step's products run at the tokens it has, not at every row of the group."""
     src: np.ndarray          # int32 [N] the group row whose newest token this is (-1: a prompt token, or padding)
     ids: np.ndarray          # int32 [N] a prompt token (0 elsewhere)
@@ -143,6 +144,10 @@ class PackedTokens:
     # choice discarded (zeros defeat the greedy head's screen, which then computes every logit of the row)
     out: np.ndarray
     adapters: Optional[np.ndarray] = None  # int32 [N] each token's LoRA adapter slot (-1: none; None: no adapters)
+    # speculative decoding (runner/ngram.py; None: no row drafts): the drafts ride after the running rows' tokens
+    verify: Optional[np.ndarray] = None     # int32 [E] the drafts' tokens in the list (-1: padding)
+    draft_ids: Optional[np.ndarray] = None  # int32 [rows, K] each row's drafts, in order (-1: none)
+    draft_at: Optional[np.ndarray] = None   # int32 [rows, K] where in `verify` each is (-1: none)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +176,12 @@ class StepResult:
     top_ids: np.ndarray       # int32 [slots, MAX_TOP_LOGPROBS]
     top_logprobs: np.ndarray  # float32 [slots, MAX_TOP_LOGPROBS]
     rows: Optional[np.ndarray] = None  # bool [slots]
+    # speculative decoding (runner/ngram.py): each slot's tokens past `tokens[slot]` its accepted drafts gave (a
+    # slot not drafting: none), and the step's counts: rows that drafted, tokens drafted, drafts accepted
+    more: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    drafts: int = 0
+    drafted: int = 0
+    accepted: int = 0
     # the arrays as Python values, made at the first token() (a step's tokens are handed out one slot at a time,
     # and numpy's scalars, element by element, were most of a token's hand-out)
     _host: Optional[tuple] = dataclasses.field(default=None, init=False, repr=False, compare=False)
@@ -185,6 +196,11 @@ class StepResult:
         if has_top[slot]:
             top = [(i, lp) for i, lp in zip(self.top_ids[slot].tolist(), self.top_logprobs[slot].tolist()) if i >= 0]
         return TokenInfo(tokens[slot], logprobs[slot] if logprob else None, top)
+
+    def tokens_of(self, slot: int, logprob: bool = True) -> list[TokenInfo]:
+        """The slot's tokens from this step: `token`'s, then those its accepted drafts gave (never scored: a
+        drafting row asks for no scores)."""
+        return [self.token(slot, logprob)] + [TokenInfo(t, None, []) for t in self.more.get(slot, ())]
 
 
 @dataclasses.dataclass(frozen=True)

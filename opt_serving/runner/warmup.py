@@ -47,6 +47,7 @@ class Shape:
       `window` entries, twice where `twice`;
     - "decode": one step reading the whole `window`; "decode_steps": `steps` of them in one call;
     - "join": a step in `window` with prompts joining in a block of `block` tokens;
+    - "spec": the same with a row's drafts in it (speculative decoding, runner/ngram.py; prompts fill the rest);
     - "store_row": a row's blocks of `window` entries into the prefix cache's pool; "free": a row freed.
     """
     kind: str
@@ -85,6 +86,8 @@ def compiled_shapes(slots: "Slots", prefill_chunk: Optional[int] = None, decode_
         if decode_steps > 1:
             shapes.append(Shape("decode_steps", window=w, steps=decode_steps))
         shapes += [Shape("join", window=w, block=b) for b in joins]
+        if slots.spec is not None:
+            shapes += [Shape("spec", window=w, block=b) for b in slots.spec.sizes]
         if slots.ragged and slots.prefix is not None:
             shapes.append(Shape("store_row", window=w))
         shapes.append(Shape("free", window=w))
@@ -146,6 +149,8 @@ def warm_up(slots: "Slots", prefill_chunk: Optional[int] = None, decode_steps: i
             slots.discard(prefix)
         if slots.prefix is not None:
             slots.prefix.clear()
+        if slots.spec is not None:
+            slots.spec.forget_times()
         slots._to_all("end_warmup")
         slots.stages.get(slots.stages.call(0, "ready"))
 
@@ -198,13 +203,25 @@ class _Runner:
         self.slots.table.lengths[0] = max(shape.window - shape.steps + 1, 1)  # the steps fill the window
         self.slots.step_many(shape.steps)
 
-    def join(self, shape: Shape) -> None:
-        """Prompts fill the block: `block` tokens in all (with slot 0's, where a step's tokens are one list), no two
-        alike (none waits for another's prefix blocks), none reusing another's blocks (each fills its share). The
-        largest block is the budget and every running row's token: with slot 0 alone running, the budget is raised
-        to the block for this step, or its prompts would stop at the budget and run in a smaller block."""
-        slots, b = self.slots, shape.block - (1 if self.slots.packed else 0)
-        slots.table.lengths[0] = shape.window
+    def spec(self, shape: Shape) -> None:
+        """Slot 0 drafts what the block holds besides its token (prompts fill the rest), in the window's last
+        entries."""
+        spec = self.slots.spec
+        drafts = min(spec.k, spec.verify_rows, shape.block - 1)
+        spec.forced = (0, shape.block)
+        try:
+            self.join(shape, drafts)
+        finally:
+            spec.forced = None
+
+    def join(self, shape: Shape, drafts: int = 0) -> None:
+        """Prompts fill the block: `block` tokens in all (with slot 0's, where a step's tokens are one list, and its
+        `drafts`), no two alike (none waits for another's prefix blocks), none reusing another's blocks (each fills
+        its share). The largest block is the budget and every running row's token: with slot 0 alone running, the
+        budget is raised to the block for this step, or its prompts would stop at the budget and run in a smaller
+        block."""
+        slots, b = self.slots, shape.block - (1 if self.slots.packed else 0) - drafts
+        slots.table.lengths[0] = shape.window - drafts
         if slots.prefix is not None:
             slots.prefix.clear()
         some = range(slots.groups, slots.num_slots, slots.groups)[:JOIN_PROMPTS][:b]  # group 0's rows after slot 0

@@ -4,9 +4,10 @@ before Ray starts (a replica that loads the model would only report it as a fail
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
-from opt_serving.config import get_config
+from opt_serving.config import SpeculativeConfig, get_config
 from opt_serving.engine.admission import DECODE_STEPS, PREFILL_BUDGET, PREFILL_CHUNK
 from opt_serving.service import lora_args
 from opt_serving.service.deployment import ServeArgs, check_model_args
@@ -73,8 +74,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", action="append", default=[],
                    help="accept only requests with `Authorization: Bearer KEY` (repeatable; also "
                         "$OPT_SERVING_API_KEYS, comma separated)")
-    lora_args.add_arguments(p)
+    _decoding_feature_arguments(p)
     _plan_and_ray_arguments(p)
+
+
+def _decoding_feature_arguments(p: argparse.ArgumentParser) -> None:
+    """LoRA adapters (service/lora_args.py) and speculative decoding."""
+    lora_args.add_arguments(p)
+    p.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
+                   help='served speculative decoding, as vLLM\'s flag: prompt lookup only, e.g. \'{"method": '
+                        '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}\' (greedy rows draft the '
+                        "tokens that followed an earlier occurrence of their last n tokens; a draft model "
+                        "is refused)")
+
+
+def speculative_config(value: str) -> dict | None:
+    """--speculative-config's JSON -> the config as a dict (ServeArgs' speculative_config; None: off), checked
+    by config.SpeculativeConfig.parse when the command line is parsed, so a bad value exits naming the flag
+    before anything loads."""
+    try:
+        config = SpeculativeConfig.parse(value)
+    except ValueError as e:
+        message = str(e)
+        for prefix, instead in (("speculative_config: ", ""), ("speculative_config ", "the value ")):
+            if message.startswith(prefix):
+                message = instead + message[len(prefix):]
+                break
+        raise argparse.ArgumentTypeError(message) from None
+    return None if config is None else dataclasses.asdict(config)
 
 
 def _plan_and_ray_arguments(p: argparse.ArgumentParser) -> None:
@@ -136,7 +163,7 @@ def serve_args_from(args: argparse.Namespace):
                      tensor_parallel=args.tensor_parallel, pipeline_parallel=args.pipeline_parallel,
                      device_memory=args.device_memory, micro_batches=args.micro_batches, handoff=args.handoff,
                      max_logprobs=args.max_logprobs, max_body_bytes=args.max_body_bytes, chat_template=template,
-                     **lora_args.serve_args(args))
+                     speculative_config=args.speculative_config, **lora_args.serve_args(args))
 
 
 def check_args(serve_args) -> str | None:

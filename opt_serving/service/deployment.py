@@ -4,12 +4,14 @@ generator (`build_generator`) and serves `app.create_app` over it.
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveInt
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveInt, field_validator
 
 from opt_serving import jax_env, startlog
+from opt_serving.config import SpeculativeConfig
 from opt_serving.engine.admission import DECODE_STEPS, PREFILL_CHUNK
 from opt_serving.text.fake import fake_generator
 from opt_serving.text.loading import check_model_args as check_model_names
@@ -81,6 +83,17 @@ class ServeArgs(BaseModel):
     max_lora_rank: int = 16
     lora_target_modules: list[str] | str | None = None  # None: those of lora_modules, or every linear layer
     enable_lora_runtime_updates: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter
+    # served speculative decoding (vLLM's --speculative-config): a dict (serve_config.yaml) or its JSON (`serve run
+    # ... speculative_config='{...}'`), prompt lookup only; checked here, kept as the dict (None: off)
+    speculative_config: dict | str | None = None
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _check_speculative_config(cls, value):
+        """config.SpeculativeConfig.parse's errors (each names speculative_config, a value of another type too)
+        when the arguments are made, before anything loads; the config's dict (every key spelt out) or None."""
+        config = SpeculativeConfig.parse(value)
+        return None if config is None else dataclasses.asdict(config)
 
     def key_list(self) -> list[str]:
         keys = self.api_keys.split(",") if isinstance(self.api_keys, str) else self.api_keys
@@ -96,6 +109,10 @@ class ServeArgs(BaseModel):
         """The LoRA adapters served (model/lora_config.py's LoraOptions), or None; ValueError naming the flag."""
         return lora_args.options(self.enable_lora, self.lora_modules, self.max_loras, self.max_lora_rank,
                                  self.lora_target_modules, self.enable_lora_runtime_updates)
+
+    def speculative(self) -> Optional[SpeculativeConfig]:
+        """The served speculative decoding (config.SpeculativeConfig), or None."""
+        return SpeculativeConfig.parse(self.speculative_config)
 
     def plan_args(self) -> dict:
         """What load_engine takes about the plan (alpa/ models only)."""
@@ -114,6 +131,9 @@ def check_model_args(args: ServeArgs) -> None:
                              "--tokenizer)")
         if args.lora_options() is not None:
             raise ValueError("the fake engine (--engine fake) serves no LoRA adapters")
+        if args.speculative_config is not None:
+            raise ValueError("the fake engine (--engine fake) does not speculate (speculative_config, "
+                             "--speculative-config)")
         return
     if args.fake_step_s:
         raise ValueError("fake_step_s goes with the fake engine (engine: fake)")
@@ -133,7 +153,7 @@ def build_generator(args: ServeArgs):
                           tokenizer=args.tokenizer, quantize=args.quantize, prefill_chunk=args.prefill_chunk,
                           prefill_budget=args.prefill_budget, decode_steps=args.decode_steps,
                           prefix_caching=args.prefix_caching, warmup=args.warmup, lora=args.lora_options(),
-                          **args.plan_args())
+                          speculative=args.speculative(), **args.plan_args())
 
 
 def placement(args: ServeArgs) -> dict:

@@ -49,7 +49,12 @@ class _EngineCollector:
                 "joined_tokens": ("joined_prompt_tokens", "prompt tokens computed inside decode steps"),
                 "decode_s": ("decode_seconds", "seconds the engine spent in decode calls"),
                 "decode_kv_entries": ("decode_kv_entries", "KV entries decode steps attended over (rows x "
-                                      "context, summed over steps)")}
+                                      "context, summed over steps)"),
+                # served speculative decoding (--speculative-config), as vLLM's spec_decode_* counters
+                "spec_drafts": ("spec_decode_num_drafts", "rows that drafted tokens in a decode step, summed over "
+                                "steps"),
+                "spec_draft_tokens": ("spec_decode_num_draft_tokens", "tokens drafted (prompt lookup)"),
+                "spec_accepted_tokens": ("spec_decode_num_accepted_tokens", "drafted tokens the model accepted")}
     DURATIONS = {"queue_wait": ("queue_wait_seconds", "time from a request's arrival to its start: a slot to join "
                                 "the decode steps, or its prefill pass"),
                  "prompt_time": ("prompt_seconds", "time from a request's start to its first token: its prompt's "
@@ -84,6 +89,12 @@ class _EngineCollector:
             yield GaugeMetricFamily(f"{PREFIX}_prefix_cache_hit_rate",
                                     "prompt tokens the prefix cache gave / prompt tokens prefilled, since start",
                                     value=float(s["cached_tokens"]) / queried if queried else 0.0)
+        if "spec_drafts" in s:
+            drafts = float(s["spec_drafts"] or 0)
+            yield GaugeMetricFamily(f"{PREFIX}_spec_decode_mean_acceptance_length",
+                                    "tokens a drafting row's decode step gave on average, 1 + accepted tokens / "
+                                    "drafts, since start (0 before any draft)",
+                                    value=1 + float(s.get("spec_accepted_tokens") or 0) / drafts if drafts else 0.0)
         for key, (name, doc) in self.DURATIONS.items():
             d = s.get(key)
             if d:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Optional, Union
 
 from opt_serving import startlog, xla_cache
+from opt_serving.config import SpeculativeConfig
 from opt_serving.engine.admission import DECODE_STEPS, PREFILL_CHUNK
 from opt_serving.model.embedded import ensure_embedded_model
 from opt_serving.engine.scheduler import Engine
@@ -79,7 +80,7 @@ def load_engine(model: Union[str, ModelSpec], path=None, dtype: str = "auto", nu
                 decode_steps: int = DECODE_STEPS, prefix_caching: bool = True, dummy: bool = False, seed: int = 0,
                 tensor_parallel: Optional[int] = None, pipeline_parallel: Optional[int] = None,
                 quantize: Optional[str] = None, device_memory=None, micro_batches: Optional[int] = None,
-                handoff: str = "auto", lora=None) -> Engine:
+                handoff: str = "auto", lora=None, speculative=None) -> Engine:
     """An engine over `runner.load.load_slots` of a model spec, or of a name with its weights (`path`, or
     `dummy` random ones from `seed`) and plan (`tensor_parallel`, `pipeline_parallel`, `quantize`) parsed into
     one here: every plan (one device, a tensor-parallel mesh, pipeline stages on a Ray cluster;
@@ -87,18 +88,26 @@ def load_engine(model: Union[str, ModelSpec], path=None, dtype: str = "auto", nu
     `warmup` (the
     chunked prefill's step and `decode_steps` steps in one call too: `prefill_chunk`, `prefill_budget`,
     `decode_steps`, see engine.Engine; `prefix_caching`, runner/prefix.py; `lora`: LoRA adapters, runner/lora.py's
-    LoraOptions). What it compiles is kept on disk for the next start (xla_cache)."""
+    LoraOptions; `speculative`: served speculative decoding, config.SpeculativeConfig or its JSON, runner/ngram.py).
+    What it compiles is kept on disk for the next start (xla_cache)."""
     # JAX is imported where a model is loaded, not with this module: the fake engine's server and a process that
     # only checks arguments or routes requests never import it
     from opt_serving.runner.load import load_slots
     spec = model if isinstance(model, ModelSpec) else ModelSpec.parse(
         model, path, dummy=dummy, seed=seed, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
         quantize=quantize)
+    speculative = SpeculativeConfig.parse(speculative)  # (its errors before any weight is read)
     xla_cache.enable()
     with startlog.PHASES.phase("weights and stages", compiles=True):
         slots = load_slots(spec, dtype=dtype, num_slots=num_slots, max_seq_len=max_seq_len,
                            device_memory=device_memory, micro_batches=micro_batches, prefix_caching=prefix_caching,
                            handoff=handoff, lora=lora)
+    if speculative is not None:
+        try:
+            slots.use_speculation(speculative)
+        except BaseException:
+            slots.close()
+            raise
     engine = Engine(slots, max_queue=max_queue, start=False, prefill_chunk=prefill_chunk,
                     prefill_budget=prefill_budget, decode_steps=decode_steps)
     try:
