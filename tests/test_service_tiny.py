@@ -174,3 +174,28 @@ def test_cached_prompt_tokens_in_usage_and_the_hit_rate_in_metrics(tiny):
     assert rate == pytest.approx(metric(after, "opt_serving_prefix_cache_hits_total")
                                  / metric(after, "opt_serving_prefix_cache_queries_total"))
     assert 0 < rate < 1
+
+
+def test_speculative_decoding_served_gives_the_greedy_text_and_counts_its_drafts():
+    """`--speculative-config`'s ngram through the HTTP routes: the `openai` client's greedy text is plain greedy
+    decoding's (the server without it), and /metrics counts drafts accepted."""
+    from opt_serving.model.embedded import ensure_embedded_model
+    path = str(ensure_embedded_model())
+    kw = dict(max_batch_size=4, max_seq_len=64, warmup=False)
+    prompts = ["the the the the the", "Hello world, hello world, hello", "1 2 3 1 2 3 1 2"]
+    texts = {}
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3}):
+        g = load_generator("jax/opt-tiny", path, speculative=spec, **kw)
+        if spec is not None:
+            g.engine.model.spec.adaptive = False  # (the tiny model's steps cost the host's time: drafts ride anyway)
+        try:
+            with serve_in_thread(create_app(g)) as url:
+                client = openai.OpenAI(base_url=url + "/v1", api_key="dummy", max_retries=0, timeout=120)
+                texts[spec is not None] = [client.completions.create(
+                    model="jax/opt-tiny", prompt=p, max_tokens=24, temperature=0).choices[0].text for p in prompts]
+                text = httpx.get(url + "/metrics", timeout=30).text
+        finally:
+            g.close()
+    assert texts[True] == texts[False]
+    assert metric(text, "opt_serving_spec_decode_num_accepted_tokens_total") > 0
+    assert metric(text, "opt_serving_spec_decode_mean_acceptance_length") > 1
