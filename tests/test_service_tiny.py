@@ -178,7 +178,8 @@ def test_cached_prompt_tokens_in_usage_and_the_hit_rate_in_metrics(tiny):
 
 def test_speculative_decoding_served_gives_the_greedy_text_and_counts_its_drafts():
     """`--speculative-config`'s ngram through the HTTP routes: the `openai` client's greedy text is plain greedy
-    decoding's (the server without it), and /metrics counts drafts accepted."""
+    decoding's (the server without it), with drafts checked in the steps and counted by /metrics. (How many the
+    random tiny model accepts is its own affair: test_runner_ngram.py checks acceptance on a model built for it.)"""
     from opt_serving.model.embedded import ensure_embedded_model
     path = str(ensure_embedded_model())
     kw = dict(max_batch_size=4, max_seq_len=64, warmup=False)
@@ -197,5 +198,7 @@ def test_speculative_decoding_served_gives_the_greedy_text_and_counts_its_drafts
         finally:
             g.close()
     assert texts[True] == texts[False]
-    assert metric(text, "opt_serving_spec_decode_num_accepted_tokens_total") > 0
-    assert metric(text, "opt_serving_spec_decode_mean_acceptance_length") > 1
+    drafts, drafted = (metric(text, f"opt_serving_spec_decode_num_{k}_total") for k in ("drafts", "draft_tokens"))
+    accepted = metric(text, "opt_serving_spec_decode_num_accepted_tokens_total")
+    assert 0 < drafts <= drafted and accepted <= drafted
+    assert metric(text, "opt_serving_spec_decode_mean_acceptance_length") == pytest.approx(1 + accepted / drafts)
