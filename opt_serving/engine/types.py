@@ -9,7 +9,8 @@ import numbers
 from typing import Any, Callable, Optional, Sequence
 
 from opt_serving.errors import ContextLengthExceeded, InvalidRequest, Overloaded, Unavailable
-from opt_serving.runner.types import MAX_BAD_WORD_LEN, MAX_BAD_WORDS, EngineOutput, SlotModel, SlotSettings
+from opt_serving.runner.types import (MAX_BAD_WORD_LEN, MAX_BAD_WORDS, EngineOutput, SlotModel, SlotSettings,
+                                      acceptance_length)
 
 
 def check_prompt(ids: Sequence[int], max_tokens: int, vocab_size: int, max_seq_len: int) -> None:
@@ -142,7 +143,7 @@ class EngineStats:
     @property
     def mean_acceptance_length(self) -> float:
         """Tokens a drafting row's step gave on average (vLLM's: 1 + accepted / drafts; 0 before any draft)."""
-        return 1 + self.spec_accepted_tokens / self.spec_drafts if self.spec_drafts else 0.0
+        return acceptance_length(self.spec_accepted_tokens, self.spec_drafts)
 
     @property
     def tokens_per_step(self) -> float:

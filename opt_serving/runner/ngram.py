@@ -138,7 +138,8 @@ class NgramSpeculation:
         tokens without them and at most `room` more."""
         if self.forced is not None:
             return self._forced(running, tokens)
-        most = min(len(running) * self.k, self.verify_rows, room, self.sizes[-1] - tokens if self.sizes else 0)
+        drafting = sum(1 for slot, _, _ in running if self.length[slot])  # (rows of requests that may draft)
+        most = min(drafting * self.k, self.verify_rows, room, self.sizes[-1] - tokens if self.sizes else 0)
         if tokens > SPEC_MAX_BLOCK or most <= 0:
             return []
         if self.adaptive and self._measure_plain(tokens):
@@ -187,7 +188,7 @@ class NgramSpeculation:
         """Warm-up's step: the slot drafts as many tokens as fit the block it asked for (their values: its own)."""
         slot, block = self.forced
         self.forced = None
-        row, length = next((r, n) for s, r, n in running if s == slot)
+        row = next(r for s, r, _ in running if s == slot)
         n = min(self.k, self.verify_rows, block - tokens)
         return [Draft(slot, row, (int(self.tokens[slot, max(self.length[slot] - 1, 0)]),) * n)]
 
@@ -247,7 +248,7 @@ class NgramSpeculation:
         successors too (into `result.more` and the slot `table`: its length and newest token), its rate updated.
         `more` [rows, K], `kept` [rows]: the sampler's check (None without drafts); `packed` the step's tokens."""
         drafted = packed is not None and packed.draft_ids is not None
-        for r in np.flatnonzero(result.rows[slots]) if result.rows is not None else range(len(slots)):
+        for r in np.flatnonzero(result.rows[slots]):
             slot = int(slots[r])
             if not self.length[slot]:
                 continue

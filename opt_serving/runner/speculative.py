@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from opt_serving.backend import sampling
+from opt_serving.runner.types import acceptance_length
 
 PROBE_EVERY = 8  # plain rounds between probes while speculation does not pay
 EMA = 0.3  # weight of the newest round in the running acceptance rate and timings
@@ -53,7 +54,7 @@ class SpeculationStats:
     @property
     def mean_acceptance_length(self) -> float:
         """Tokens each round emitted: the accepted drafts plus the target's own."""
-        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
+        return acceptance_length(self.accepted, self.rounds)
 
 
 class KChooser:

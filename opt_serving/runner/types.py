@@ -167,6 +167,12 @@ class DecodeStep:
     packed: Optional[PackedTokens] = None   # the step's tokens as one list (ragged stages), `join` the sampler's view
 
 
+def acceptance_length(accepted: float, drafts: float) -> float:
+    """Speculative decoding's mean acceptance length (vLLM's): the tokens a drafting row's step, or a speculative
+    round, gave on average, 1 + accepted / drafts; 0 before any draft."""
+    return 1 + accepted / drafts if drafts else 0.0
+
+
 @dataclasses.dataclass
 class StepResult:
     """One decode step over the slots (rows of inactive slots are garbage). A pipelined runner steps one

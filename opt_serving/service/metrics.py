@@ -15,6 +15,8 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
                                generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from opt_serving.runner.types import acceptance_length
+
 PREFIX = "opt_serving"
 disable_created_metrics()  # the *_created series only add noise to every counter and histogram
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -90,11 +92,11 @@ class _EngineCollector:
                                     "prompt tokens the prefix cache gave / prompt tokens prefilled, since start",
                                     value=float(s["cached_tokens"]) / queried if queried else 0.0)
         if "spec_drafts" in s:
-            drafts = float(s["spec_drafts"] or 0)
             yield GaugeMetricFamily(f"{PREFIX}_spec_decode_mean_acceptance_length",
                                     "tokens a drafting row's decode step gave on average, 1 + accepted tokens / "
                                     "drafts, since start (0 before any draft)",
-                                    value=1 + float(s.get("spec_accepted_tokens") or 0) / drafts if drafts else 0.0)
+                                    value=acceptance_length(float(s.get("spec_accepted_tokens") or 0),
+                                                            float(s["spec_drafts"] or 0)))
         for key, (name, doc) in self.DURATIONS.items():
             d = s.get(key)
             if d:
