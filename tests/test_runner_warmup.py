@@ -110,3 +110,45 @@ def test_a_warm_up_that_fails_leaves_its_stage_running_its_programs(monkeypatch)
     # its prefill computes (a compile-only call would have returned token 0): the same token as a model never warmed
     got, want = (m.prefill([2, 5, 6, 7], SlotSettings()).first for m in (model, fresh))
     assert got.id == want.id and got.logprob == want.logprob and got.logprob not in (None, 0.0)
+
+
+def test_warming_what_generation_runs_leaves_only_scored_prompts_to_compile(slots):
+    """`every_shape=False` on ragged stages: the list keeps each window's steps (and the one prefill and insert
+    that put a row in it) and drops the chunked and scored prefills. After it, prompts joining a part at a time
+    (a cached prefix among them), steps one and four at a time and frees compile nothing; a scored prompt then
+    compiles its prefill at its first use, and scores as a model warmed for every shape does."""
+    from opt_serving.model import param_tree
+    from opt_serving.parallel.pipeline import stage_specs
+    from opt_serving.runner.slots import Slots
+    from opt_serving.runner.stage import LocalStages, StageSlots
+    from opt_serving.runner.warmup import compiled_shapes
+    params = param_tree.init_params(CFG, seed=3, std=0.3)
+    stages = [StageSlots(CFG, params, s, 4, 1, 64, prefix_blocks=16) for s in stage_specs(CFG, 1)]
+    model = Slots(CFG, LocalStages(stages), 4, 1, 64, prefix_blocks=16)
+    every, serving = (compiled_shapes(model, 16, 4, every_shape=e) for e in (True, False))
+    kinds = lambda shapes: {s.kind for s in shapes}  # noqa: E731
+    assert set(serving) < set(every) and kinds(every) - kinds(serving) == {"job"}
+    assert not any(s.scored for s in serving) and len(serving) < len(every)
+    for kind in ("decode", "decode_steps", "join", "store_row", "free"):
+        assert [s for s in serving if s.kind == kind] == [s for s in every if s.kind == kind]
+    model.warmup(16, decode_steps=4, every_shape=False)
+    long = [2] + list(range(10, 50))
+    with xla_compiles() as asked:
+        assert model.join(long, SlotSettings(max_tokens=6), 0)
+        assert model.join([2, 40, 41], SlotSettings(), 1)
+        for _ in range(4):
+            model.step()
+        assert model.join(long[:33] + [3, 4], SlotSettings(), 2)  # its first two blocks are cached: the rest joins
+        for _ in range(3):
+            model.step()
+        model.step_many(4)
+        for s in range(3):
+            model.free(s)
+    assert asked == []
+    with xla_compiles() as asked:
+        scored = model.prefill([2, 5, 6, 7, 8], SlotSettings(prompt_logprobs=True))
+    assert asked != []
+    want = slots.prefill([2, 5, 6, 7, 8], SlotSettings(prompt_logprobs=True))  # (warmed for every shape)
+    model.discard(scored)
+    slots.discard(want)
+    assert scored.first == want.first and scored.prompt == want.prompt and len(want.prompt) == 5

@@ -70,7 +70,7 @@ class FakeSlots(SlotModel):
         self.inserted: list[int] = []   # slots in insertion order (tests look at slot reuse)
         self.inserted_settings: list[SlotSettings] = []  # and the requests' settings (what the layers above asked)
 
-    def warmup(self, prefill_chunk: Optional[int] = None, decode_steps: int = 1) -> None:
+    def warmup(self, prefill_chunk: Optional[int] = None, decode_steps: int = 1, every_shape: bool = True) -> None:
         self.warmed_up = True
 
     def _next(self, last: int, k: int, s: SlotSettings) -> TokenInfo:

@@ -99,11 +99,11 @@ class Engine:
         """The most top alternatives a token can come with."""
         return self.model.max_top_logprobs
 
-    def warmup(self) -> None:
-        """Compile every prefill bucket, the decode step and the chunked prefill's step now, not at the first
-        request."""
+    def warmup(self, every_shape: bool = True) -> None:
+        """Compile what serving runs now, not at the first request (without `every_shape`, where prompts join
+        the steps: what generation runs; the prefills only scored prompts run compile at their first use)."""
         self.model.warmup(prefill_chunk=self.prefill_chunk or None,
-                          decode_steps=self.decode_steps if self.model.many_steps else 1)
+                          decode_steps=self.decode_steps if self.model.many_steps else 1, every_shape=every_shape)
 
     def start(self) -> None:
         if self._thread is None:

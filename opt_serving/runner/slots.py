@@ -419,11 +419,13 @@ class Slots(Prefills, SlotModel):
         return result
 
     # ---- life ----
-    def warmup(self, prefill_chunk: Optional[int] = None, decode_steps: int = 1) -> None:
+    def warmup(self, prefill_chunk: Optional[int] = None, decode_steps: int = 1, every_shape: bool = True) -> None:
         """Compile every shape serving runs (runner/warmup.py's `compiled_shapes`): the prefills, inserts, steps
         (and `decode_steps` of them in one call, where `step_many` takes them), joins and frees; with
-        `prefill_chunk` (and for the part of a prompt after its cached prefix), the chunked prefills."""
-        warm_up(self, prefill_chunk, decode_steps)
+        `prefill_chunk` (and for the part of a prompt after its cached prefix), the chunked prefills. Without
+        `every_shape`, on ragged stages only what generation runs (the prefills and chunked prefills that only
+        scored prompts run then compile at their first use)."""
+        warm_up(self, prefill_chunk, decode_steps, every_shape)
 
     @property
     def params(self):

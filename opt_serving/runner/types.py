@@ -274,8 +274,9 @@ class SlotModel(abc.ABC):
     loras = None  # the LoRA adapters served (runner.lora.Adapters; SlotSettings.lora names one), or None
 
     @abc.abstractmethod
-    def warmup(self, prefill_chunk: Optional[int] = None, decode_steps: int = 1) -> None:
-        """Compile now what serving runs, not at the first request."""
+    def warmup(self, prefill_chunk: Optional[int] = None, decode_steps: int = 1, every_shape: bool = True) -> None:
+        """Compile now what serving runs, not at the first request (without `every_shape`: what generation runs,
+        where the slot model tells that apart; the rest at its first use)."""
 
     @abc.abstractmethod
     def prefill(self, tokens: Sequence[int], settings: SlotSettings) -> Prefix:

@@ -63,25 +63,33 @@ class Shape:
     twice: bool = False
 
 
-def compiled_shapes(slots: "Slots", prefill_chunk: Optional[int] = None, decode_steps: int = 1) -> list[Shape]:
+def compiled_shapes(slots: "Slots", prefill_chunk: Optional[int] = None, decode_steps: int = 1,
+                    every_shape: bool = True) -> list[Shape]:
     """Every shape `slots` compiles at, in the order warm-up runs them (the module docstring). Its joins are set
-    for `prefill_chunk` first (`Slots.set_prefill_chunk`)."""
-    shapes = [Shape("prefill", tokens=slots.buckets[0] - 1, scored=True)]
-    if prefill_chunk or slots.prefix is not None:
+    for `prefill_chunk` first (`Slots.set_prefill_chunk`). Without `every_shape`, on ragged stages, only the shapes
+    generation runs (`serving_only`)."""
+    only_steps = not every_shape and slots.joins_in_parts
+    shapes = [] if only_steps else [Shape("prefill", tokens=slots.buckets[0] - 1, scored=True)]
+    if (prefill_chunk or slots.prefix is not None) and not only_steps:
         shapes += _job_shapes(slots, slots.hit_chunk)
     widths: dict[int, int] = {}  # every cache size a prefill makes -> the smallest prefill width making it
     for b in slots.buckets:  # b - 1 prompt tokens fill prefill bucket b
+        widths.setdefault(cache_bucket(b, slots.max_seq_len), b)
+    windows = _windows(slots)
+    # the cache size each window's steps start from: the largest a prefill makes that the window holds
+    firsts = {w: max(c for c in widths if c <= w) for w in windows}
+    for b in slots.buckets:
         c = cache_bucket(b, slots.max_seq_len)
-        shapes.append(Shape("prefill", tokens=b - 1, for_inserts=c not in widths))
-        widths.setdefault(c, b)
+        if not only_steps or (widths[c] == b and c in firsts.values()):
+            shapes.append(Shape("prefill", tokens=b - 1, for_inserts=widths[c] == b))
     stored = [b for b in slots.buckets if b > BLOCK_SIZE]
-    if slots.prefix is not None and stored:  # the first store again, into the pool as the stores leave it
+    if slots.prefix is not None and stored and not only_steps:  # the first store again, into the pool as left
         shapes.append(Shape("prefill", tokens=stored[0] - 1))
     joins = slots.join_blocks if slots.num_slots > slots.groups else ()  # (group 0 has rows besides slot 0)
-    for w in _windows(slots):
+    for w in windows:
         fits = [c for c in sorted(widths) if c <= w]
-        shapes += [Shape("insert", tokens=widths[c] - 1, size=c, window=w, twice=c == fits[-1])
-                   for c in fits[-1:] + fits[:-1]]  # (the largest first)
+        fits = fits[-1:] + ([] if only_steps else fits[:-1])  # (the largest first)
+        shapes += [Shape("insert", tokens=widths[c] - 1, size=c, window=w, twice=c == firsts[w]) for c in fits]
         shapes.append(Shape("decode", window=w))
         if decode_steps > 1:
             shapes.append(Shape("decode_steps", window=w, steps=decode_steps))
@@ -129,14 +137,16 @@ def group_of(shape: Shape) -> str:
     return "chunked prefills" if shape.kind == "job" else f"window {shape.window}"
 
 
-def warm_up(slots: "Slots", prefill_chunk: Optional[int] = None, decode_steps: int = 1) -> None:
+def warm_up(slots: "Slots", prefill_chunk: Optional[int] = None, decode_steps: int = 1,
+            every_shape: bool = True) -> None:
     """Compile every shape of `compiled_shapes`, then leave the slots as they were: every slot free, the prefix
     cache empty (what warm-up wrote is nobody's prefix)."""
     slots.set_prefill_chunk(prefill_chunk)
     slots._to_all("begin_warmup")
     run = _Runner(slots)
     try:
-        for group, shapes in itertools.groupby(compiled_shapes(slots, prefill_chunk, decode_steps), key=group_of):
+        listed = compiled_shapes(slots, prefill_chunk, decode_steps, every_shape)
+        for group, shapes in itertools.groupby(listed, key=group_of):
             shapes = list(shapes)
             with startlog.PHASES.phase(f"warm-up {group}", shapes=len(shapes), compiles=True):
                 for shape in shapes:

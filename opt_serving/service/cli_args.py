@@ -54,11 +54,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="do not keep prompts' KV cache for later prompts that start the same way (on by "
                         "default: such a prompt prefills only what follows its cached prefix)")
-    p.add_argument("--no-warmup", dest="warmup", action="store_false",
-                   help="compile each program at its first use instead of every shape before serving: the server "
-                        "answers in seconds, and the first request of each new shape (prompt width, cache window, "
-                        "joining block) waits for its compile, read from the compile cache when an earlier start "
-                        "compiled it")
     p.add_argument("--max-batch-size", type=int, default=16, help="decode slots (requests advanced per step)")
     p.add_argument("--max-seq-len", type=int, default=None, help="prompt + generated tokens (default: the model's)")
     p.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond which the answer is 429")
@@ -74,8 +69,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", action="append", default=[],
                    help="accept only requests with `Authorization: Bearer KEY` (repeatable; also "
                         "$OPT_SERVING_API_KEYS, comma separated)")
+    _warmup_arguments(p)
     _decoding_feature_arguments(p)
     _plan_and_ray_arguments(p)
+
+
+def _warmup_arguments(p: argparse.ArgumentParser) -> None:
+    """What compiles before the server answers (runner/warmup.py)."""
+    p.add_argument("--warmup-all", dest="warmup", action="store_const", const="all", default=True,
+                   help="compile every shape before serving, the prefills only scored prompts run (prompt "
+                        "logprobs, echo with logprobs: lm-eval's loglikelihood) too; by default those compile at "
+                        "their first use where prompts join the decode steps (the CPU kernels), a faster start")
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="compile each program at its first use instead of every shape before serving: the server "
+                        "answers in seconds, and the first request of each new shape (prompt width, cache window, "
+                        "joining block) waits for its compile, read from the compile cache when an earlier start "
+                        "compiled it")
 
 
 def _decoding_feature_arguments(p: argparse.ArgumentParser) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, NonNegativeInt, PositiveInt, field_validator
 
@@ -49,9 +49,10 @@ class ServeArgs(BaseModel):
     prefill_budget: Optional[PositiveInt] = None  # prompt tokens an iteration, whole and chunks (None: 2048)
     decode_steps: PositiveInt = DECODE_STEPS  # decode steps in one call while nobody waits for a slot
     prefix_caching: bool = True          # keep prompts' KV for later prompts that start the same way
-    # compile every shape serving runs before the replica serves (False: each at its first use, a start in
-    # seconds and a first request of each new shape that waits for its compile)
-    warmup: bool = True
+    # compile what generation runs before the replica serves ("all": every shape, the prefills only scored prompts
+    # run too; False: each at its first use, a start in seconds and a first request of each new shape that waits
+    # for its compile)
+    warmup: Union[bool, Literal["all"]] = True
     request_timeout: float = 600.0
     api_keys: list[str] | str = []       # a list, or comma separated
     # the names requests may call the model by (vLLM's --served-model-name; a list, or comma separated); the

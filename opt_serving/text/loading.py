@@ -39,7 +39,7 @@ def check_model_args(model: Optional[str], path=None, dummy: bool = False, token
 
 
 def load_generator(model: Optional[str], path=None, dtype: str = "auto", max_batch_size: int = 16,
-                   max_seq_len: Optional[int] = None, max_queue: int = 256, warmup: bool = True,
+                   max_seq_len: Optional[int] = None, max_queue: int = 256, warmup: Union[bool, str] = True,
                    dummy: bool = False, seed: int = 0, tokenizer=None, prefill_chunk: Optional[int] = PREFILL_CHUNK,
                    prefill_budget: Optional[int] = None, decode_steps: int = DECODE_STEPS, prefix_caching: bool = True,
                    tensor_parallel: Optional[int] = None, pipeline_parallel: Optional[int] = None,
@@ -48,7 +48,8 @@ def load_generator(model: Optional[str], path=None, dtype: str = "auto", max_bat
     tokenizer from the same folder; random weights of the named size from `seed` with `dummy` (no `path`);
     the embedded tiny model with neither. `tokenizer`: a folder to take the
     tokenizer from instead (needed with `dummy` when the vocabulary is larger than the embedded model's).
-    `max_batch_size` decode slots; every shape is compiled before it returns when `warmup`. `prefill_chunk`:
+    `max_batch_size` decode slots; what generation runs is compiled before it returns when `warmup` (every shape
+    with "all": load_engine). `prefill_chunk`:
     prompts longer than this are prefilled that many tokens an engine iteration, between decode steps (0 or
     None: whole; engine.Engine), `prefill_budget` prompt tokens an iteration (whole prompts and chunks; default
     admission.PREFILL_BUDGET), `decode_steps`
@@ -75,7 +76,7 @@ def load_generator(model: Optional[str], path=None, dtype: str = "auto", max_bat
 
 
 def load_engine(model: Union[str, ModelSpec], path=None, dtype: str = "auto", num_slots: int = 16,
-                max_seq_len: Optional[int] = None, max_queue: int = 256, warmup: bool = True,
+                max_seq_len: Optional[int] = None, max_queue: int = 256, warmup: Union[bool, str] = True,
                 prefill_chunk: Optional[int] = PREFILL_CHUNK, prefill_budget: Optional[int] = None,
                 decode_steps: int = DECODE_STEPS, prefix_caching: bool = True, dummy: bool = False, seed: int = 0,
                 tensor_parallel: Optional[int] = None, pipeline_parallel: Optional[int] = None,
@@ -84,8 +85,9 @@ def load_engine(model: Union[str, ModelSpec], path=None, dtype: str = "auto", nu
     """An engine over `runner.load.load_slots` of a model spec, or of a name with its weights (`path`, or
     `dummy` random ones from `seed`) and plan (`tensor_parallel`, `pipeline_parallel`, `quantize`) parsed into
     one here: every plan (one device, a tensor-parallel mesh, pipeline stages on a Ray cluster;
-    `device_memory`, `micro_batches`, `handoff`: parallel.pipeline.RayStages), compiled before it returns when
-    `warmup` (the
+    `device_memory`, `micro_batches`, `handoff`: parallel.pipeline.RayStages), what generation runs compiled
+    before it returns when `warmup` ("all": every shape, the prefills only scored prompts run too, which
+    otherwise compile at their first use where prompts join the steps; False: nothing) (the
     chunked prefill's step and `decode_steps` steps in one call too: `prefill_chunk`, `prefill_budget`,
     `decode_steps`, see engine.Engine; `prefix_caching`, runner/prefix.py; `lora`: LoRA adapters, runner/lora.py's
     LoraOptions; `speculative`: served speculative decoding, config.SpeculativeConfig or its JSON, runner/ngram.py).
@@ -97,6 +99,8 @@ def load_engine(model: Union[str, ModelSpec], path=None, dtype: str = "auto", nu
         model, path, dummy=dummy, seed=seed, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
         quantize=quantize)
     speculative = SpeculativeConfig.parse(speculative)  # (its errors before any weight is read)
+    if warmup not in (True, False, "all"):
+        raise ValueError(f"warmup is True, False or 'all', not {warmup!r}")
     xla_cache.enable()
     with startlog.PHASES.phase("weights and stages", compiles=True):
         slots = load_slots(spec, dtype=dtype, num_slots=num_slots, max_seq_len=max_seq_len,
@@ -112,7 +116,7 @@ def load_engine(model: Union[str, ModelSpec], path=None, dtype: str = "auto", nu
                     prefill_budget=prefill_budget, decode_steps=decode_steps)
     try:
         if warmup:
-            engine.warmup()
+            engine.warmup(every_shape=warmup == "all")
     except BaseException:
         slots.close()
         raise
