@@ -143,6 +143,27 @@ def test_the_speculative_config_flag_reaches_load_engine(monkeypatch):
         assert seen.pop()["speculative"] is None
 
 
+def test_the_warmup_flags_reach_load_engine(monkeypatch):
+    """Warm-up by default (what generation runs), --warmup-all every shape, --no-warmup none: each reaches
+    load_engine through ServeArgs as the replica gets it; load_engine refuses another value before any weight."""
+    seen = []
+
+    def load_engine(*args, **kwargs):
+        seen.append(kwargs["warmup"])
+        raise _Loaded
+    with monkeypatch.context() as m:
+        m.setattr(loading, "load_engine", load_engine)
+        for argv, want in (([], True), (["--warmup-all"], "all"), (["--no-warmup"], False)):
+            args = ServeArgs(**serve_args_from(parse("--model", "jax/opt-tiny", "--dummy", *argv)).model_dump())
+            with pytest.raises(_Loaded):
+                build_generator(args)
+            assert args.warmup == want and seen.pop() == want
+    with pytest.raises(ValueError, match="warmup is True, False or 'all', not 'some'"):
+        loading.load_engine("jax/opt-tiny", dummy=True, warmup="some")
+    with pytest.raises(ValueError):
+        ServeArgs(warmup="some")
+
+
 @pytest.mark.parametrize("value, message", BAD_SPECULATIVE_CONFIGS.values(), ids=BAD_SPECULATIVE_CONFIGS.keys())
 def test_a_bad_speculative_config_exits_2_naming_the_flag(value, message, capsys, monkeypatch):
     """A bad --speculative-config is refused when the command line is parsed (argparse's exit 2, the flag and the
