@@ -1,5 +1,5 @@
 """benchmark/peers/serve_vs_vllm.py: our engine's decode steps read against the machine's bounds from /metrics
-counters: the printed bound and the factor it leaves (headroom)."""
+counters: the printed bounds (overlapped and in series) and the factor the first leaves (headroom)."""
 from __future__ import annotations
 
 import math
@@ -29,6 +29,10 @@ def test_the_bound_is_the_longer_of_the_steps_flops_at_the_peak_and_their_bytes_
     bound_ms = max(1e3 * flops / 100 / 300e9, 1e3 * reads / 100 / 25e9)
     assert math.isclose(svv.headroom(before, after, bounds, "float32"), 100 / bound_ms, rel_tol=0.01)
     assert any(f"takes {bound_ms:.1f} ms" in line for line in lines)
+    # in series: the FLOPs at the peak, then the KV attention reads at the bandwidth (never less than all the bytes)
+    serial_ms = max(1e3 * flops / 100 / 300e9 + 1e3 * kv_entries * 20_000 / 100 / 25e9, 1e3 * reads / 100 / 25e9)
+    assert serial_ms >= bound_ms
+    assert any(f"in series: {serial_ms:.1f} ms" in line and f"ours {100 / serial_ms:.2f}x" in line for line in lines)
 
 
 def test_no_engine_figures_leave_no_headroom():

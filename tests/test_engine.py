@@ -1244,8 +1244,8 @@ def test_a_slot_model_with_only_the_required_methods_is_served_and_never_asked_f
             self.num_slots, self.max_seq_len, self.vocab_size = 2, 64, 100
             self.last, self.calls = [None] * 2, []
 
-        def warmup(self, prefill_chunk=None, decode_steps=1):
-            self.calls.append(("warmup", prefill_chunk, decode_steps))
+        def warmup(self, prefill_chunk=None, decode_steps=1, every_shape=True):
+            self.calls.append(("warmup", prefill_chunk, decode_steps, every_shape))
 
         def prefill(self, tokens, settings):
             self.calls.append("prefill")
@@ -1268,7 +1268,7 @@ def test_a_slot_model_with_only_the_required_methods_is_served_and_never_asked_f
     model = Plain()
     e = Engine(model, start=False, prefill_chunk=4, decode_steps=4)
     e.warmup()
-    assert model.calls == [("warmup", None, 1)]  # no chunked prefill, no step_many: nothing of theirs compiled
+    assert model.calls == [("warmup", None, 1, True)]  # no chunked prefill, no step_many: nothing of theirs compiled
     e.start()
     try:
         outs = [[], [], []]

@@ -166,6 +166,9 @@ def where_time_goes(before: dict, after: dict, bounds: dict, dtype: str) -> list
                    f"{gb / steps * 1e3:.0f} MB at {bw:.1f} GB/s: {w['read_ms']:.1f} ms; the longer of the two, "
                    f"{w['flop_ms'] + w['read_ms']:.1f} ms if they do not overlap), ours {step_ms / bound_ms:.2f}x "
                    f"that: at most {step_ms / bound_ms:.2f}x these tokens/s on this machine")
+        out.append(f"  in series: {w['serial_ms']:.1f} ms (the FLOPs at the peak, then the KV at the bandwidth: a "
+                   f"layer's attention waits for its products and the next products for it; the weights stream "
+                   f"under their products), ours {step_ms / w['serial_ms']:.2f}x that")
     busy = pre_s + dec_s
     if busy > 0:
         out.append(f"  the engine's busy time: prefill {pre_s / busy:.0%}, decode {dec_s / busy:.0%}; "
@@ -183,8 +186,9 @@ def where_time_goes(before: dict, after: dict, bounds: dict, dtype: str) -> list
 
 def decode_work(before: dict, after: dict, bounds: dict, dtype: str) -> dict | None:
     """Our decode steps between two /metrics scrapes: their GB read and GFLOP done in all, a step's time, and a
-    step's work at the machine's bounds (its FLOPs at the measured peak, its bytes at the bandwidth, the longer);
-    None without engine figures or decode steps."""
+    step's work at the machine's bounds (its FLOPs at the measured peak, its bytes at the bandwidth, the longer),
+    and in series (serial_ms: the FLOPs, then the KV entries attention reads; at least all the bytes); None without
+    engine figures or decode steps."""
     P = "opt_serving_"
     d = lambda k: after.get(P + k, 0.0) - before.get(P + k, 0.0)  # noqa: E731
     dense = after.get(P + "model_dense_flops_per_token")
@@ -196,8 +200,9 @@ def decode_work(before: dict, after: dict, bounds: dict, dtype: str) -> dict | N
     gb = (steps * after[P + "model_weight_bytes"] + kv * after[P + "model_kv_entry_bytes"]) / 1e9
     gflop = ((rows + joined) * dense + rows * after[P + "model_head_flops_per_token"]) / 1e9
     flop_ms, read_ms = 1e3 * gflop / steps / peak, 1e3 * gb / steps / bounds["bandwidth_gbs"]
+    kv_ms = 1e3 * kv * after[P + "model_kv_entry_bytes"] / 1e9 / steps / bounds["bandwidth_gbs"]
     return {"gb": gb, "gflop": gflop, "step_ms": 1e3 * dec_s / steps, "flop_ms": flop_ms, "read_ms": read_ms,
-            "bound_ms": max(flop_ms, read_ms)}
+            "bound_ms": max(flop_ms, read_ms), "serial_ms": max(flop_ms + kv_ms, read_ms)}
 
 
 def headroom(before: dict, after: dict, bounds: dict, dtype: str) -> float:
