@@ -57,6 +57,17 @@ if "OPT_SERVING_COMPILE_CACHE" not in os.environ:
     os.environ["OPT_SERVING_COMPILE_CACHE"] = _XLA_CACHE
     atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
 
+
+def pytest_sessionstart(session):
+    """The compile cache on in each process that runs tests, from its first test: models built directly (not by
+    load_engine, which turns it on) then load the programs another test or worker compiled (the same config and
+    shapes make the same program) instead of compiling them again (docs/development.md)."""
+    config = session.config
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return  # pytest-xdist's controller runs no test
+    from opt_serving import xla_cache
+    xla_cache.enable()
+
 # The tiny pre-LN model most unit tests build: two layers of four heads, milliseconds to run.
 TINY = OPTConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                  ffn_dim=64, max_position_embeddings=64)
