@@ -66,7 +66,9 @@ def pytest_sessionstart(session):
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         return  # pytest-xdist's controller runs no test
     from opt_serving import xla_cache
-    xla_cache.enable()
+    if xla_cache.enable() is not None:  # (programs compiled in under 0.3 s are not written: their writes cost more)
+        import jax
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.3)
 
 # The tiny pre-LN model most unit tests build: two layers of four heads, milliseconds to run.
 TINY = OPTConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
