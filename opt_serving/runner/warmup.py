@@ -17,6 +17,9 @@ matters:
   the last window's steps left, once into the one its insert made, as every later insert finds it), the step
   reading the whole window, the steps taken in one call, a step with prompts joining at every block size, the
   joined prompts' blocks into the pool, and the free.
+
+A server warms only what generation runs (`every_shape=False`): where prompts join the steps, whole and chunked
+prefills serve only scored prompts, which then compile at their first use.
 """
 from __future__ import annotations
 
@@ -66,8 +69,9 @@ class Shape:
 def compiled_shapes(slots: "Slots", prefill_chunk: Optional[int] = None, decode_steps: int = 1,
                     every_shape: bool = True) -> list[Shape]:
     """Every shape `slots` compiles at, in the order warm-up runs them (the module docstring). Its joins are set
-    for `prefill_chunk` first (`Slots.set_prefill_chunk`). Without `every_shape`, on ragged stages, only the shapes
-    generation runs (`serving_only`)."""
+    for `prefill_chunk` first (`Slots.set_prefill_chunk`). Without `every_shape`, on ragged stages (prompts join
+    the steps), only what generation runs: no scored or chunked prefill, and of the whole prefills and inserts only
+    the one that puts slot 0 in each window."""
     only_steps = not every_shape and slots.joins_in_parts
     shapes = [] if only_steps else [Shape("prefill", tokens=slots.buckets[0] - 1, scored=True)]
     if (prefill_chunk or slots.prefix is not None) and not only_steps:

@@ -81,7 +81,7 @@ def _warmup_arguments(p: argparse.ArgumentParser) -> None:
                         "logprobs, echo with logprobs: lm-eval's loglikelihood) too; by default those compile at "
                         "their first use where prompts join the decode steps (the CPU kernels), a faster start")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
-                   help="compile each program at its first use instead of every shape before serving: the server "
+                   help="compile each program at its first use instead of warming up before serving: the server "
                         "answers in seconds, and the first request of each new shape (prompt width, cache window, "
                         "joining block) waits for its compile, read from the compile cache when an earlier start "
                         "compiled it")
