@@ -70,6 +70,7 @@ def pytest_sessionstart(session):
         import jax
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.3)
 
+
 # The tiny pre-LN model most unit tests build: two layers of four heads, milliseconds to run.
 TINY = OPTConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                  ffn_dim=64, max_position_embeddings=64)

@@ -10,17 +10,21 @@ CFG = SMALL
 pytestmark = pytest.mark.cpu_kernels  # ragged steps: the CPU kernels (conftest.py)
 
 
-@pytest.fixture(scope="module")
-def slots():
-    """One stage on the CPU kernels (ragged steps), a prefix cache, four slots; warmed for a prefill chunk of 16
-    and four steps a call."""
+def _small_slots():
+    """One stage on the CPU kernels (ragged steps), a prefix cache, four slots of 64 positions, not warmed."""
     from opt_serving.model import param_tree
     from opt_serving.parallel.pipeline import stage_specs
     from opt_serving.runner.slots import Slots
     from opt_serving.runner.stage import LocalStages, StageSlots
     params = param_tree.init_params(CFG, seed=3, std=0.3)
     stages = [StageSlots(CFG, params, s, 4, 1, 64, prefix_blocks=16) for s in stage_specs(CFG, 1)]
-    model = Slots(CFG, LocalStages(stages), 4, 1, 64, prefix_blocks=16)
+    return Slots(CFG, LocalStages(stages), 4, 1, 64, prefix_blocks=16)
+
+
+@pytest.fixture(scope="module")
+def slots():
+    """_small_slots, warmed for a prefill chunk of 16 and four steps a call."""
+    model = _small_slots()
     model.warmup(16, decode_steps=4)
     return model
 
@@ -117,14 +121,8 @@ def test_warming_what_generation_runs_leaves_only_scored_prompts_to_compile(slot
     that put a row in it) and drops the chunked and scored prefills. After it, prompts joining a part at a time
     (a cached prefix among them), steps one and four at a time and frees compile nothing; a scored prompt then
     compiles its prefill at its first use, and scores as a model warmed for every shape does."""
-    from opt_serving.model import param_tree
-    from opt_serving.parallel.pipeline import stage_specs
-    from opt_serving.runner.slots import Slots
-    from opt_serving.runner.stage import LocalStages, StageSlots
     from opt_serving.runner.warmup import compiled_shapes
-    params = param_tree.init_params(CFG, seed=3, std=0.3)
-    stages = [StageSlots(CFG, params, s, 4, 1, 64, prefix_blocks=16) for s in stage_specs(CFG, 1)]
-    model = Slots(CFG, LocalStages(stages), 4, 1, 64, prefix_blocks=16)
+    model = _small_slots()  # (the fixture's weights: its scores are the reference below)
     every, serving = (compiled_shapes(model, 16, 4, every_shape=e) for e in (True, False))
     kinds = lambda shapes: {s.kind for s in shapes}  # noqa: E731
     assert set(serving) < set(every) and kinds(every) - kinds(serving) == {"job"}

@@ -197,10 +197,11 @@ def decode_work(before: dict, after: dict, bounds: dict, dtype: str) -> dict | N
         return None
     peak = bounds.get("bfloat16_gflops" if dtype == "bfloat16" else "float32_gflops") or float("nan")
     rows, joined, kv = d("decode_step_requests_total"), d("joined_prompt_tokens_total"), d("decode_kv_entries_total")
-    gb = (steps * after[P + "model_weight_bytes"] + kv * after[P + "model_kv_entry_bytes"]) / 1e9
+    kv_gb = kv * after[P + "model_kv_entry_bytes"] / 1e9  # what attention reads
+    gb = steps * after[P + "model_weight_bytes"] / 1e9 + kv_gb
     gflop = ((rows + joined) * dense + rows * after[P + "model_head_flops_per_token"]) / 1e9
     flop_ms, read_ms = 1e3 * gflop / steps / peak, 1e3 * gb / steps / bounds["bandwidth_gbs"]
-    kv_ms = 1e3 * kv * after[P + "model_kv_entry_bytes"] / 1e9 / steps / bounds["bandwidth_gbs"]
+    kv_ms = 1e3 * kv_gb / steps / bounds["bandwidth_gbs"]
     return {"gb": gb, "gflop": gflop, "step_ms": 1e3 * dec_s / steps, "flop_ms": flop_ms, "read_ms": read_ms,
             "bound_ms": max(flop_ms, read_ms), "serial_ms": max(flop_ms + kv_ms, read_ms)}
 
