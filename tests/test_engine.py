@@ -1178,20 +1178,27 @@ class Sizes(Collect):
         super().__call__(out)
 
 
-def test_decode_steps_in_one_call_give_the_single_steps_tokens(model, hf, monkeypatch):
+@pytest.mark.parametrize("slots", ["model", "model8"])
+def test_decode_steps_in_one_call_give_the_single_steps_tokens(slots, hf, monkeypatch, request):
     """Four decode steps a call: greedy gives HF's tokens; seeded sampling, a penalty, a stop token and the
     scores are the single-step engine's; a request whose max_tokens or stop token comes in the middle of a
     call ends there; each output carries a call's tokens (at most four); a request near the context's end
-    (26 + 6 tokens of 32) takes single steps there."""
+    (26 + 6 tokens of 32) takes single steps there. On eight slots, calls with at most four rows running
+    compute only those (DecodeStep.rows), the sampled rows' state taken out and put back."""
+    model = request.getfixturevalue(slots)
+    stage = model.stages.stages[0]
+    computed = []
+    real_steps = stage.decode_steps
+    monkeypatch.setattr(stage, "decode_steps", lambda x, step: (computed.append(step.rows), real_steps(x, step))[1])
     stop_at = hf_greedy(hf, PROMPTS[2], 14)
     stop = next(t for i, t in enumerate(stop_at) if i >= 4 and t not in stop_at[:i])
     jobs = [(PROMPTS[0], SlotSettings(max_tokens=10)),
             (PROMPTS[1], SlotSettings(max_tokens=9, temperature=0.8, seed=3, top_p=0.9, logprob=True,
                                       top_logprobs=True)),
-            (PROMPTS[3], SlotSettings(max_tokens=12, repetition_penalty=1.4, logprob=True)),
+            (PROMPTS[3], SlotSettings(max_tokens=20, repetition_penalty=1.4, logprob=True)),
             (PROMPTS[2], SlotSettings(max_tokens=14, stop_token_ids=(stop,))),
             ([2] + [7] * 25, SlotSettings(max_tokens=6)),
-            (PROMPTS[4], SlotSettings(max_tokens=11, temperature=1.2, seed=9))]
+            (PROMPTS[4], SlotSettings(max_tokens=19, temperature=1.2, seed=9))]  # (these two: several calls of 4)
     calls = []
     real = model.step_many
     monkeypatch.setattr(model, "step_many", lambda n: (calls.append(n), real(n))[1])
@@ -1227,6 +1234,8 @@ def test_decode_steps_in_one_call_give_the_single_steps_tokens(model, hf, monkey
         assert max(b.sizes) <= 4 and max(a.sizes) == 1 and sum(b.sizes) == len(b.ids)
     assert any(size > 1 for c in four for size in c.sizes)
     assert four[0].ids == hf_greedy(hf, PROMPTS[0], 10) and four[4].ids == hf_greedy(hf, jobs[4][0], 6)
+    compact = [len(r) for r in computed if r is not None]
+    assert compact == [] if slots == "model" else (compact and set(compact) == {4} and len(compact) < len(computed))
     assert (four[3].finish, four[3].ids[-1]) == ("stop", stop) and len(four[3].ids) == stop_at.index(stop) + 1
     assert four[4].finish == "length" and len(four[4].ids) == 6
 

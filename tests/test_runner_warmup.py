@@ -11,14 +11,14 @@ pytestmark = pytest.mark.cpu_kernels  # ragged steps: the CPU kernels (conftest.
 
 
 def _small_slots():
-    """One stage on the CPU kernels (ragged steps), a prefix cache, four slots of 64 positions, not warmed."""
+    """One stage on the CPU kernels (ragged steps), a prefix cache, eight slots of 64 positions, not warmed."""
     from opt_serving.model import param_tree
     from opt_serving.parallel.pipeline import stage_specs
     from opt_serving.runner.slots import Slots
     from opt_serving.runner.stage import LocalStages, StageSlots
     params = param_tree.init_params(CFG, seed=3, std=0.3)
-    stages = [StageSlots(CFG, params, s, 4, 1, 64, prefix_blocks=16) for s in stage_specs(CFG, 1)]
-    return Slots(CFG, LocalStages(stages), 4, 1, 64, prefix_blocks=16)
+    stages = [StageSlots(CFG, params, s, 8, 1, 64, prefix_blocks=16) for s in stage_specs(CFG, 1)]
+    return Slots(CFG, LocalStages(stages), 8, 1, 64, prefix_blocks=16)
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +48,10 @@ def test_the_shapes_are_the_bucket_helpers_and_the_stages_own(slots):
     of = lambda kind: [s for s in shapes if s.kind == kind]  # noqa: E731
     assert {prefill_bucket(s.tokens, 64) for s in of("prefill")} == set(prefill_buckets(64))
     windows = slots.stages.stages[0].cache_windows()
-    for kind in ("decode", "decode_steps", "free", "store_row"):
+    for kind in ("decode", "free", "store_row"):
         assert [s.window for s in of(kind)] == windows
+    # the steps taken in one call at the rows they compute: four of the eight (at most four running), or eight
+    assert [(s.window, s.rows) for s in of("decode_steps")] == [(w, r) for w in windows for r in (4, 8)]
     for w in windows:  # every cache size a prefill makes goes into every window holding it, the largest first
         inserts = [s.size for s in of("insert") if s.window == w]
         assert sorted(inserts) == [c for c in cache_buckets(64) if c <= w] and inserts[0] == max(inserts)
@@ -84,13 +86,16 @@ def test_after_warm_up_a_mixed_workload_compiles_nothing(slots):
         assert slots.join(long[:33] + [3, 4], SlotSettings(), 3)  # its first two blocks are cached: the rest joins
         for _ in range(4):
             slots.step()
-        slots.step_many(4)
+        slots.step_many(4)  # four rows running: four computed
+        assert slots.join([2, 60, 61], SlotSettings(), 4) and slots.join([2, 62], SlotSettings(), 5)
+        slots.step_many(4)  # (prompts joining: one step)
+        slots.step_many(4)  # six running: all eight computed
         job = slots.open_prefill(long + [7, 8], SlotSettings(prompt_logprobs=True), 16)
         prefix = slots._run(job)
         slots.free(1)
         slots.insert(prefix, 1)
         slots.step()
-        for s in range(4):
+        for s in range(6):
             slots.free(s)
     assert asked == []
 

@@ -62,6 +62,26 @@ def chunk_width(n: int, chunk: int) -> int:
     return next(w for w in chunk_widths(chunk) if w >= min(n, chunk))
 
 
+# the fewest rows a call of several decode steps computes (Slots.step_many): with fewer, a product still costs about
+# what reading its weights costs
+MIN_STEP_ROWS = 4
+
+
+def step_rows(running: int, rows: int) -> int:
+    """The rows a call of several decode steps computes for `running` rows of a group of `rows`: powers of two from
+    MIN_STEP_ROWS, at most `rows`. Past a few rows a product's time grows with its rows (arithmetic, not reading
+    the weights), so 16 requests on 32 slots should not pay for 32."""
+    r = MIN_STEP_ROWS
+    while r < running:
+        r *= 2
+    return min(r, rows)
+
+
+def step_row_sizes(rows: int) -> list[int]:
+    """Every size `step_rows` gives in a group of `rows` (warm-up compiles the steps at each)."""
+    return sorted({step_rows(n, rows) for n in range(1, rows + 1)})
+
+
 def _buckets(max_seq_len: int, more: list[int]) -> list[int]:
     """Powers of two from 8 and the widths `more` (none below PREFILL_MIN_BUCKET) under max_seq_len, then it."""
     L = max_seq_len

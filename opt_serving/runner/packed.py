@@ -5,6 +5,9 @@
 padded to the smallest block size that holds them, so a step's products run at the tokens it has, not at every row
 of the group. A row's drafts continue it: each is written at the entry after the one before it and reads the row's
 entries up to itself, as a prompt's later part does.
+
+Several steps in one call (DecodeStep.rows) likewise compute only the running rows, padded to a
+buckets.step_rows size: `rows_in` takes their inputs out of the group's, `rows_out` puts their outputs back.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from opt_serving.runner.buckets import step_rows
 from opt_serving.runner.types import JoinBlock, PackedTokens
 
 
@@ -57,3 +61,28 @@ def pack_step(positions: np.ndarray, block: Optional[JoinBlock], adapters, sizes
         if tokens is not None and block.adapters is not None:
             tokens[first:first + real] = block.adapters[:real]
     return PackedTokens(src, ids, at_rows, entries, out, tokens, **spec)
+
+
+def running_rows(sent: np.ndarray) -> Optional[np.ndarray]:
+    """DecodeStep.rows for several steps of the rows `sent` (bool [B]): the running ones, padded with B to a
+    buckets.step_rows size; None where that size is every row."""
+    running = np.flatnonzero(sent).astype(np.int32)
+    r = step_rows(len(running), len(sent))
+    return None if r >= len(sent) else np.concatenate([running, np.full(r - len(running), len(sent), np.int32)])
+
+
+def rows_in(rows: np.ndarray, x: np.ndarray, positions: np.ndarray, adapters: Optional[np.ndarray]):
+    """The inputs of the steps of `rows` (int32 [R], padded with the group's row count): their tokens x, positions
+    and LoRA adapters, each [R] from the group's [B] (a padding row: token 0, position -1, no adapter)."""
+    b = len(positions)
+    real, at = rows < b, np.minimum(rows, b - 1)
+    x, positions = np.where(real, x[at], 0), np.where(real, positions[at], -1).astype(np.int32)
+    return x, positions, None if adapters is None else np.where(real, adapters[at], -1).astype(np.int32)
+
+
+def rows_out(a: np.ndarray, rows: np.ndarray, b: int) -> np.ndarray:
+    """The steps' outputs of `rows` [n, R, ...] into the group's [n, b, ...] (the rows not computed: zeros)."""
+    real = rows < b
+    out = np.zeros((a.shape[0], b) + a.shape[2:], a.dtype)
+    out[:, rows[real]] = a[:, real]
+    return out

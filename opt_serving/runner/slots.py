@@ -43,7 +43,7 @@ from opt_serving.runner.generate import Generation
 from opt_serving.runner.joins import Joining, Joins, block_sizes
 from opt_serving.runner.lora import Adapters, SlotAdapters
 from opt_serving.runner.ngram import NgramSpeculation
-from opt_serving.runner.packed import pack_step
+from opt_serving.runner.packed import pack_step, running_rows
 from opt_serving.runner.prefill import Prefills
 from opt_serving.runner.prefix import BLOCK_SIZE, PrefixCache
 from opt_serving.runner.slot_table import SlotTable
@@ -395,7 +395,7 @@ class Slots(Prefills, SlotModel):
         positions = np.where(sent, lengths - 1, -1).astype(np.int32)
         want_scores, want_top = self.table.wants(sent)
         step = DecodeStep(0, positions, self.window_needed(0, n), int(lengths.max()), want_scores, want_top,
-                          adapters=self.adapters.rows(slots), steps=n)
+                          adapters=self.adapters.rows(slots), steps=n, rows=running_rows(sent) if self.ragged else None)
         outs = self.stages.get(self.stages.call(0, "decode_steps", self.table.next.copy(), step))
         if self.spec is not None:
             nd = int(sent.sum())

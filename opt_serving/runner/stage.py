@@ -35,6 +35,7 @@ from opt_serving.model import beam_search, kv_cache, layout, opt, sample
 from opt_serving.model import quantize as quantization
 from opt_serving.runner.buckets import KERNEL_MIN_WINDOW, cache_windows
 from opt_serving.runner.lora import StageLora
+from opt_serving.runner.packed import rows_in, rows_out
 from opt_serving.runner.prefix import BLOCK_SIZE as PREFIX_BLOCK
 from opt_serving.runner.programs import Programs
 from opt_serving.runner.sampler import Sampler
@@ -212,10 +213,9 @@ class StageSlots:
     @_settles
     def decode_steps(self, x, step: DecodeStep):
         """`step.steps` decode steps of a group in one call, on a stage that is the whole model: as `decode` that
-        many times, each step given the tokens of the one before (free rows' positions move on too: their entries
-        are overwritten when a request is inserted). -> each step's chosen tokens and scores, [n, rows, ...].
-        While a request of the group follows a grammar, each step's masks need the token before: the steps
-        are then taken one at a time here (the engine still gets them in one call)."""
+        many times, each given the tokens of the one before, computing only `step.rows` where set. -> each step's
+        tokens and scores, [n, rows, ...]. While a request of the group follows a grammar, each step's masks need
+        the token before: the steps are then taken one at a time here (the engine still gets them in one call)."""
         s, group, positions, n = self.sampler, step.group, step.positions, step.steps
         if s.constrained(group):
             outs = []
@@ -226,11 +226,14 @@ class StageSlots:
                 x = outs[-1][0]
             return tuple(np.stack(a) for a in zip(*outs))
         self._fit_cache(group, step.window, shrink=not self.backend.attention)
+        rows, adapters, b = step.rows, step.adapters, len(positions)
+        if rows is not None:  # only these rows are computed (packed.py)
+            x, positions, adapters = rows_in(rows, x, positions, adapters)
         self.caches[group], s.state[group], out = self._steps(
             self.params, self.caches[group], x, positions, np.int32(step.read_len), s.state[group],
             s.settings[group], s.active[group], np.bool_(step.want_scores), np.bool_(step.want_top), n,
-            self._prefix(group), self.lora.batch(step.adapters, len(positions), self.ragged))
-        return tuple(np.asarray(a) for a in out)
+            self._prefix(group), rows, self.lora.batch(adapters, len(positions), self.ragged))
+        return tuple(np.asarray(a) if rows is None else rows_out(np.asarray(a), rows, b) for a in out)
 
     def _prefix(self, group: int):
         """What a ragged step of the group reads cached prefixes from (steps.ragged_step's `prefix`); None on a stage

@@ -48,8 +48,9 @@ def stage_programs(cfg, stage: opt.StageSpec, backend: Backend, max_seq_len: int
     `Programs.jit` for a stage that warm-up compiles without running)."""
     prefill, chunk, step, step_joining, step_packed = _passes(cfg, stage, backend, max_seq_len, new_cache)
     seq_prefill, seq_decode = _seq_passes(cfg, stage, backend)
-    steps = None if choose is None else jit(with_lora(_many_steps(step, choose)), static_argnums=(10,),
-                                                donate_argnums=(1, 5))
+    rows_step = _rows_pass(cfg, stage, backend) if backend.ragged else None
+    steps = None if choose is None else jit(with_lora(_many_steps(step, choose, rows_step)),
+                                            static_argnums=(10,), donate_argnums=(1, 5))
     return StagePrograms(
         prefill=jit(with_lora(prefill)),
         chunk=jit(with_lora(chunk), donate_argnums=(1,)),
@@ -142,6 +143,17 @@ def _packed_pass(cfg, stage: opt.StageSpec, backend: Backend):
     return step_packed
 
 
+def _rows_pass(cfg, stage: opt.StageSpec, backend: Backend):
+    """A ragged step of some of a group's rows only (the steps in one call, `_many_steps`), not jitted."""
+    def rows_step(params, cache, x, pos, rows, prefix):
+        """x [R] the rows' newest tokens, pos [R] their positions, rows [R] which rows of the cache (past them:
+        padding, not stepped) -> hidden states [R, D], the cache: a step's products run at R rows, not the group's."""
+        empty = jnp.zeros(0, jnp.int32)
+        return steps.ragged_step(cfg, params, cache, empty, empty, empty, (x, rows, jnp.maximum(pos, 0)), prefix,
+                                 stage=stage, backend=backend)
+    return rows_step
+
+
 def _seq_passes(cfg, stage: opt.StageSpec, backend: Backend):
     """generate()'s passes over a pipeline's whole-sequence caches: (seq_prefill, seq_decode), not jitted."""
     def seq_prefill(params, cache, x, mask, all_logits):
@@ -154,23 +166,38 @@ def _seq_passes(cfg, stage: opt.StageSpec, backend: Backend):
     return seq_prefill, seq_decode
 
 
-def _many_steps(step, choose):
-    """`step` and the sampler's `choose` n times in one program (a stage that is the whole model), not jitted."""
-    def steps(params, cache, x, pos, read_len, state, settings, active, want_scores, want_top, n, prefix):
+def _many_steps(step, choose, rows_step=None):
+    """`step` and the sampler's `choose` n times in one program (a stage that is the whole model), not jitted;
+    `rows_step` (`_rows_pass`, ragged stages): the same step of some rows only."""
+    def steps(params, cache, x, pos, read_len, state, settings, active, want_scores, want_top, n, prefix, rows=None):
         """`n` decode steps of a group in one call, each fed the tokens the last one chose (as n calls
         of `step` and Sampler.choose would) -> the cache, the sampling state and each step's
-        (tokens, logprobs, top ids, top logprobs), stacked [n, rows, ...]. Rows at position -1 stay so."""
+        (tokens, logprobs, top ids, top logprobs), stacked [n, rows, ...]. Rows at position -1 stay so.
+        With `rows` (int32 [R], DecodeStep.rows), x [R] and pos [R] are those rows' and only they are computed:
+        their sampling state is taken out of the group's before the steps and put back after, and the outputs are
+        [n, R, ...]."""
         stepped = pos >= 0
+        if rows is not None:  # (a padding row reads the last row's settings; it is not active, so nothing changes)
+            settings, active = _take(settings, rows), active.at[rows].get(mode="fill", fill_value=False)
+            whole, state = state, _take(state, rows)
 
         def one(carry, _):
             cache, x, pos, read_len, state = carry
-            h, cache = step(params, cache, x, pos, read_len, prefix)
+            h, cache = step(params, cache, x, pos, read_len, prefix) if rows is None else \
+                rows_step(params, cache, x, pos, rows, prefix)
             state, out = choose(params, h, state, settings, active, want_scores, want_top)
             return (cache, out[0], jnp.where(stepped, pos + 1, pos), read_len + 1, state), out
         (cache, _, _, _, state), outs = jax.lax.scan(one, (cache, x, pos, read_len, state), length=n)
+        if rows is not None:
+            state = jax.tree_util.tree_map(lambda a, b: a.at[rows].set(b, mode="drop"), whole, state)
         return cache, state, outs
 
     return steps
+
+
+def _take(tree, rows):
+    """Each leaf's rows `rows` (past its rows: its last)."""
+    return jax.tree_util.tree_map(lambda a: a.at[rows].get(mode="clip"), tree)
 
 
 @functools.lru_cache(maxsize=None)

@@ -165,6 +165,7 @@ class DecodeStep:
     adapters: Optional[np.ndarray] = None   # int32 [rows] each row's LoRA adapter slot (-1: none)
     steps: int = 1                 # steps taken in one call (StageSlots.decode_steps), each fed the last's tokens
     packed: Optional[PackedTokens] = None   # the step's tokens as one list (ragged stages), `join` the sampler's view
+    rows: Optional[np.ndarray] = None      # int32 [R] the rows `steps` compute, padded with len(positions); None: all
 
 
 def acceptance_length(accepted: float, drafts: float) -> float:

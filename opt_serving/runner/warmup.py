@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 
 from opt_serving import startlog
-from opt_serving.runner.buckets import cache_bucket, chunk_widths, job_sizes
+from opt_serving.runner.buckets import cache_bucket, chunk_widths, job_sizes, step_row_sizes
 from opt_serving.runner.prefix import BLOCK_SIZE
 from opt_serving.runner.types import JOIN_PROMPTS, Prefix, SlotSettings
 
@@ -48,7 +48,7 @@ class Shape:
       that many new tokens, and with `after_head`, it starts with the last job's head, cached by that job;
     - "insert": a prefilled prompt of cache size `size` (from `tokens` prompt tokens) into a group's cache of
       `window` entries, twice where `twice`;
-    - "decode": one step reading the whole `window`; "decode_steps": `steps` of them in one call;
+    - "decode": one step reading the whole `window`; "decode_steps": `steps` of them in one call, of `rows` rows;
     - "join": a step in `window` with prompts joining in a block of `block` tokens;
     - "spec": the same with a row's drafts in it (speculative decoding, runner/ngram.py; prompts fill the rest);
     - "store_row": a row's blocks of `window` entries into the prefix cache's pool; "free": a row freed.
@@ -59,6 +59,7 @@ class Shape:
     window: int = 0
     block: int = 0
     steps: int = 0
+    rows: int = 0
     head: int = 0
     after_head: bool = False
     scored: bool = False
@@ -96,7 +97,7 @@ def compiled_shapes(slots: "Slots", prefill_chunk: Optional[int] = None, decode_
         shapes += [Shape("insert", tokens=widths[c] - 1, size=c, window=w, twice=c == firsts[w]) for c in fits]
         shapes.append(Shape("decode", window=w))
         if decode_steps > 1:
-            shapes.append(Shape("decode_steps", window=w, steps=decode_steps))
+            shapes += [Shape("decode_steps", window=w, steps=decode_steps, rows=r) for r in _step_rows(slots)]
         shapes += [Shape("join", window=w, block=b) for b in joins]
         if slots.spec is not None:
             shapes += [Shape("spec", window=w, block=b) for b in slots.spec.sizes]
@@ -124,6 +125,14 @@ def _job_shapes(slots: "Slots", chunk: int) -> list[Shape]:
     for w in widths if cached else ():  # each width's prompt scores (scored hits)
         shapes.append(Shape("job", tokens=w, size=sizes[-1], scored=True))
     return shapes
+
+
+def _step_rows(slots: "Slots") -> list[int]:
+    """The rows the steps taken in one call compute at (DecodeStep.rows): every step_rows size where they are taken
+    (ragged stages, one stage, one group: Slots.step_many), else every row."""
+    if slots.ragged and slots.stages.n == 1 and slots.groups == 1:
+        return step_row_sizes(slots.num_slots)
+    return [slots.num_slots]
 
 
 def _windows(slots: "Slots") -> list[int]:
@@ -214,8 +223,12 @@ class _Runner:
         self.slots.step()
 
     def decode_steps(self, shape: Shape) -> None:
-        self.slots.table.lengths[0] = max(shape.window - shape.steps + 1, 1)  # the steps fill the window
+        """Slot 0 and the rows after it up to `rows` running (none inserted: the sampler leaves them alone), the
+        steps filling the window."""
+        running = range(0, shape.rows * self.slots.groups, self.slots.groups)
+        self.slots.table.lengths[running] = max(shape.window - shape.steps + 1, 1)
         self.slots.step_many(shape.steps)
+        self.slots.table.lengths[running[1:]] = 0
 
     def spec(self, shape: Shape) -> None:
         """Slot 0 drafts what the block holds besides its token (prompts fill the rest), in the window's last
