@@ -94,13 +94,14 @@ def test_a_row_whose_drafts_miss_only_probes():
     assert len(probe[0].tokens) == 4  # (another row, still trusted, drafts in full)
 
 
-def test_only_plain_greedy_rows_draft():
-    assert ngram.drafts_greedy_only(GREEDY)
-    assert ngram.drafts_greedy_only(SlotSettings(**{**GREEDY.__dict__, "min_tokens": 5}))
-    for other in (dict(temperature=0.7), dict(logprob=True), dict(top_logprobs=True),
+def test_greedy_and_sampled_rows_draft_scored_penalised_or_constrained_ones_do_not():
+    for drafting in (dict(), dict(min_tokens=5), dict(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, seed=4)):
+        assert ngram.may_draft(SlotSettings(**{**GREEDY.__dict__, **drafting})), drafting
+    for other in (dict(logprob=True), dict(top_logprobs=True),
                   dict(repetition_penalty=1.2), dict(grammar='{"x": 1}'), dict(logit_bias=((3, 1.0),)),
-                  dict(bad_words_ids=((3,),)), dict(no_repeat_ngram_size=2), dict(presence_penalty=0.5)):
-        assert not ngram.drafts_greedy_only(SlotSettings(**{**GREEDY.__dict__, **other})), other
+                  dict(bad_words_ids=((3,),)), dict(no_repeat_ngram_size=2), dict(presence_penalty=0.5),
+                  dict(temperature=0.7, frequency_penalty=0.5)):
+        assert not ngram.may_draft(SlotSettings(**{**GREEDY.__dict__, **other})), other
 
 
 # ---- the engine with speculation, against the same engine without ----
@@ -172,12 +173,33 @@ def test_greedy_tokens_are_plain_decoding_s_in_fewer_steps(plain, drafting):
 
 
 def test_other_rows_decode_as_without_speculation_beside_drafting_ones(plain, drafting):
-    sampled = SlotSettings(max_tokens=20, temperature=0.8, seed=3, logprob=False, top_logprobs=False)
+    penalised = SlotSettings(max_tokens=20, temperature=0.8, seed=3, presence_penalty=0.5, logprob=False,
+                             top_logprobs=False)
     scored = SlotSettings(max_tokens=20, logprob=True, top_logprobs=False)
-    jobs = [(PROMPTS[0], GREEDY), (PROMPTS[1], sampled), (PROMPTS[2], scored), (PROMPTS[3], GREEDY)]
+    jobs = [(PROMPTS[0], GREEDY), (PROMPTS[1], penalised), (PROMPTS[2], scored), (PROMPTS[3], GREEDY)]
     before = drafting.stats()
     assert run_all(drafting, jobs) == run_all(plain, jobs)
     assert drafting.stats().spec_drafts > before.spec_drafts
+
+
+def test_sampled_rows_draft_and_get_the_tokens_plain_decoding_draws(plain, drafting):
+    """Seeded sampled rows (temperature, top-p, top-k) drafting beside a greedy one: each gets plain decoding's
+    tokens (its successors drawn with plain decoding's keys), so their distribution is the model's; drafts of
+    sampled rows are kept (with the probability the model gives them) and their text is not the greedy text."""
+    def sampled(seed, **more):
+        return SlotSettings(**{**GREEDY.__dict__, "temperature": 0.6, "top_p": 0.95, "seed": seed, **more})
+    jobs = [(PROMPTS[0], sampled(1)), (PROMPTS[1], sampled(2, top_k=8)), (PROMPTS[2], GREEDY),
+            (PROMPTS[3], sampled(3)), (PROMPTS[0], sampled(4)), (PROMPTS[1], sampled(5, temperature=1.0))]
+    before = drafting.stats()
+    got = run_all(drafting, jobs)
+    after = drafting.stats()
+    assert got == run_all(plain, jobs)
+    greedy = run_all(plain, [(p, GREEDY) for p, _ in jobs])
+    assert sum(g != s for g, s in zip(greedy, got)) >= 3
+    # the greedy row alone cannot account for these: sampled rows' drafts were kept too
+    (alone, _), = run_all(drafting, [(PROMPTS[2], GREEDY)])
+    accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+    assert accepted > len(alone)
 
 
 def test_stop_tokens_and_the_context_end_cut_accepted_drafts(plain, drafting):

@@ -352,10 +352,16 @@ def sample(logits, state: State, s: Settings, argmax: Callable = argmax, allowed
 
 def choose(scores, state: State, s: Settings, argmax: Callable = argmax):
     """Argmax for greedy rows, a seeded categorical draw for sampled rows -> int32 [B]."""
+    return choose_at(scores, s, state.length, argmax)
+
+
+def choose_at(scores, s: Settings, length, argmax: Callable = argmax):
+    """`choose` where each row has `length` [B] tokens before the one chosen: a sampled row's draw is keyed by its
+    seed and that length (row_keys), so the same row at the same length draws the same token."""
     greedy = argmax(scores)
 
     def draw():
-        keys = row_keys(s, state.length)
+        keys = row_keys(s, length)
         # jax.random.categorical's Gumbel-max draw, through the given argmax
         gumbel = jax.vmap(lambda k: jax.random.gumbel(k, scores.shape[1:], scores.dtype))(keys)
         return jnp.where(s.temperature > 0, argmax(scores + gumbel), greedy)

@@ -8,9 +8,12 @@ successor is the greedy choice at the draft, the drafts kept up to the first tha
 it), and the row gets its own token plus one more for each draft kept. Entries of drafts that were not kept lie
 past the row's length: the next steps write over them before any token reads them.
 
-Only greedy rows that ask for nothing a token's history changes draft (no sampling, penalties, logprobs, grammar,
-bad words or biases; a stop token min_tokens holds back is held back in the check too): their tokens are the ones
-plain decoding gives. The others decode as usual beside them.
+Rows that ask for nothing a token's history changes draft (no penalties, logprobs, grammar, bad words or biases; a
+stop token min_tokens holds back is held back in the check too), greedy or sampled: a sampled row's successors are
+drawn in the check from its warped distribution with the key plain decoding draws with at that position (its seed
+and the tokens before: sampling.choose_at), so a draft is kept with the probability the target gives it (for a
+draft of one certain token, the rejection rule of speculative sampling) and the row's tokens are the ones plain
+decoding gives, sampled or not. The others decode as usual beside them.
 
 When drafts pay (`plan`): a step's products read every weight once whatever its width, up to a point, so drafts
 that keep the step in the block size it has anyway cost only the sampler's check. Each step the rows' candidate
@@ -44,10 +47,11 @@ REMEASURE = 32        # one step in this many at a block size goes without draft
 GUESS_DRAFTED = 1.1   # a step with drafts, not measured yet: this many times the same block's step without
 
 
-def drafts_greedy_only(settings: SlotSettings) -> bool:
-    """May a request's row draft: plain greedy tokens, none of them scored or constrained?"""
+def may_draft(settings: SlotSettings) -> bool:
+    """May a request's row draft: greedy or sampled tokens (temperature, top-k, top-p, min-p), none of them scored,
+    penalised or constrained?"""
     s = settings
-    return (s.temperature <= 0 and s.repetition_penalty == 1.0 and s.presence_penalty == 0
+    return (s.repetition_penalty == 1.0 and s.presence_penalty == 0
             and s.frequency_penalty == 0 and s.no_repeat_ngram_size <= 0
             and not s.bad_words_ids and not s.logit_bias and s.grammar is None and not s.logprob
             and not s.top_logprobs)
@@ -102,7 +106,7 @@ class NgramSpeculation:
     def start(self, slot: int, tokens: Sequence[int], settings: SlotSettings) -> None:
         """A request takes the slot with these tokens (its prompt, and its first token where it was prefilled)."""
         self.length[slot] = 0
-        if drafts_greedy_only(settings):
+        if may_draft(settings):
             self.tokens[slot, :len(tokens)] = tokens
             self.length[slot], self.rate[slot], self.idle[slot] = len(tokens), PRIOR_RATE, 0
 

@@ -162,18 +162,22 @@ def _drafts_check(backend: Backend):
     def check(params, hv, state, settings, active, chosen, draft_ids, draft_at):
         """Speculative decoding's check (runner/ngram.py): hv [E, D] the drafts' final hidden states, draft_ids and
         draft_at [B, K] each row's drafts and where in hv each is (-1: none), `chosen` [B] the step's own tokens (in
-        `state` already) -> the state with the kept drafts' successors appended, each draft's successor (its greedy
-        choice, the stop token left out where min_tokens holds it back there) [B, K], and the drafts kept [B]:
-        those up to the first that differs from the choice before it."""
+        `state` already) -> the state with the kept drafts' successors appended, each draft's successor [B, K] (the
+        token plain decoding would choose there: `successors`), and the drafts kept [B]: those up to the first that
+        differs from the choice before it. A sampled row's draft is kept with the probability the target gives it,
+        which for a draft of one certain token (a lookup's) is the rejection rule of speculative sampling."""
         e, k = hv.shape[0], draft_at.shape[1]
         # draft i's successor is chosen after state.length + i tokens (as held_back reads a state that long)
         length = state.length[:, None] + jnp.arange(k)[None]  # [B, K]
         banned = ((length < settings.min_length[:, None])
                   | (length - state.prompt_length[:, None] < settings.min_new_tokens[:, None]))
         held = jnp.where(banned & (settings.eos_token_id[:, None] >= 0), settings.eos_token_id[:, None], -1)
-        exclude = jnp.full(e, -1, jnp.int32).at[jnp.where(draft_at >= 0, draft_at, e)].set(held, mode="drop")
-        greedy = opt.lm_argmax(params, hv, exclude, backend)  # [E]
-        after = jnp.where(draft_at >= 0, greedy[jnp.maximum(draft_at, 0)], -1)  # [B, K]
+        at = jnp.where(draft_at >= 0, draft_at, e)  # [B, K] each draft's entry of hv (e: none, dropped)
+        per_entry = lambda a: jnp.zeros(e, jnp.int32).at[at].set(a, mode="drop")  # noqa: E731 [B, K] -> [E]
+        rows = per_entry(jnp.broadcast_to(jnp.arange(at.shape[0], dtype=jnp.int32)[:, None], at.shape))
+        exclude = jnp.full(e, -1, jnp.int32).at[at].set(held, mode="drop")
+        chosen_e = successors(params, hv, settings, rows, per_entry(length), exclude, backend)  # [E]
+        after = jnp.where(draft_at >= 0, chosen_e[jnp.maximum(draft_at, 0)], -1)  # [B, K]
         before = jnp.concatenate([chosen[:, None], after[:, :-1]], axis=1)  # what each draft must equal
         kept = jnp.cumprod((draft_ids >= 0) & (draft_ids == before), axis=1).astype(jnp.bool_)
         for i in range(kept.shape[1]):
@@ -181,6 +185,19 @@ def _drafts_check(backend: Backend):
         return state, after, kept.sum(axis=1, dtype=jnp.int32)
 
     return check
+
+
+def successors(params, hv, settings, rows, length, exclude, backend: Backend):
+    """The drafts' successors: hv [E, D] their hidden states, of `rows` [E] with `length` [E] tokens before each
+    successor, `exclude` [E] a token left out (-1: none) -> int32 [E]: the greedy choice, or a sampled row's draw
+    from its warped distribution keyed as plain decoding keys it there (sampling.choose_at), so a row gets plain
+    decoding's tokens either way. The logits are made only where some row samples."""
+    s = jax.tree_util.tree_map(lambda a: a[rows], settings)
+
+    def drawn():
+        scores = sampling.warp(sampling.leave_out(opt.lm_logits(params, hv, backend).astype(jnp.float32), exclude), s)
+        return sampling.choose_at(scores, s, length, backend.argmax)
+    return jax.lax.cond(jnp.any(s.temperature > 0), drawn, lambda: opt.lm_argmax(params, hv, exclude, backend))
 
 
 class Sampler:

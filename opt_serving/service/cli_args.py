@@ -92,8 +92,8 @@ def _decoding_feature_arguments(p: argparse.ArgumentParser) -> None:
     lora_args.add_arguments(p)
     p.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
                    help='served speculative decoding, as vLLM\'s flag: prompt lookup only, e.g. \'{"method": '
-                        '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}\' (greedy rows draft the '
-                        "tokens that followed an earlier occurrence of their last n tokens; a draft model "
+                        '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}\' (greedy and sampled rows '
+                        "draft the tokens that followed an earlier occurrence of their last n tokens; a draft model "
                         "is refused)")
 
 
