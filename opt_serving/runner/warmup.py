@@ -48,7 +48,8 @@ class Shape:
       that many new tokens, and with `after_head`, it starts with the last job's head, cached by that job;
     - "insert": a prefilled prompt of cache size `size` (from `tokens` prompt tokens) into a group's cache of
       `window` entries, twice where `twice`;
-    - "decode": one step reading the whole `window`; "decode_steps": `steps` of them in one call, of `rows` rows;
+    - "decode": one step reading the whole `window`; "decode_steps": `steps` of them in one call, computing `rows`
+      rows (0: every row of the group, slot 0 alone running);
     - "join": a step in `window` with prompts joining in a block of `block` tokens;
     - "spec": the same with a row's drafts in it (speculative decoding, runner/ngram.py; prompts fill the rest);
     - "store_row": a row's blocks of `window` entries into the prefix cache's pool; "free": a row freed.
@@ -129,10 +130,10 @@ def _job_shapes(slots: "Slots", chunk: int) -> list[Shape]:
 
 def _step_rows(slots: "Slots") -> list[int]:
     """The rows the steps taken in one call compute at (DecodeStep.rows): every step_rows size where they are taken
-    (ragged stages, one stage, one group: Slots.step_many), else every row."""
+    (ragged stages, one stage, one group: Slots.step_many), else 0 (every row)."""
     if slots.ragged and slots.stages.n == 1 and slots.groups == 1:
         return step_row_sizes(slots.num_slots)
-    return [slots.num_slots]
+    return [0]
 
 
 def _windows(slots: "Slots") -> list[int]:
@@ -225,7 +226,7 @@ class _Runner:
     def decode_steps(self, shape: Shape) -> None:
         """Slot 0 and the rows after it up to `rows` running (none inserted: the sampler leaves them alone), the
         steps filling the window."""
-        running = range(0, shape.rows * self.slots.groups, self.slots.groups)
+        running = range(0, max(shape.rows, 1) * self.slots.groups, self.slots.groups)
         self.slots.table.lengths[running] = max(shape.window - shape.steps + 1, 1)
         self.slots.step_many(shape.steps)
         self.slots.table.lengths[running[1:]] = 0
