@@ -50,8 +50,9 @@ def f32_kernel(request):
 
 @needs_kernels
 @pytest.mark.parametrize("f32_kernel", ["onednn", "tiles"], indirect=True)
-@pytest.mark.parametrize("m,k,n", [(1, 32, 96), (3, 40, 100), (5, 33, 70), (8, 100, 130), (9, 130, 70),
-                                   (17, 768, 300), (64, 64, 16), (40, 200, 1000), (96, 520, 200), (97, 64, 16)])
+@pytest.mark.parametrize("m,k,n", [(1, 32, 96), (3, 40, 100), (5, 33, 70), (6, 64, 200), (8, 100, 130),
+                                   (9, 130, 70), (17, 768, 300), (64, 64, 16), (40, 200, 1000), (96, 520, 200),
+                                   (97, 64, 16)])
 def test_packed_product_equals_numpy(m, k, n, f32_kernel):
     rng = np.random.default_rng(m)
     x, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((m, k), (k, n), (n,)))
@@ -466,6 +467,33 @@ def test_decode_attention_reads_only_the_written_entries(d, n, cache):
         k, v = k.view(np.uint16), v.view(np.uint16)
     got = jax.jit(lambda *a: attention.decode_attention(*a, jnp.int32(n), zeros))(q, k, v, mask)
     np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("d", [16, 64])
+def test_decode_attention_of_several_queries_a_cache_row_reads_that_row(d):
+    """A speculative check's C queries of a row (q and mask [B * C, ...] over a [B, H, T, D] cache): each query
+    gives what it gives as a decode step over its own copy of the row's cache, reading to its own last entry."""
+    rng = np.random.default_rng(1)
+    b, c, h, t = 2, 3, 4, 24
+    q = rng.standard_normal((b * c, h, d)).astype(np.float32)
+    k, v = (rng.standard_normal((b, h, t, d)).astype(np.float32) for _ in range(2))
+    mask = np.zeros((b * c, t), bool)
+    for i in range(b * c):
+        mask[i, :10 + i % c + 2 * (i // c)] = True  # query j of row r reads 10 + 2 r + j entries (causal)
+    k[:, :, 20:], v[:, :, 20:] = np.nan, np.nan  # past read_len: never read
+    raising = lambda q, k, v, m: jnp.full_like(q, jnp.nan)  # noqa: E731  (the fallback: must not be what runs)
+    got = jax.jit(lambda *a: attention.decode_attention(*a, jnp.int32(20), raising))(q, k, v, mask)
+    each = jax.jit(lambda *a: attention.decode_attention(*a, jnp.int32(20), raising))(
+        q, np.repeat(k, c, 0), np.repeat(v, c, 0), mask)
+    assert np.array_equal(np.asarray(got), np.asarray(each))
+    assert not np.isnan(np.asarray(got)).any()
+    for r, j in [(0, 0), (1, 2)]:  # against numpy for two of them
+        i, n = r * c + j, int(mask[r * c + j].sum())
+        s_ = np.einsum("hd,htd->ht", q[i], k[r, :, :n]).astype(np.float64)
+        p = np.exp(s_ - s_.max(-1, keepdims=True))
+        ref = np.einsum("ht,htd->hd", p / p.sum(-1, keepdims=True), v[r, :, :n])
+        np.testing.assert_allclose(np.asarray(got)[i], ref, rtol=1e-5, atol=1e-5)
 
 
 def ragged_reference(q, k, v, rows, ends, pool_k, pool_v, ptab, plen):

@@ -103,6 +103,34 @@ def test_draft_length_rule():
     assert KChooser(4, adaptive=False).next_k() == 4
 
 
+def test_failed_probes_wait_longer_and_a_landing_one_turns_drafting_back_on():
+    from opt_serving.runner.speculative import PROBE_EVERY, PROBE_MAX, KChooser
+    chooser, ks = KChooser(4), []
+    for _ in range(300):  # drafts that never land
+        k = chooser.next_k()
+        ks.append(k)
+        chooser.observe(k, 0, t_draft=k * 0.02, t_check=0.2)
+    drafting = [i for i, k in enumerate(ks) if k]
+    assert drafting[:2] == [0, 1] and len([i for i in drafting if i < 10]) <= 4  # a few rejections turn it off
+    probes = [i for i in drafting if i >= 10]
+    gaps = np.diff(probes).tolist()
+    assert gaps[:3] == [2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY]  # doubled each time
+    assert max(gaps) == PROBE_MAX and set(gaps[-2:]) == {PROBE_MAX}  # ... up to PROBE_MAX rounds
+    for _ in range(PROBE_MAX):  # the drafts start landing: the next probe lands, drafting resumes
+        k = chooser.next_k()
+        if k:
+            chooser.observe(k, k, t_draft=k * 0.02, t_check=0.2)
+            break
+        chooser.observe(0, 0, t_draft=0.0, t_check=0.2)
+    else:
+        raise AssertionError("no probe within PROBE_MAX rounds")
+    ks = []
+    for _ in range(6):
+        ks.append(chooser.next_k())
+        chooser.observe(ks[-1], ks[-1], t_draft=ks[-1] * 0.02, t_check=0.2)
+    assert ks[-1] == 4 and ks.count(0) == 0
+
+
 def test_refusals_name_the_problem(models):
     from opt_serving.model import param_tree, wrapper
     from opt_serving.runner.generate import Generation

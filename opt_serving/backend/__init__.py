@@ -110,7 +110,8 @@ class Backend:
     def decode_attention(self, q, k_cache, v_cache, mask, read_len: Optional[jax.Array], reference: Callable):
         """One decode step's attention, q [B, H, D] over k/v [B, H, T, D] where mask [B, T] -> [B, H, D].
         `reference(q, k, v, mask)` is the model's own (it reads all T entries); with the attention kernel and a
-        `read_len` (traced: every valid entry lies below it) only the entries below read_len are read."""
+        `read_len` (traced: every valid entry lies below it) only the entries below read_len are read. q and mask
+        may have C rows a cache row ([B * C, ...]: row i reads cache row i // C; `reference` then takes them so)."""
         if self.attention and read_len is not None:
             return attention.decode_attention(q, k_cache, v_cache, mask, read_len, reference)
         return reference(q, k_cache, v_cache, mask)

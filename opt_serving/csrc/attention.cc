@@ -7,7 +7,9 @@ using namespace opt;
 // XLA's dots read the cache's whole static window; this reads only the entries written so
 // far (one contiguous [read_len, D] run per row and head), so generate() keeps one
 // full-size cache and a step still reads only what it needs. Rows with no valid entry
-// (never the case in generate()) get zeros. The cache is float32 or bfloat16 (`KV`: float or uint16_t, the
+// (never the case in generate()) get zeros. q may have C rows a cache row (a speculative check's C queries of
+// one sequence, each a decode step of its own): q row b reads cache row b / C, with mask row b, where repeating
+// the cache C times cost a copy of it per layer. The cache is float32 or bfloat16 (`KV`: float or uint16_t, the
 // bfloat16 bits): a bfloat16 cache is half the bytes a step reads, and a step's attention is a read of them.
 static inline float kv_float(float x) { return x; }
 static inline float kv_float(uint16_t x) {
@@ -20,22 +22,25 @@ static inline float kv_float(uint16_t x) {
 template <typename KV>
 __attribute__((target_clones("avx512f", "avx2", "default")))
 static void attend_rows(const float* q, const KV* k, const KV* v, const bool* mask, int64_t b_count,
-                        int64_t h_count, int64_t t_count, int64_t d, const int64_t* ends, float* out) {
+                        int64_t h_count, int64_t t_count, int64_t d, const int64_t* ends, int64_t per, float* out) {
 #pragma omp parallel for schedule(dynamic, 4)  // (dynamic: common.h)
   for (int64_t bh = 0; bh < b_count * h_count; ++bh) {
     const int64_t b = bh / h_count, n = ends[b];
     const int64_t n_next = bh + 1 < b_count * h_count ? ends[(bh + 1) / h_count] : 0;
     const float* qr = q + bh * d;
-    const KV* kr = k + bh * t_count * d;
-    const KV* vr = v + bh * t_count * d;
+    const int64_t at = (b / per * h_count + bh % h_count) * t_count * d;  // cache row b / per, this head
+    const KV* kr = k + at;
+    const KV* vr = v + at;
     const bool* m = mask + b * t_count;
     float* o = out + bh * d;
     // The next row-head's runs are fetched while this one computes: a run is only n x D floats,
     // short for the hardware prefetcher (OPT-125m shape, 64 rows, 40 entries, from memory: 10-14
     // GB/s without, 11-16 GB/s with, in six interleaved pairs).
     const bool has_next = bh + 1 < b_count * h_count;
-    const KV* kn = kr + t_count * d;
-    const KV* vn = vr + t_count * d;
+    const int64_t at_next =
+        has_next ? ((bh + 1) / h_count / per * h_count + (bh + 1) % h_count) * t_count * d : at;
+    const KV* kn = k + at_next;
+    const KV* vn = v + at_next;
     float scores[4096];
     float best = -std::numeric_limits<float>::infinity();
     for (int64_t t = 0; t < n; ++t) {
@@ -119,20 +124,23 @@ OPT_AVX512 static inline __m512 load16(const uint16_t* p) {
 template <int NV, typename KV>
 OPT_AVX512 static void attend_rows_avx512(const float* q, const KV* k, const KV* v, const bool* mask,
                                           int64_t b_count, int64_t h_count, int64_t t_count, const int64_t* ends,
-                                          float* out) {
+                                          int64_t per, float* out) {
   constexpr int64_t d = 16 * NV;
   const float neg_inf = -std::numeric_limits<float>::infinity();
 #pragma omp parallel for schedule(dynamic, 4)  // (dynamic: common.h)
   for (int64_t bh = 0; bh < b_count * h_count; ++bh) {
     const int64_t b = bh / h_count, n = ends[b];
     const int64_t n_next = bh + 1 < b_count * h_count ? ends[(bh + 1) / h_count] : 0;
-    const KV* kr = k + bh * t_count * d;
-    const KV* vr = v + bh * t_count * d;
+    const int64_t at = (b / per * h_count + bh % h_count) * t_count * d;  // cache row b / per, this head
+    const KV* kr = k + at;
+    const KV* vr = v + at;
     const bool* m = mask + b * t_count;
     float* o = out + bh * d;
     const bool has_next = bh + 1 < b_count * h_count;  // prefetched as in attend_rows
-    const KV* kn = kr + t_count * d;
-    const KV* vn = vr + t_count * d;
+    const int64_t at_next =
+        has_next ? ((bh + 1) / h_count / per * h_count + (bh + 1) % h_count) * t_count * d : at;
+    const KV* kn = k + at_next;
+    const KV* vn = v + at_next;
     alignas(64) float scores[4096];
     __m512 qv[NV];
     for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(q + bh * d + 16 * i);
@@ -188,13 +196,13 @@ OPT_AVX512 static void attend_rows_avx512(const float* q, const KV* k, const KV*
 
 template <typename KV>
 static void attend(const float* q, const KV* k, const KV* v, const bool* mask, int64_t b_count, int64_t h_count,
-                   int64_t t_count, int64_t d, const int64_t* ends, float* out) {
+                   int64_t t_count, int64_t d, const int64_t* ends, int64_t per, float* out) {
 #if defined(__x86_64__)
   const bool avx512 = use_avx512();
-  if (avx512 && d == 64) return attend_rows_avx512<4>(q, k, v, mask, b_count, h_count, t_count, ends, out);
-  if (avx512 && d == 128) return attend_rows_avx512<8>(q, k, v, mask, b_count, h_count, t_count, ends, out);
+  if (avx512 && d == 64) return attend_rows_avx512<4>(q, k, v, mask, b_count, h_count, t_count, ends, per, out);
+  if (avx512 && d == 128) return attend_rows_avx512<8>(q, k, v, mask, b_count, h_count, t_count, ends, per, out);
 #endif
-  attend_rows(q, k, v, mask, b_count, h_count, t_count, d, ends, out);
+  attend_rows(q, k, v, mask, b_count, h_count, t_count, d, ends, per, out);
 }
 
 // k and v: float32 or bfloat16 (as such or as its bits in uint16: the model's bfloat16 cache), both the same
@@ -204,13 +212,13 @@ static ffi::Error DecodeAttention(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi
   use_threads();
   auto qd = q.dimensions(), kd = k.dimensions(), md = mask.dimensions();
   const auto kt = k.element_type();
-  if (qd.size() != 3 || kd.size() != 4 || md.size() != 2 || kd[0] != qd[0] || kd[1] != qd[1] ||
+  if (qd.size() != 3 || kd.size() != 4 || md.size() != 2 || kd[0] < 1 || qd[0] % kd[0] != 0 || kd[1] != qd[1] ||
       kd[3] != qd[2] || md[0] != qd[0] || md[1] != kd[2] || v.element_count() != k.element_count() ||
       v.element_type() != kt ||
       (kt != ffi::DataType::F32 && kt != ffi::DataType::BF16 && kt != ffi::DataType::U16)) {
     return ffi::Error::InvalidArgument(
-        "opt_decode_attention: q [B, H, D] float32, k and v [B, H, T, D] both float32 or both bfloat16, "
-        "mask [B, T] expected");
+        "opt_decode_attention: q [B * C, H, D] float32, k and v [B, H, T, D] both float32 or both bfloat16, "
+        "mask [B * C, T] expected");
   }
   const int64_t t_count = kd[2];
   if (t_count > 4096) return ffi::Error::InvalidArgument("opt_decode_attention: at most 4096 entries");
@@ -228,10 +236,10 @@ static ffi::Error DecodeAttention(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi
   const void *kp = k.untyped_data(), *vp = v.untyped_data();
   if (kt != ffi::DataType::F32) {
     attend(q.typed_data(), static_cast<const uint16_t*>(kp), static_cast<const uint16_t*>(vp), mk, qd[0], qd[1],
-           t_count, qd[2], ends.data(), out->typed_data());
+           t_count, qd[2], ends.data(), qd[0] / kd[0], out->typed_data());
   } else {
     attend(q.typed_data(), static_cast<const float*>(kp), static_cast<const float*>(vp), mk, qd[0], qd[1], t_count,
-           qd[2], ends.data(), out->typed_data());
+           qd[2], ends.data(), qd[0] / kd[0], out->typed_data());
   }
   return ffi::Error::Success();
 }

@@ -110,16 +110,9 @@ void opt::small_rows(const float* x, int64_t m, int64_t k, int64_t n, const floa
 #pragma omp parallel for schedule(static)
   for (int64_t nb = 0; nb < blocks; ++nb) {
     const float* block = w + nb * k_padded * 64;
-    if (avx512 && m > 4) {  // all the rows in one pass over each half of the block
-      for (int64_t n0 = nb * 64; n0 < std::min(n, nb * 64 + 64); n0 += 32) {
-        const float* half = block + (n0 - nb * 64);
-        switch (m) {
-          case 5: rows_by_tile<5, 2>(x, k, n, half, n0, bias, relu, y); break;
-          case 6: rows_by_tile<6, 2>(x, k, n, half, n0, bias, relu, y); break;
-          case 7: rows_by_tile<7, 2>(x, k, n, half, n0, bias, relu, y); break;
-          default: rows_by_tile<8, 2>(x, k, n, half, n0, bias, relu, y); break;
-        }
-      }
+    if (avx512 && (m == 5 || m == 6)) {  // every row in one pass over the whole block: 20-24 accumulators
+      if (m == 5) rows_by_tile<5, 4>(x, k, n, block, nb * 64, bias, relu, y);
+      else rows_by_tile<6, 4>(x, k, n, block, nb * 64, bias, relu, y);
       continue;
     }
     for (int64_t r = 0; r < m; r += 4) {  // four rows at a time: the block from memory once, then from cache

@@ -97,8 +97,9 @@ def decode_attend(k_cache, v_cache, mask, write_index, read_len=None, backend: B
 def extend_attend(k_cache, v_cache, mask, start, per_query: Optional[Backend] = None):
     """A prefill chunk at entries start..start+C-1 of each row (`start` [B]): writes its k/v there (entries
     past the cache, pads only, are dropped) and attends where `mask` [B, C, max_len] says. `per_query`: a
-    backend whose decode attention then computes each query as a decode step of its own would (the row's cache
-    repeated per query: for a few queries, a speculative check's, whose tokens must be a decode step's)."""
+    backend whose decode attention then computes each query as a decode step of its own would (for a few
+    queries, a speculative check's, whose tokens must be a decode step's: each query reads its row's cache, which
+    the reference repeats per query)."""
     def attend(q, k, v):  # each [B, C, H, D]
         b, c = q.shape[:2]
         at = start[:, None] + jnp.arange(c)  # [B, C]
@@ -107,8 +108,11 @@ def extend_attend(k_cache, v_cache, mask, start, per_query: Optional[Backend] = 
         vc = v_cache.at[rows, :, at].set(to_cache(v, v_cache.dtype), mode="drop")
         if per_query is not None:
             flat = mask.reshape(b * c, -1)  # [B * C, max_len]: query i of row b as row b * C + i
-            ctx = per_query.decode_attention(q.reshape(b * c, *q.shape[2:]), jnp.repeat(kc, c, 0),
-                                             jnp.repeat(vc, c, 0), flat, jnp.max(start) + c, decode_reference)
+
+            def repeated(q, ks, vs, m):  # each query beside its own copy of its row's cache
+                return decode_reference(q, jnp.repeat(ks, c, 0), jnp.repeat(vs, c, 0), m)
+            ctx = per_query.decode_attention(q.reshape(b * c, *q.shape[2:]), kc, vc, flat, jnp.max(start) + c,
+                                             repeated)
             return ctx.reshape(q.shape), (kc, vc)
         scores = jnp.einsum("bqhd,bhkd->bhqk", q, from_cache(kc, q.dtype))
         probs = _masked_softmax(scores, mask[:, None]).astype(q.dtype)

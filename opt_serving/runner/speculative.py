@@ -19,7 +19,9 @@ How many tokens to draft (`KChooser`): each round picks the k that maximises the
 (1 - a^(k+1)) / (1 - a) tokens for k draft steps and one check, from the acceptance rate a and the measured
 times of a draft step and of a check; where no k > 0 beats plain decoding (drafts that never land, or a check
 that grows with k) it drafts nothing, and drafts one token every `PROBE_EVERY` rounds to see whether that
-changed.
+changed, twice as many rounds apart after each probe that fails (up to `PROBE_MAX`), so drafts that never land
+cost less and less. The acceptance rate starts from a prior worth one round and is the mean of the rounds seen
+until there are enough for the running (EMA) rate: a few rejected first drafts turn speculation off.
 """
 from __future__ import annotations
 
@@ -34,7 +36,8 @@ import numpy as np
 from opt_serving.backend import sampling
 from opt_serving.runner.types import acceptance_length
 
-PROBE_EVERY = 8  # plain rounds between probes while speculation does not pay
+PROBE_EVERY = 8  # rounds from one probe to the next while speculation does not pay
+PROBE_MAX = 64  # ... doubled after each failed probe, up to this many
 EMA = 0.3  # weight of the newest round in the running acceptance rate and timings
 CATCH_UP = 8  # a draft behind by more than 2 tokens (after plain rounds) is fed them this many at a time
 
@@ -66,16 +69,18 @@ class KChooser:
         self.rate = 0.6  # prior acceptance rate, replaced as rounds come in
         self.t_draft: Optional[float] = None  # seconds per draft step
         self.t_check: Optional[float] = None  # seconds per check of the target (any k at batch 1)
-        self._plain = 0
+        self._seen = 0  # rounds with drafts observed
+        self._plain, self._every, self._probing = 0, PROBE_EVERY, False
 
     def next_k(self) -> int:
+        self._probing = False
         if not self.adaptive or self.t_draft is None or self.t_check is None:
             return self.k_max
         best = max(range(self.k_max + 1), key=self.expected_rate)
         if best == 0:
             self._plain += 1
-            if self._plain >= PROBE_EVERY:
-                self._plain = 0
+            if self._plain >= self._every:
+                self._plain, self._probing = 0, True
                 return 1
         return best
 
@@ -91,8 +96,12 @@ class KChooser:
             # the drafts after the first rejection were never tested: a geometric count's estimate
             tested = accepted + (accepted < k)
             sample = accepted / tested if tested else self.rate
-            self.rate = (1 - EMA) * self.rate + EMA * sample
+            self._seen += 1
+            weight = max(EMA, 1 / (self._seen + 1))  # the prior counts as one round
+            self.rate = (1 - weight) * self.rate + weight * sample
             self.t_draft = _blend(self.t_draft, t_draft / k)
+            if self._probing:  # a failed probe waits twice as long for the next; one that lands starts over
+                self._every = PROBE_EVERY if accepted else min(2 * self._every, PROBE_MAX)
         self.t_check = _blend(self.t_check, t_check)
 
 

@@ -15,7 +15,8 @@ MAX_ENTRIES = 4096  # the kernel's longest cache; a longer one takes `reference`
 
 def decode_attention(q, k_cache, v_cache, mask, read_len, reference):
     """One decode step's attention: q [B, H, D] over the cache's first `read_len` (traced int32) entries of
-    k/v [B, H, T, D] where mask [B, T] -> [B, H, D]. The cache is float32 or bfloat16 (as such, or as its bits
+    k/v [B, H, T, D] where mask [B, T] -> [B, H, D]; q and mask may have C rows a cache row ([B * C, ...]: row i
+    reads cache row i // C, as `reference` must too). The cache is float32 or bfloat16 (as such, or as its bits
     in uint16: the model's, see kv_cache.cache_dtype), bfloat16 half the bytes to read. On a CPU the kernel reads
     only those entries; on another platform, or for what it does not take (q not float32, another cache dtype,
     T over MAX_ENTRIES), `reference(q, k, v, mask)` (which reads all T) runs."""
