@@ -19,6 +19,11 @@ static inline float kv_float(uint16_t x) {
   return f;
 }
 
+// Where row-head bh's run of `run` (T x D) values starts in the cache: cache row (bh / h_count) / per, its head
+static inline int64_t cache_run(int64_t bh, int64_t h_count, int64_t per, int64_t run) {
+  return (bh / h_count / per * h_count + bh % h_count) * run;
+}
+
 template <typename KV>
 __attribute__((target_clones("avx512f", "avx2", "default")))
 static void attend_rows(const float* q, const KV* k, const KV* v, const bool* mask, int64_t b_count,
@@ -28,7 +33,7 @@ static void attend_rows(const float* q, const KV* k, const KV* v, const bool* ma
     const int64_t b = bh / h_count, n = ends[b];
     const int64_t n_next = bh + 1 < b_count * h_count ? ends[(bh + 1) / h_count] : 0;
     const float* qr = q + bh * d;
-    const int64_t at = (b / per * h_count + bh % h_count) * t_count * d;  // cache row b / per, this head
+    const int64_t at = cache_run(bh, h_count, per, t_count * d);
     const KV* kr = k + at;
     const KV* vr = v + at;
     const bool* m = mask + b * t_count;
@@ -37,8 +42,7 @@ static void attend_rows(const float* q, const KV* k, const KV* v, const bool* ma
     // short for the hardware prefetcher (OPT-125m shape, 64 rows, 40 entries, from memory: 10-14
     // GB/s without, 11-16 GB/s with, in six interleaved pairs).
     const bool has_next = bh + 1 < b_count * h_count;
-    const int64_t at_next =
-        has_next ? ((bh + 1) / h_count / per * h_count + (bh + 1) % h_count) * t_count * d : at;
+    const int64_t at_next = has_next ? cache_run(bh + 1, h_count, per, t_count * d) : at;
     const KV* kn = k + at_next;
     const KV* vn = v + at_next;
     float scores[4096];
@@ -131,14 +135,13 @@ OPT_AVX512 static void attend_rows_avx512(const float* q, const KV* k, const KV*
   for (int64_t bh = 0; bh < b_count * h_count; ++bh) {
     const int64_t b = bh / h_count, n = ends[b];
     const int64_t n_next = bh + 1 < b_count * h_count ? ends[(bh + 1) / h_count] : 0;
-    const int64_t at = (b / per * h_count + bh % h_count) * t_count * d;  // cache row b / per, this head
+    const int64_t at = cache_run(bh, h_count, per, t_count * d);
     const KV* kr = k + at;
     const KV* vr = v + at;
     const bool* m = mask + b * t_count;
     float* o = out + bh * d;
     const bool has_next = bh + 1 < b_count * h_count;  // prefetched as in attend_rows
-    const int64_t at_next =
-        has_next ? ((bh + 1) / h_count / per * h_count + (bh + 1) % h_count) * t_count * d : at;
+    const int64_t at_next = has_next ? cache_run(bh + 1, h_count, per, t_count * d) : at;
     const KV* kn = k + at_next;
     const KV* vn = v + at_next;
     alignas(64) float scores[4096];
