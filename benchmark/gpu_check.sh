@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The prepared GPU check (benchmark/gpu/gpu_check.py): correctness against Hugging Face torch on tiny models, then
-# OPT-1.3b and OPT-6.7b random weights in float16 and bfloat16 (logits, tokens/s of HF generate(), our generate()
-# and our engine at batch 1 / 16 / 64, memory against the planner), then HF under torch.compile; one process a
-# section, all under one deadline, most important first. Prints the report last.
+# OPT-1.3b and OPT-6.7b random weights in float16 and bfloat16 (logits, the card's copy bandwidth, tokens/s of our
+# engine and our generate() at batch 1 / 16 / 64 with each decode step's time against the bytes it reads, TTFT of
+# 64 prompts of 512 tokens arriving together, HF generate(), memory against the planner), then HF under
+# torch.compile; one process a section, all under one deadline, most important first. Prints the report last.
 #
 #   bash benchmark/gpu_check.sh                   on a GPU machine, with that machine's own python3
 #   GPU_CHECK_REHEARSAL=1 bash benchmark/gpu_check.sh    the same script on a CPU: small sizes, few tokens
@@ -29,11 +30,13 @@ deadline=$(( $(date +%s) + ${GPU_CHECK_BUDGET_S:-450} ))
 if [ -n "${GPU_CHECK_REHEARSAL:-}" ]; then
   SIZES=${GPU_CHECK_SIZES:-tiny 125m}
   DTYPES=${GPU_CHECK_DTYPES:-float16 bfloat16}
-  ARGS=${GPU_CHECK_ARGS:---batches 1,4,8 --new-tokens 8 --prompt-len 8 --logit-len 16 --max-seq-len 64}
+  ARGS=${GPU_CHECK_ARGS:---batches 1,4,8 --new-tokens 8 --prompt-len 8 --logit-len 16 --max-seq-len 64 --ttft-batch 8 --ttft-prompt-len 40 --copy-mib 64}
+  ENV_ARGS="--copy-mib 64"
 else
   SIZES=${GPU_CHECK_SIZES:-1.3b 6.7b}
   DTYPES=${GPU_CHECK_DTYPES:-float16 bfloat16}
   ARGS=${GPU_CHECK_ARGS:-}
+  ENV_ARGS=""
 fi
 
 section() {  # section CAP NAME [ARGS...]: run it until CAP seconds from now or the deadline, whichever is first
@@ -59,7 +62,8 @@ section() {  # section CAP NAME [ARGS...]: run it until CAP seconds from now or 
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 # each model section gets at most its share of what is left, so a slow one leaves the others their turn
 MODEL_CAP=${GPU_CHECK_MODEL_CAP_S:-100}
-section 60 env
+# shellcheck disable=SC2086
+section 60 env $ENV_ARGS
 [ "${GPU_CHECK_TINY_CAP_S:-90}" = 0 ] || section "${GPU_CHECK_TINY_CAP_S:-90}" tiny
 for dtype in $DTYPES; do
   for size in $SIZES; do

@@ -1178,13 +1178,14 @@ class Sizes(Collect):
         super().__call__(out)
 
 
-@pytest.mark.parametrize("slots", ["model", "model8"])
+@pytest.mark.parametrize("slots", ["model", "model8", "xla_model8"])
 def test_decode_steps_in_one_call_give_the_single_steps_tokens(slots, hf, monkeypatch, request):
     """Four decode steps a call: greedy gives HF's tokens; seeded sampling, a penalty, a stop token and the
     scores are the single-step engine's; a request whose max_tokens or stop token comes in the middle of a
     call ends there; each output carries a call's tokens (at most four); a request near the context's end
     (26 + 6 tokens of 32) takes single steps there. On eight slots, calls with at most four rows running
-    compute only those (DecodeStep.rows), the sampled rows' state taken out and put back."""
+    compute only those (DecodeStep.rows), the sampled rows' state taken out and put back: on the CPU's ragged
+    steps and on plain XLA's (a GPU's), whose steps read only those rows of the cache."""
     model = request.getfixturevalue(slots)
     stage = model.stages.stages[0]
     computed = []

@@ -80,6 +80,18 @@ def main(argv=None) -> int:
     p.add_argument("--max-seq-len", type=int, default=256)
     p.add_argument("--quantize", choices=["int8"], default=None,
                    help="model: int8 weights (model/quantize.py) beside activations in --dtype")
+    p.add_argument("--ttft-batch", type=int, default=64, help="model: prompts of the TTFT wave (0: none)")
+    p.add_argument("--ttft-prompt-len", type=int, default=512)
+    p.add_argument("--ttft-new-tokens", type=int, default=16)
+    p.add_argument("--hf-batches", type=lambda s: [int(x) for x in s.split(",") if x], default=None,
+                   help="model: HF eager generate()'s batches (default --batches; empty: none)")
+    p.add_argument("--engine-steps", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                   help="model: the engine's decode steps a call, each measured (default: the engine's default)")
+    p.add_argument("--parts", type=lambda s: set(s.split(",")), default={"engine", "generate", "ttft", "hf"},
+                   help="model: what it times after the logits (engine, generate, ttft, hf; default all)")
+    p.add_argument("--variant", default="", help="model: a name written into every row (engine_variants.sh)")
+    p.add_argument("--profile", default="", help="model: a folder for JAX profiler traces of one engine run a batch")
+    p.add_argument("--copy-mib", type=int, default=2048, help="the copy bandwidth probe's array (MiB)")
     p.add_argument("--reps", type=int, default=1, help="timed runs after the first (compiling) one")
     p.add_argument("--engine-reps", type=int, default=2, help="the engine's timed runs after the first")
     args = p.parse_args(argv)

@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from benchmark.gpu.gpu_check_tools import (PAD, Compiles, device_name, engine_counts, engine_rate, engine_tokens,
-                                           hf_model, jax_memory, params_from_torch, planner_estimate, sync_torch,
+from benchmark.gpu.gpu_check_tools import (PAD, Compiles, StepBytes, copy_bandwidth, device_name, engine_counts,
+                                           engine_rate, engine_tokens, engine_ttft, hf_model, jax_memory,
+                                           params_from_torch, planner_estimate, sync_torch, torch_allocated,
                                            torch_device, tree_bytes)
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ def section_env(run: Run) -> None:
     except ImportError:
         pass
     row["memory"] = jax_memory()
+    row.update(copy_bandwidth(run.args.copy_mib << 20))  # the bound every decode figure is read against
     run.write(**row)
 
 
@@ -89,23 +91,23 @@ def section_tiny(run: Run) -> None:
 
 
 def section_model(run: Run) -> None:
-    """One size in one dtype: logits, then tokens/s of HF generate(), our engine and our generate(), then
-    memory (the order keeps what matters most ahead of the deadline)."""
+    """One size in one dtype: logits, the card's copy bandwidth, tokens/s of our engine and our generate() (each
+    decode step against the bytes it must read), TTFT of a wave of long prompts, then HF generate() (the order
+    keeps what the targets need ahead of the deadline)."""
     import jax
     import torch
     from opt_serving.config import get_config
     from opt_serving.model import wrapper
     from opt_serving.runner.generate import Generation
     a = run.args
-    size, dtype = a.size, a.dtype
-    cfg = get_config(size)
+    cfg = get_config(a.size)
     dev = torch_device()
-    tdt = getattr(torch, dtype)
-    base = dict(section="model", size=size, dtype=dtype, device=device_name())
+    base = dict(section="model", size=a.size, dtype=a.dtype, device=device_name())
     if a.quantize:
         base["quantize"] = a.quantize
+    if a.variant:
+        base["variant"] = a.variant
     rng = np.random.default_rng(0)
-    compiles = Compiles()
 
     # torch draws the weights in float32 (the reference's), then rounds them to the dtype both sides run
     t0 = time.perf_counter()
@@ -123,16 +125,19 @@ def section_model(run: Run) -> None:
             out = hf(input_ids=torch.tensor(ids, device=dev), attention_mask=torch.tensor(mask, device=dev))
         return out.logits.float().cpu().numpy()[valid].astype(np.float64)  # [tokens, V]
     ref = torch_logits()
-    hf = hf.to(tdt)
+    hf = hf.to(getattr(torch, a.dtype))
     if dev == "cuda":
         torch.cuda.empty_cache()
     theirs = torch_logits()
 
     t0 = time.perf_counter()
-    params = params_from_torch(cfg, hf, dtype)
+    params = params_from_torch(cfg, hf, a.dtype)
     if a.quantize:  # int8 weights (the same numbers as get_model(quantize="int8")'s), activations in `dtype`
         from opt_serving.model.quantize import quantize_params
         params = quantize_params(params)
+        hf = None  # HF's weights are float, timed in the float section
+        if dev == "cuda":
+            torch.cuda.empty_cache()
     ours = Generation.of(wrapper.OPTModel(cfg, params, weights=a.quantize or "float32"))
     del params
     jax.block_until_ready(ours.fused_params)
@@ -147,24 +152,143 @@ def section_model(run: Run) -> None:
               jax_top1=float((mine.argmax(-1) == top).mean()), torch_top1=float((theirs.argmax(-1) == top).mean()))
     del ref, theirs, mine
 
-    batches, n, p = a.batches, a.new_tokens, a.prompt_len
+    bw = copy_bandwidth(a.copy_mib << 20)
+    run.write(**base, check="bandwidth", **bw)
+    step = StepBytes(cfg, tree_bytes(ours.fused_params), a.dtype, bw["gb_per_s"])
+    if "engine" in a.parts:
+        _engine_rates(run, base, cfg, ours, step, rng)
+    if "generate" in a.parts:
+        _generate_rates(run, base, ours, step, rng, cfg.vocab_size)
+    if a.ttft_batch and "ttft" in a.parts:
+        _ttft(run, base, cfg, ours, rng)
+    if hf is not None and "hf" in a.parts:
+        _hf_eager(run, base, hf, rng, cfg.vocab_size)
 
-    def prompts(b):
-        return rng.integers(4, cfg.vocab_size, (b, p)).astype(np.int32)
 
-    # Hugging Face generate() (eager, SDPA): nothing to compile, a short warm-up call. Beside int8 weights none:
-    # HF's are float, timed in the float section, and its copy goes back to the card
-    hf_batches = batches
-    if a.quantize:
-        hf, hf_batches = None, []
-        if dev == "cuda":
-            torch.cuda.empty_cache()
-    if hf_batches:
-        with torch.no_grad():
-            hf.generate(torch.tensor(prompts(1), device=dev), max_new_tokens=4, do_sample=False, pad_token_id=PAD)
-    for b in hf_batches:
+def _engine_rates(run: Run, base: dict, cfg, ours, step: StepBytes, rng) -> None:
+    """The continuous-batching engine: one engine of max(batches) slots, as a server runs, at each load and at each
+    of --engine-steps decode steps a call; its decode step's wall time beside the time the step's bytes take at
+    the copy bandwidth."""
+    import jax
+    from opt_serving.engine.admission import DECODE_STEPS, PREFILL_CHUNK
+    from opt_serving.engine.scheduler import Engine
+    from opt_serving.runner.load import local_slots
+    a = run.args
+    slots = local_slots(cfg, ours.fused_params, num_slots=max(a.batches), max_seq_len=a.max_seq_len,
+                        backend=ours.backend)
+    for steps in a.engine_steps or [DECODE_STEPS]:
+        engine = Engine(slots, prefill_chunk=PREFILL_CHUNK, decode_steps=steps)
+        try:
+            for b in sorted(a.batches, reverse=True):
+                run.check(15, f"engine batch {b}")
+                _engine_rate(run, base, engine, cfg, step, b, rng)
+        finally:
+            engine.close()
+    stage = slots.stages.stages[0]
+    full = jax.eval_shape(lambda: stage._new_cache(max(a.batches), stage.windows[-1]))  # the largest window's
+    run.write(**base, check="memory", engine_cache_bytes=tree_bytes(full), param_bytes=tree_bytes(ours.fused_params),
+              memory=jax_memory(), torch_allocated=torch_allocated(),
+              **planner_estimate(cfg, a.size, a.dtype, max(a.batches), a.max_seq_len, a.quantize or "float32"))
+
+
+def _engine_rate(run: Run, base: dict, engine, cfg, step: StepBytes, b: int, rng) -> None:
+    """The engine's new tokens/s at batch `b`: warm runs until two in a row compile nothing (a run can leave the
+    cache at another window than it found, and after a slow, compiling run the engine takes single steps until its
+    step time settles), then --engine-reps timed runs, and with --profile one more under JAX's profiler."""
+    import jax
+    a, compiles = run.args, Compiles()
+    n, p = a.new_tokens, a.prompt_len
+    t0, warm_compiles = time.perf_counter(), []
+    for _ in range(6):
+        engine_rate(engine, b, p, n, cfg.vocab_size, rng)
+        warm_compiles.append(compiles.take())
+        if len(warm_compiles) >= 2 and not warm_compiles[-1][0] and not warm_compiles[-2][0]:
+            break
+        run.check(10, f"engine batch {b} warm-up")
+    warm_s = time.perf_counter() - t0
+    before = engine.stats()
+    rates = [engine_rate(engine, b, p, n, cfg.vocab_size, rng) for _ in range(a.engine_reps)]
+    # how the timed runs were stepped: steps a call, prefill passes, and a decode step's wall time (the engine's
+    # moving average) against what reading its bytes once takes
+    counts = engine_counts(before, engine.stats())
+    run.write(**base, check="engine_tokens_per_s", batch=b, value=round(max(rates), 1),
+              runs=[round(r, 1) for r in rates], compiles_in_timed=compiles.take()[0], warm_runs_s=round(warm_s, 1),
+              warm_compiles=warm_compiles, prompt_len=p, new_tokens=n, slots=max(a.batches),
+              decode_steps=engine.decode_steps, step_ms=round(engine._step_s * 1e3, 3), **step.row(b, p + n // 2),
+              step_over_bound=round(engine._step_s * 1e3 / step.bound_ms(b, p + n // 2), 2), **counts)
+    if a.profile:  # where a step's time goes, kernel by kernel and on the host (benchmark/gpu/trace_split.py)
+        where = f"{a.profile}/engine-{a.size}-b{b}-s{engine.decode_steps}"
+        with jax.profiler.trace(where, create_perfetto_trace=True):
+            engine_rate(engine, b, p, n, cfg.vocab_size, rng)
+
+
+def _generate_rates(run: Run, base: dict, ours, step: StepBytes, rng, vocab: int) -> None:
+    """Our generate(): one compiled loop per batch shape; a token's time against its step's bytes."""
+    a, compiles = run.args, Compiles()
+    n, p = a.new_tokens, a.prompt_len
+    for b in a.batches:
+        run.check(20, f"our generate batch {b}")
+        x = rng.integers(4, vocab, (b, p)).astype(np.int32)
+        compiles.take()
+        t0 = time.perf_counter()
+        out = np.asarray(ours.generate(x, max_new_tokens=n, min_new_tokens=n))
+        first, first_compiles = time.perf_counter() - t0, compiles.take()
+        times = []
+        for _ in range(a.reps):
+            t0 = time.perf_counter()
+            out = np.asarray(ours.generate(x, max_new_tokens=n, min_new_tokens=n))
+            times.append(time.perf_counter() - t0)
+        assert out.shape == (b, p + n), out.shape
+        token_ms = min(times) / n * 1e3
+        run.write(**base, check="jax_generate_tokens_per_s", batch=b, value=round(b * n / min(times), 1),
+                  runs=[round(b * n / t, 1) for t in times], first_call_s=round(first, 1),
+                  first_call_compiles=first_compiles, compiles_in_timed=compiles.take()[0], prompt_len=p,
+                  new_tokens=n, token_ms=round(token_ms, 3), **step.row(b, p + n // 2),
+                  token_over_bound=round(token_ms / step.bound_ms(b, p + n // 2), 2))
+    run.write(**base, check="memory_end", memory=jax_memory())
+
+
+def _ttft(run: Run, base: dict, cfg, ours, rng) -> None:
+    """A wave of `--ttft-batch` prompts of `--ttft-prompt-len` tokens arriving together at an engine of as many
+    slots: each one's time to its first token (warm runs until one compiles nothing, then timed)."""
+    from opt_serving.engine.admission import DECODE_STEPS, PREFILL_CHUNK
+    from opt_serving.engine.scheduler import Engine
+    from opt_serving.runner.load import local_slots
+    a, compiles = run.args, Compiles()
+    b, p, n = a.ttft_batch, a.ttft_prompt_len, a.ttft_new_tokens
+    run.check(30, f"ttft {b} x {p}")
+    slots = local_slots(cfg, ours.fused_params, num_slots=b, max_seq_len=p + n, backend=ours.backend)
+    engine = Engine(slots, prefill_chunk=PREFILL_CHUNK, decode_steps=DECODE_STEPS)
+    try:
+        t0, warm_compiles = time.perf_counter(), []
+        for _ in range(4):
+            engine_ttft(engine, b, p, n, cfg.vocab_size, rng)
+            warm_compiles.append(compiles.take())
+            if not warm_compiles[-1][0]:
+                break
+            run.check(10, f"ttft {b} x {p} warm-up")
+        warm_s = time.perf_counter() - t0
+        before = engine.stats()
+        runs = [engine_ttft(engine, b, p, n, cfg.vocab_size, rng) for _ in range(a.engine_reps)]
+        best = min(runs, key=lambda r: r["p50_s"])
+        run.write(**base, check="ttft", batch=b, prompt_len=p, new_tokens=n, **best,
+                  p50_runs=[r["p50_s"] for r in runs], compiles_in_timed=compiles.take()[0],
+                  warm_runs_s=round(warm_s, 1), warm_compiles=warm_compiles, **engine_counts(before, engine.stats()))
+    finally:
+        engine.close()
+
+
+def _hf_eager(run: Run, base: dict, hf, rng, vocab: int) -> None:
+    """Hugging Face generate() (eager, SDPA): nothing to compile, a short warm-up call."""
+    import torch
+    a, dev = run.args, torch_device()
+    n, p = a.new_tokens, a.prompt_len
+    with torch.no_grad():
+        hf.generate(torch.tensor(rng.integers(4, vocab, (1, p)), device=dev), max_new_tokens=4, do_sample=False,
+                    pad_token_id=PAD)
+    for b in a.hf_batches if a.hf_batches is not None else a.batches:
         run.check(10, f"hf generate batch {b}")
-        x = torch.tensor(prompts(b), device=dev)
+        x = torch.tensor(rng.integers(4, vocab, (b, p)), device=dev)
         times = []
         for _ in range(a.reps):
             sync_torch()
@@ -177,65 +301,6 @@ def section_model(run: Run) -> None:
         assert tuple(out.shape) == (b, p + n), out.shape
         run.write(**base, check="hf_generate_tokens_per_s", batch=b, value=round(b * n / min(times), 1),
                   runs=[round(b * n / t, 1) for t in times], prompt_len=p, new_tokens=n)
-
-    # the continuous-batching engine: one engine of max(batches) slots, as a server runs, at each load
-    from opt_serving.engine.admission import DECODE_STEPS, PREFILL_CHUNK
-    from opt_serving.engine.scheduler import Engine
-    from opt_serving.runner.load import local_slots
-    slots = local_slots(cfg, ours.fused_params, num_slots=max(batches), max_seq_len=a.max_seq_len,
-                        backend=ours.backend)
-    engine = Engine(slots, prefill_chunk=PREFILL_CHUNK, decode_steps=DECODE_STEPS)
-    try:
-        for b in sorted(batches, reverse=True):
-            run.check(15, f"engine batch {b}")
-            # warm runs until two in a row compile nothing: a run can leave the cache at another window than it
-            # found, and after a slow (compiling) run the engine takes single steps until its step time settles
-            compiles.take()
-            t0, warm_compiles = time.perf_counter(), []
-            for _ in range(6):
-                engine_rate(engine, b, p, n, cfg.vocab_size, rng)
-                warm_compiles.append(compiles.take())
-                if len(warm_compiles) >= 2 and not warm_compiles[-1][0] and not warm_compiles[-2][0]:
-                    break
-                run.check(10, f"engine batch {b} warm-up")
-            warm_s = time.perf_counter() - t0
-            before = engine.stats()
-            rates = [engine_rate(engine, b, p, n, cfg.vocab_size, rng) for _ in range(a.engine_reps)]
-            # how the timed runs were stepped: steps a call, prefill passes, and a decode step's wall time
-            # (the engine's moving average) beside generate()'s, to tell the host's share from the device's
-            counts = engine_counts(before, engine.stats())
-            run.write(**base, check="engine_tokens_per_s", batch=b, value=round(max(rates), 1),
-                      runs=[round(r, 1) for r in rates], compiles_in_timed=compiles.take()[0],
-                      warm_runs_s=round(warm_s, 1), warm_compiles=warm_compiles, prompt_len=p, new_tokens=n,
-                      slots=max(batches), step_ms=round(engine._step_s * 1e3, 2), **counts)
-        stage = slots.stages.stages[0]
-        full = jax.eval_shape(lambda: stage._new_cache(max(batches), stage.windows[-1]))  # the largest window's
-        run.write(**base, check="memory", engine_cache_bytes=tree_bytes(full), param_bytes=tree_bytes(ours.fused_params),
-                  memory=jax_memory(), torch_allocated=torch.cuda.memory_allocated() if dev == "cuda" else None,
-                  **planner_estimate(cfg, size, dtype, max(batches), a.max_seq_len, a.quantize or "float32"))
-    finally:
-        engine.close()
-    del engine, slots
-
-    # our generate(): one compiled loop per batch shape
-    for b in batches:
-        run.check(20, f"our generate batch {b}")
-        x = prompts(b)
-        compiles.take()
-        t0 = time.perf_counter()
-        out = np.asarray(ours.generate(x, max_new_tokens=n, min_new_tokens=n))
-        first, first_compiles = time.perf_counter() - t0, compiles.take()
-        times = []
-        for _ in range(a.reps):
-            t0 = time.perf_counter()
-            out = np.asarray(ours.generate(x, max_new_tokens=n, min_new_tokens=n))
-            times.append(time.perf_counter() - t0)
-        assert out.shape == (b, p + n), out.shape
-        run.write(**base, check="jax_generate_tokens_per_s", batch=b, value=round(b * n / min(times), 1),
-                  runs=[round(b * n / t, 1) for t in times], first_call_s=round(first, 1),
-                  first_call_compiles=first_compiles, compiles_in_timed=compiles.take()[0], prompt_len=p,
-                  new_tokens=n)
-    run.write(**base, check="memory_end", memory=jax_memory())
 
 
 def section_compile(run: Run) -> None:

@@ -95,6 +95,73 @@ class Compiles:
         return out
 
 
+def torch_allocated():
+    import torch
+    return torch.cuda.memory_allocated() if torch.cuda.is_available() else None
+
+
+def copy_bandwidth(nbytes: int, reps: int = 20) -> dict:
+    """The card's device-to-device copy rate, the bound a decode step's bytes are read against: GB/s counting the
+    bytes read and written, the median of `reps` copies of `nbytes`. On a CUDA card torch's copy_, timed by CUDA
+    events (a jitted x + 1 in JAX moved a third less on an H200: 2.7-2.8 TB/s against torch's 4.25); else x + 1
+    in JAX, timed on the host."""
+    try:
+        import torch
+        cuda = torch.cuda.is_available()
+    except ImportError:
+        cuda = False
+    if cuda:
+        src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda").normal_()
+        dst, times = torch.empty_like(src), []
+        for _ in range(3):
+            dst.copy_(src)
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        del src, dst
+        torch.cuda.empty_cache()
+        probe = "torch copy_"
+    else:
+        import jax
+        import jax.numpy as jnp
+        x = jnp.ones((nbytes // 2,), jnp.float16)
+        bump = jax.jit(lambda v: v + 1)
+        jax.block_until_ready(bump(x))
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(bump(x))
+            times.append(time.perf_counter() - t0)
+        probe = "jax x + 1"
+    s = float(np.median(times))
+    return {"probe": probe, "copy_bytes": nbytes, "copy_ms": round(s * 1e3, 3),
+            "gb_per_s": round(2 * nbytes / s / 1e9, 1)}
+
+
+class StepBytes:
+    """What one decode step must read: every weight once and the KV entries written so far of each row, and the
+    time that takes at the measured copy bandwidth (the step's floor; the sampler and the writes are left out)."""
+
+    def __init__(self, cfg, param_bytes: int, dtype: str, gb_per_s: float):
+        self.param_bytes, self.gb_per_s = param_bytes, gb_per_s
+        self.kv_per_token = cfg.num_hidden_layers * 2 * cfg.hidden_size * np.dtype(dtype).itemsize  # K and V
+
+    def bytes(self, batch: int, context: int) -> int:
+        return self.param_bytes + batch * context * self.kv_per_token
+
+    def bound_ms(self, batch: int, context: int) -> float:
+        return self.bytes(batch, context) / (self.gb_per_s * 1e9) * 1e3
+
+    def row(self, batch: int, context: int) -> dict:
+        """`context`: the mean number of cached positions a row attends over during the run."""
+        return {"step_bytes": self.bytes(batch, context), "bound_ms": round(self.bound_ms(batch, context), 3),
+                "bound_context": context}
+
+
 def jax_memory() -> dict:
     import jax
     stats = jax.devices()[0].memory_stats() or {}
@@ -135,6 +202,35 @@ def engine_rate(engine, batch: int, prompt_len: int, n: int, vocab: int, rng) ->
     dt = time.perf_counter() - t0
     assert all(len(o) == n for o in out), [len(o) for o in out]
     return batch * n / dt
+
+
+def engine_ttft(engine, batch: int, prompt_len: int, n: int, vocab: int, rng) -> dict:
+    """`batch` prompts of `prompt_len` random ids submitted at once, `n` greedy tokens each: the seconds from
+    the submit to each one's first token (p50, p99, max) and the new tokens/s of the whole wave."""
+    import threading
+    from opt_serving.engine.scheduler import SlotSettings
+    first, done = [None] * batch, threading.Semaphore(0)
+
+    def callback(i):
+        def on_output(o):
+            if o.error is not None:
+                raise o.error
+            if first[i] is None and o.tokens and not o.is_prompt:
+                first[i] = time.perf_counter()
+            if o.finish_reason is not None:
+                done.release()
+        return on_output
+    prompts = [rng.integers(4, vocab, prompt_len).tolist() for _ in range(batch)]
+    with engine._cv:  # the whole wave in the engine's queue before its next iteration (as engine_tokens)
+        t0 = time.perf_counter()
+        for i, p in enumerate(prompts):
+            engine.submit(p, SlotSettings(max_tokens=n, logprob=False, top_logprobs=False), callback(i))
+    for _ in prompts:
+        done.acquire()
+    total = time.perf_counter() - t0
+    ttft = np.array([f - t0 for f in first])
+    return {"p50_s": round(float(np.percentile(ttft, 50)), 4), "p99_s": round(float(np.percentile(ttft, 99)), 4),
+            "max_s": round(float(ttft.max()), 4), "tokens_per_s": round(batch * n / total, 1)}
 
 
 def engine_counts(before, after, prefix: str = "") -> dict:

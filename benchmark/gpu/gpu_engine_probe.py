@@ -133,7 +133,7 @@ def main(argv=None) -> int:
             def model_steps():
                 h = None
                 for i in range(a.steps):
-                    h, st.caches[0] = st._step(st.params, st.caches[0], x, pos + i, np.int32(read_len + i))
+                    h, st.caches[0] = st._step(st.params, st.caches[0], x, pos + i, np.int32(read_len + i), None, None)
                 jax.block_until_ready(h)
             model_steps()  # (compiles the single step)
             per_step("model step only", active, timed(model_steps, reps))

@@ -7,6 +7,7 @@ cache at the entries the step fills and attends to the entries the step may read
     extend_attend    a chunk of a prompt after what the row holds (a prompt in chunks, a speculative check)
     joining_attend   a decode step with short prompts joining free rows in the same pass
     ragged_attend    rows and prompt parts in one pass (the backend's ragged attention)
+    rows_attend      one new token in each of some rows of the cache, reading only those rows
 
 A layer's cache is [B, H, max_len, D] (kv_cache.py); its q, k, v come in as [B, S, H, D] (the joining and
 ragged steps': [1, N, H, D], every token of the pass in one row).
@@ -91,6 +92,19 @@ def decode_attend(k_cache, v_cache, mask, write_index, read_len=None, backend: B
             vc = v_cache.at[rows, :, write_index].set(to_cache(v[:, 0], v_cache.dtype))
         ctx = backend.decode_attention(q[:, 0], kc, vc, mask, read_len, decode_reference)
         return ctx[:, None], (kc, vc)
+    return attend
+
+
+def rows_attend(k_cache, v_cache, mask, rows, write_index):
+    """A decode step of some rows of the cache only (rows [R]; past the cache's: padding): row rows[r]'s new k/v go
+    in at entry write_index[r] (out of range: dropped) and its query reads that row's entries where mask [R, n].
+    The rows are gathered before the attention reads them, so a step of R rows reads R rows of the cache, not
+    every row (in place, the cache's idle rows would be read too, and its busy rows cost the same either way)."""
+    def attend(q, k, v):  # each [R, 1, H, D]
+        kc = k_cache.at[rows, :, write_index].set(to_cache(k[:, 0], k_cache.dtype), mode="drop")  # [R, H, D]
+        vc = v_cache.at[rows, :, write_index].set(to_cache(v[:, 0], v_cache.dtype), mode="drop")
+        ks, vs = (c.at[rows].get(mode="fill", fill_value=0) for c in (kc, vc))  # [R, H, n, D]
+        return decode_reference(q[:, 0], ks, vs, mask)[:, None], (kc, vc)
     return attend
 
 

@@ -5,6 +5,7 @@ stages' programs, in the sharded model).
     prefill_step          a left-padded batch of prompts into a fresh cache
     extend_step           a chunk of C tokens after what each row holds (a prompt in chunks, a speculative check)
     decode_step           one new token a row
+    rows_decode_step      one new token in each of some rows, the others neither computed nor read
     decode_joining_step   a decode step with short prompts joining free rows in the same pass
     ragged_step           rows and prompt parts in one pass (the backend's ragged attention)
 
@@ -20,7 +21,8 @@ import jax.numpy as jnp
 
 from opt_serving.backend import Backend
 from opt_serving.config import OPTConfig
-from opt_serving.model.attends import decode_attend, extend_attend, joining_attend, prefill_attend, ragged_attend
+from opt_serving.model.attends import (decode_attend, extend_attend, joining_attend, prefill_attend, ragged_attend,
+                                       rows_attend)
 from opt_serving.model.kv_cache import cache_dtype, init_cache
 from opt_serving.model.opt import OPT, XLA, StageSpec, is_fused, param_dtype
 
@@ -90,6 +92,24 @@ def decode_step(cfg, params, cache, tokens, positions, write_index, read_len=Non
         {"params": params}, tokens[:, None], positions[:, None], attends, return_hidden=return_hidden)
     new_cache = {"k": tuple(c[0] for c in caches), "v": tuple(c[1] for c in caches), "mask": mask}
     return out[:, 0], new_cache
+
+
+def rows_decode_step(cfg, params, cache, tokens, positions, rows, stage: StageSpec | None = None,
+                     backend: Backend = XLA):
+    """A decode step of some of the cache's rows only (the running ones, padded to a few sizes): rows [R] which
+    rows (past the cache's: padding), tokens [R] their newest tokens (on a stage that is not first, hidden states
+    [R, D]) at positions [R] (-1: not stepped). The products run at R rows and the attention reads R rows of the
+    cache (attends.rows_attend), so a step costs what its rows need, not what every slot would.
+    -> (hidden states [R, D], cache)."""
+    b, n = cache["mask"].shape
+    write = jnp.where((positions >= 0) & (rows < b), positions, n)  # out of range: nothing written
+    mask = cache["mask"].at[rows, write].set(True, mode="drop")
+    read = mask.at[rows].get(mode="fill", fill_value=False)  # [R, n]
+    attends = [rows_attend(kc, vc, read, rows, write) for kc, vc in zip(cache["k"], cache["v"])]
+    x = tokens[:, None] if tokens.ndim == 1 else tokens[:, None, :]
+    out, caches = OPT(cfg, param_dtype(params), is_fused(params), stage, backend).apply(
+        {"params": params}, x, jnp.maximum(positions, 0)[:, None], attends, return_hidden=True)
+    return out[:, 0], {"k": tuple(c[0] for c in caches), "v": tuple(c[1] for c in caches), "mask": mask}
 
 
 def decode_joining_step(cfg, params, cache, tokens, positions, write_index, read_len, block,

@@ -377,7 +377,7 @@ class Sampler:
             self.state[g], after, kept = self._check(params, hv, self.state[g], self.settings[g], self.active[g],
                                                      out[0], packed.draft_ids, packed.draft_at)
             out = (*out, after, kept)
-        out = tuple(np.asarray(a) for a in out)
+        out = tuple(jax.device_get(out))  # every output's copy started at once: one wait, not one per output
         self.grammar.consume(constrained, out[0])
         return out
 

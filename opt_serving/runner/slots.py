@@ -395,7 +395,7 @@ class Slots(Prefills, SlotModel):
         positions = np.where(sent, lengths - 1, -1).astype(np.int32)
         want_scores, want_top = self.table.wants(sent)
         step = DecodeStep(0, positions, self.window_needed(0, n), int(lengths.max()), want_scores, want_top,
-                          adapters=self.adapters.rows(slots), steps=n, rows=running_rows(sent) if self.ragged else None)
+                          adapters=self.adapters.rows(slots), steps=n, rows=running_rows(sent))
         outs = self.stages.get(self.stages.call(0, "decode_steps", self.table.next.copy(), step))
         if self.spec is not None:
             nd = int(sent.sum())

@@ -233,7 +233,7 @@ class StageSlots:
             self.params, self.caches[group], x, positions, np.int32(step.read_len), s.state[group],
             s.settings[group], s.active[group], np.bool_(step.want_scores), np.bool_(step.want_top), n,
             self._prefix(group), rows, self.lora.batch(adapters, len(positions), self.ragged))
-        return tuple(np.asarray(a) if rows is None else rows_out(np.asarray(a), rows, b) for a in out)
+        return tuple(a if rows is None else rows_out(a, rows, b) for a in jax.device_get(out))  # (one wait for all)
 
     def _prefix(self, group: int):
         """What a ragged step of the group reads cached prefixes from (steps.ragged_step's `prefix`); None on a stage

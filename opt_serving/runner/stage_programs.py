@@ -48,8 +48,7 @@ def stage_programs(cfg, stage: opt.StageSpec, backend: Backend, max_seq_len: int
     `Programs.jit` for a stage that warm-up compiles without running)."""
     prefill, chunk, step, step_joining, step_packed = _passes(cfg, stage, backend, max_seq_len, new_cache)
     seq_prefill, seq_decode = _seq_passes(cfg, stage, backend)
-    rows_step = _rows_pass(cfg, stage, backend) if backend.ragged else None
-    steps = None if choose is None else jit(with_lora(_many_steps(step, choose, rows_step)),
+    steps = None if choose is None else jit(with_lora(_many_steps(step, choose, _rows_pass(cfg, stage, backend))),
                                             static_argnums=(10,), donate_argnums=(1, 5))
     return StagePrograms(
         prefill=jit(with_lora(prefill)),
@@ -144,10 +143,13 @@ def _packed_pass(cfg, stage: opt.StageSpec, backend: Backend):
 
 
 def _rows_pass(cfg, stage: opt.StageSpec, backend: Backend):
-    """A ragged step of some of a group's rows only (the steps in one call, `_many_steps`), not jitted."""
+    """A step of some of a group's rows only (the steps in one call, `_many_steps`), not jitted: a ragged one
+    where the backend has ragged steps, else steps.rows_decode_step."""
     def rows_step(params, cache, x, pos, rows, prefix):
         """x [R] the rows' newest tokens, pos [R] their positions, rows [R] which rows of the cache (past them:
         padding, not stepped) -> hidden states [R, D], the cache: a step's products run at R rows, not the group's."""
+        if not backend.ragged:
+            return steps.rows_decode_step(cfg, params, cache, x, pos, rows, stage=stage, backend=backend)
         empty = jnp.zeros(0, jnp.int32)
         return steps.ragged_step(cfg, params, cache, empty, empty, empty, (x, rows, jnp.maximum(pos, 0)), prefix,
                                  stage=stage, backend=backend)
@@ -168,7 +170,7 @@ def _seq_passes(cfg, stage: opt.StageSpec, backend: Backend):
 
 def _many_steps(step, choose, rows_step=None):
     """`step` and the sampler's `choose` n times in one program (a stage that is the whole model), not jitted;
-    `rows_step` (`_rows_pass`, ragged stages): the same step of some rows only."""
+    `rows_step` (`_rows_pass`): the same step of some rows only."""
     def steps(params, cache, x, pos, read_len, state, settings, active, want_scores, want_top, n, prefix, rows=None):
         """`n` decode steps of a group in one call, each fed the tokens the last one chose (as n calls
         of `step` and Sampler.choose would) -> the cache, the sampling state and each step's

@@ -130,8 +130,8 @@ def _job_shapes(slots: "Slots", chunk: int) -> list[Shape]:
 
 def _step_rows(slots: "Slots") -> list[int]:
     """The rows the steps taken in one call compute at (DecodeStep.rows): every step_rows size where they are taken
-    (ragged stages, one stage, one group: Slots.step_many), else 0 (every row)."""
-    if slots.ragged and slots.stages.n == 1 and slots.groups == 1:
+    (one stage, one group: Slots.step_many), else 0 (every row)."""
+    if slots.stages.n == 1 and slots.groups == 1:
         return step_row_sizes(slots.num_slots)
     return [0]
 
