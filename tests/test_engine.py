@@ -1189,8 +1189,8 @@ def test_decode_steps_in_one_call_give_the_single_steps_tokens(slots, hf, monkey
     model = request.getfixturevalue(slots)
     stage = model.stages.stages[0]
     computed = []
-    real_steps = stage.decode_steps
-    monkeypatch.setattr(stage, "decode_steps", lambda x, step: (computed.append(step.rows), real_steps(x, step))[1])
+    real_steps = stage.send_steps
+    monkeypatch.setattr(stage, "send_steps", lambda x, step: (computed.append(step.rows), real_steps(x, step))[1])
     stop_at = hf_greedy(hf, PROMPTS[2], 14)
     stop = next(t for i, t in enumerate(stop_at) if i >= 4 and t not in stop_at[:i])
     jobs = [(PROMPTS[0], SlotSettings(max_tokens=10)),
@@ -1239,6 +1239,89 @@ def test_decode_steps_in_one_call_give_the_single_steps_tokens(slots, hf, monkey
     assert compact == [] if slots == "model" else (compact and set(compact) == {4} and len(compact) < len(computed))
     assert (four[3].finish, four[3].ids[-1]) == ("stop", stop) and len(four[3].ids) == stop_at.index(stop) + 1
     assert four[4].finish == "length" and len(four[4].ids) == 6
+
+
+@pytest.mark.parametrize("slots", ["model8", "xla_model8"])
+def test_calls_sent_ahead_give_the_single_steps_tokens_with_requests_leaving_and_waiting(slots, monkeypatch, request):
+    """Engine(ahead=True): each call of four steps is sent before the one in flight is read. Twelve requests on
+    eight slots (four wait for slots freed while calls are in flight; one is cancelled by its callback mid-run;
+    sampled, penalised, scored and stop-token rows among them) get the single-step engine's tokens and scores, and
+    calls were sent with another in flight."""
+    model = request.getfixturevalue(slots)
+    sends = []
+    real = model.send_many
+    monkeypatch.setattr(model, "send_many", lambda n: (sends.append(model.calls_in_flight), real(n))[1])
+    lengths = [6, 12, 18, 15, 18, 21, 10, 27]  # (each within the context of 32 with its prompt)
+    jobs = [(PROMPTS[i % 5] + [30 + i], SlotSettings(max_tokens=m)) for i, m in enumerate(lengths)]
+    jobs[1] = (jobs[1][0], SlotSettings(max_tokens=12, temperature=0.8, seed=3, top_p=0.9, logprob=True,
+                                        top_logprobs=True))
+    jobs[2] = (jobs[2][0], SlotSettings(max_tokens=18, repetition_penalty=1.4, logprob=True))
+    jobs += [([2, 7 + i, 8, 9], SlotSettings(max_tokens=10 + i)) for i in range(4)]  # (these wait for slots)
+
+    class StopsAt(Collect):  # a callback that stops its request after 5 tokens (a client gone mid-stream)
+        def __call__(self, out):
+            super().__call__(out)
+            if len(self.tokens) >= 5:
+                self.done.set()
+                return True
+
+    def run(ahead, steps):
+        e = Engine(model, decode_steps=steps, decode_call_s=3600, ahead=ahead)
+        try:
+            cols = []
+            for i, (prompt, settings) in enumerate(jobs):  # all at once: four wait in the queue
+                c = (StopsAt if i == 3 else Collect)(e)
+                c.req = e.submit(prompt, settings, c)
+                cols.append(c)
+            for c in cols:
+                assert c.done.wait(120), "request did not finish"
+            return cols
+        finally:
+            e.close()
+
+    one, ahead = run(False, 1), run(True, 4)
+    ids = lambda cols: [c.ids[:5] if i == 3 else c.ids for i, c in enumerate(cols)]  # noqa: E731
+    assert ids(ahead) == ids(one) and [c.finish for c in ahead] == [c.finish for c in one]
+    for a, b in zip(one[:3] + one[4:], ahead[:3] + ahead[4:]):
+        np.testing.assert_allclose([t.logprob or 0.0 for t in b.tokens], [t.logprob or 0.0 for t in a.tokens],
+                                   rtol=1e-5, atol=1e-5)
+        assert [[i for i, _ in t.top] for t in b.tokens] == [[i for i, _ in t.top] for t in a.tokens]
+    assert any(n > 0 for n in sends)  # calls went with one in flight
+    assert model.calls_in_flight == 0
+
+
+def test_while_calls_are_in_flight_only_frees_change_the_slots(model8):
+    """Slots.send_many / take_many: two calls sent before either is read give the tokens two step_many calls
+    give; a slot freed while they are in flight takes none of theirs; an insert or a single step meanwhile is
+    refused, saying the calls must be taken first; abandoned calls leave nothing behind."""
+    greedy = SlotSettings(max_tokens=20)
+
+    def fill():
+        for slot in range(8):
+            if model8.table.lengths[slot]:
+                model8.free(slot)
+        for slot, prompt in enumerate(PROMPTS[:3]):
+            model8.insert(model8.prefill(prompt, greedy), slot)
+
+    fill()
+    want = [r.tokens[:3].tolist() for r in model8.step_many(4) + model8.step_many(4)]
+    fill()
+    assert model8.send_many(4) is not None and model8.send_many(4) is not None and model8.calls_in_flight == 2
+    model8.free(1)
+    with pytest.raises(RuntimeError, match="take them first"):
+        model8.insert(model8.prefill(PROMPTS[4], greedy), 1)
+    with pytest.raises(RuntimeError, match="take them first"):
+        model8.step()
+    got = model8.take_many() + model8.take_many()
+    assert [r.tokens[[0, 2]].tolist() for r in got] == [[t[0], t[2]] for t in want]
+    assert all(r.rows[[0, 2]].all() and not r.rows[1] for r in got)  # the freed slot took none
+    assert model8.calls_in_flight == 0 and model8.table.lengths[1] == 0
+    model8.insert(model8.prefill(PROMPTS[4], greedy), 1)  # (taken: inserts go again)
+    assert model8.send_many(4) is not None
+    model8.abandon_many()  # (a failed step's calls: forgotten, and the stage keeps none of their outputs)
+    assert model8.calls_in_flight == 0 and not model8.stages.stages[0]._sent
+    for slot in range(3):
+        model8.free(slot)
 
 
 def test_a_slot_model_with_only_the_required_methods_is_served_and_never_asked_for_an_ability_it_lacks():

@@ -30,8 +30,8 @@ CHILD = textwrap.dedent("""
     stage = engine.model.stages.stages[0]
     cache_spec = str(jax.tree_util.tree_leaves(stage.caches[0])[0].sharding.spec)
     calls = []  # several decode steps a call (the default), on the sharded params too
-    real = stage.decode_steps
-    stage.decode_steps = lambda x, step: (calls.append(step.steps), real(x, step))[1]
+    real = stage.send_steps  # (a call of several steps is sent, then read back)
+    stage.send_steps = lambda x, step: (calls.append(step.steps), real(x, step))[1]
     tok = load_tokenizer(path)
     gen = Generator(engine, tok, max_seq_len=64, model_name="alpa/opt-tiny")
     head = "A tensor-parallel stage keeps its share of the heads of every cached block of a prompt, so that"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The engine's decode step on a GPU under the changes the fifth GPU run pointed at (benchmark/README.md, "Where the
 # engine's step goes"), each in a process of its own under one deadline, OPT-1.3b float16 by default: as built
-# (the engine's default steps a call), more steps a call (the host's turn between calls spread over more steps),
+# (the engine's default steps a call), each call sent before the one in flight is read (Engine(ahead=True): the
+# host's turn between calls beside the card's work), more steps a call (that turn spread over more steps),
 # XLA's command buffers over whole loops and conditionals (a call's steps one CUDA graph, not one a step), and
 # cuBLAS for every product instead of XLA's Triton fusions (at batch 1 those read the weights at about two thirds
 # of the copy bandwidth). generate() is timed beside the first and the last. Prints the report of all of them last.
@@ -9,7 +10,7 @@
 #   bash benchmark/gpu/engine_variants.sh                        on a GPU machine, with its own python3
 #   REHEARSAL=1 bash benchmark/gpu/engine_variants.sh            the same on a CPU, tiny model
 #
-# Settings (environment): BUDGET_S (default 420), SIZE (1.3b), STEPS (16: the second variant's steps a call),
+# Settings (environment): BUDGET_S (default 480), SIZE (1.3b), STEPS (16: the second variant's steps a call),
 # ARGS (passed to every variant), PYTHON, OUT (default /tmp/engine_variants).
 set -u
 cd "$(dirname "$0")/../.."
@@ -19,7 +20,7 @@ mkdir -p "$OUT"
 RESULTS=$OUT/variants.jsonl
 : > "$RESULTS"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false OPT_SERVING_COMPILE_CACHE=0
-deadline=$(( $(date +%s) + ${BUDGET_S:-420} ))
+deadline=$(( $(date +%s) + ${BUDGET_S:-480} ))
 if [ -n "${REHEARSAL:-}" ]; then
   SIZE=${SIZE:-tiny}
   ARGS=${ARGS:---batches 1,4 --new-tokens 8 --prompt-len 8 --logit-len 8 --max-seq-len 64 --copy-mib 16}
@@ -47,7 +48,8 @@ variant() {  # variant NAME PARTS [ENV=VALUE...] -- [MODEL ARGS...]: one process
     --deadline "$until" 2>&1 | grep -v '^  {' | tail -5
 }
 
-SHARES=4 variant as-built engine,generate
+SHARES=5 variant as-built engine,generate
+SHARES=4 variant ahead engine -- --engine-ahead
 SHARES=3 variant "steps-${STEPS:-16}" engine -- --engine-steps "${STEPS:-16}"
 SHARES=2 variant loop-graphs engine "XLA_FLAGS=${XLA_FLAGS:-} $GRAPHS"
 SHARES=1 variant cublas engine,generate "XLA_FLAGS=${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false"

@@ -87,6 +87,8 @@ def main(argv=None) -> int:
                    help="model: HF eager generate()'s batches (default --batches; empty: none)")
     p.add_argument("--engine-steps", type=lambda s: [int(x) for x in s.split(",")], default=None,
                    help="model: the engine's decode steps a call, each measured (default: the engine's default)")
+    p.add_argument("--engine-ahead", action="store_true",
+                   help="model: the engine sends each call before the one in flight is read (Engine(ahead=True))")
     p.add_argument("--parts", type=lambda s: set(s.split(",")), default={"engine", "generate", "ttft", "hf"},
                    help="model: what it times after the logits (engine, generate, ttft, hf; default all)")
     p.add_argument("--variant", default="", help="model: a name written into every row (engine_variants.sh)")

@@ -67,7 +67,8 @@ def section_report(run: Run) -> None:
 
 def label(r: dict) -> str:
     """A row's weights: its dtype, "+int8" where the weights were int8, and the variant it ran under, if any."""
-    return r["dtype"] + (f"+{r['quantize']}" if r.get("quantize") else "") + (f" {r['variant']}" if r.get("variant") else "")
+    weights = r["dtype"] + (f"+{r['quantize']}" if r.get("quantize") else "")
+    return weights + (f" {r['variant']}" if r.get("variant") else "")
 
 
 def over(x, y) -> str:

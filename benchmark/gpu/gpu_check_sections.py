@@ -177,7 +177,7 @@ def _engine_rates(run: Run, base: dict, cfg, ours, step: StepBytes, rng) -> None
     slots = local_slots(cfg, ours.fused_params, num_slots=max(a.batches), max_seq_len=a.max_seq_len,
                         backend=ours.backend)
     for steps in a.engine_steps or [DECODE_STEPS]:
-        engine = Engine(slots, prefill_chunk=PREFILL_CHUNK, decode_steps=steps)
+        engine = Engine(slots, prefill_chunk=PREFILL_CHUNK, decode_steps=steps, ahead=a.engine_ahead)
         try:
             for b in sorted(a.batches, reverse=True):
                 run.check(15, f"engine batch {b}")
@@ -214,7 +214,8 @@ def _engine_rate(run: Run, base: dict, engine, cfg, step: StepBytes, b: int, rng
     run.write(**base, check="engine_tokens_per_s", batch=b, value=round(max(rates), 1),
               runs=[round(r, 1) for r in rates], compiles_in_timed=compiles.take()[0], warm_runs_s=round(warm_s, 1),
               warm_compiles=warm_compiles, prompt_len=p, new_tokens=n, slots=max(a.batches),
-              decode_steps=engine.decode_steps, step_ms=round(engine._step_s * 1e3, 3), **step.row(b, p + n // 2),
+              decode_steps=engine.decode_steps, ahead=engine.ahead, step_ms=round(engine._step_s * 1e3, 3),
+              **step.row(b, p + n // 2),
               step_over_bound=round(engine._step_s * 1e3 / step.bound_ms(b, p + n // 2), 2), **counts)
     if a.profile:  # where a step's time goes, kernel by kernel and on the host (benchmark/gpu/trace_split.py)
         where = f"{a.profile}/engine-{a.size}-b{b}-s{engine.decode_steps}"

@@ -61,6 +61,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--no-stagger", action="store_true")
     p.add_argument("--decode-steps", type=int, default=1, help="decode steps in one call (engine.Engine)")
+    p.add_argument("--ahead", action="store_true", help="each call sent before the one in flight is read (Engine)")
     args = p.parse_args()
 
     from opt_serving.engine.scheduler import SlotSettings
@@ -68,6 +69,7 @@ def main() -> None:
     plan = {"quantize": args.quantize} if args.quantize else {}
     engine = load_engine(args.model, None, dtype=args.dtype, num_slots=args.clients, max_seq_len=args.max_seq_len,
                          dummy=True, decode_steps=args.decode_steps, **plan)
+    engine.ahead = args.ahead
 
     def settings_for(n: int) -> SlotSettings:
         return SlotSettings(max_tokens=n, logprob=False, top_logprobs=False)
@@ -83,7 +85,8 @@ def main() -> None:
                                not args.no_stagger, rng)
             after = engine.stats()
             joined = after.joined - before.joined
-            print(f"{args.model} {args.quantize or args.dtype} decode_steps={args.decode_steps}: {rate:.1f} tokens/s, {after.steps - before.steps} "
+            print(f"{args.model} {args.quantize or args.dtype} decode_steps={args.decode_steps}"
+                  f"{' ahead' if args.ahead else ''}: {rate:.1f} tokens/s, {after.steps - before.steps} "
                   f"steps, {joined} prompts joined a step, {after.prefills - before.prefills - joined} prefilled",
                   flush=True)
     finally:

@@ -27,6 +27,7 @@ from typing import Optional, Sequence
 
 from opt_serving.engine import admission
 from opt_serving.engine.counters import EngineCounters
+from opt_serving.engine.stepping import DecodeCalls
 from opt_serving.engine.types import (Callback, EngineClosed, EngineRequest, EngineStats, QueueFull, SlotModel,
                                       check_bad_words, check_prompt)
 from opt_serving.runner.types import MAX_TOP_LOGPROBS, EngineOutput, Prefix, SlotSettings, StepResult, TokenInfo
@@ -42,13 +43,13 @@ log = logging.getLogger(__name__)
 HEALTH_STALL_S = 120.0
 
 
-class Engine:
+class Engine(DecodeCalls):
     """Scheduler thread over a slot model: bounded queue, admission into free slots, one step for all."""
 
     def __init__(self, model: SlotModel, max_queue: int = 256, start: bool = True,
                  health_stall_s: float = HEALTH_STALL_S, prefill_chunk: Optional[int] = admission.PREFILL_CHUNK,
                  prefill_budget: Optional[int] = None, decode_steps: int = 1,
-                 decode_call_s: float = admission.DECODE_CALL_S):
+                 decode_call_s: float = admission.DECODE_CALL_S, ahead: bool = False):
         """`prefill_chunk`: prompts with more than this many tokens to compute are prefilled in chunks of it,
         between decode steps (where the slot model can; 0 or None: every prompt whole); `prefill_budget`: the
         prompt tokens an iteration prefills, whole prompts and chunks (default admission.PREFILL_BUDGET, at least
@@ -56,11 +57,13 @@ class Engine:
         `step_many`) while no queued request could take a free slot and no prompt is being prefilled in chunks,
         and while that many steps take at most `decode_call_s` seconds (as the steps so far went); each request
         gets the call's tokens in one output. Fewer calls, less of the host's work a token; a
-        request finishing at the first of them holds its slot until the last, one arriving meanwhile waits for it."""
+        request finishing at the first of them holds its slot until the last, one arriving meanwhile waits for it.
+        `ahead`: while nobody waits, the next such call is sent before this one's tokens are read (where the slot
+        model `sends_ahead`; engine/stepping.py): the host's turn between calls runs beside the device's work."""
         if decode_steps < 1:
             raise ValueError(f"decode_steps must be at least 1, got {decode_steps}")
         self.model = model
-        self.decode_steps, self.decode_call_s = decode_steps, decode_call_s
+        self.decode_steps, self.decode_call_s, self.ahead = decode_steps, decode_call_s, ahead
         self._step_s = 0.0  # a decode step's wall time, a moving average (0: none taken yet)
         self._chunked = admission.ChunkedPrefill(model, prefill_chunk, prefill_budget)
         self.prefill_chunk = self._chunked.chunk
@@ -221,6 +224,10 @@ class Engine:
                     self._cv.wait()
                 if self._closing:
                     return
+            with self._cv:  # an admission or a chunk changes the slots: the calls sent ahead are handed out first
+                settle = bool(self._queue) or self._chunked.held > 0
+            if settle:
+                self._settle_or_fail()
             # cancelled requests leave their slots before anything else runs
             for req in self._slots:
                 if req is not None and req.cancelled:
@@ -260,10 +267,20 @@ class Engine:
                 try:
                     self._step(joining)
                 except Exception as e:  # a failed step fails the requests in it, the engine keeps serving
-                    log.exception("engine step failed")
-                    for req in [r for r in self._slots if r is not None]:
-                        self._fail(req, e)
+                    self._step_failed(e)
                 self._progressed()
+
+    def _step_failed(self, e: Exception) -> None:
+        log.exception("engine step failed")
+        self.model.abandon_many()  # (the calls in flight, if any, are the failed requests')
+        for req in [r for r in self._slots if r is not None]:
+            self._fail(req, e)
+
+    def _settle_or_fail(self) -> None:
+        try:
+            self._settle()
+        except Exception as e:
+            self._step_failed(e)
 
     def _prefill_chunks(self) -> None:
         """This iteration's chunks of the prompts prefilled in chunks; a prompt whose last chunk ran takes a
@@ -339,31 +356,6 @@ class Engine:
 
     def _discard(self, prefix: Prefix) -> None:
         self.model.discard(prefix)
-
-    def _step(self, joining: bool = False) -> None:
-        with self._cv:  # several steps in one call while no queued request could take a slot meanwhile
-            hurry = bool(self._queue and None in self._slots) or self._chunked.held > 0
-        t = time.perf_counter()
-        if self._last_step_at is not None:  # a running stream's tokens come this far apart
-            self._counts.decode_gap.observe(t - self._last_step_at)
-        if (self.decode_steps > 1 and self.model.many_steps and not hurry
-                and 0 < self.decode_steps * self._step_s <= self.decode_call_s):  # (the first step alone)
-            results = self.model.step_many(self.decode_steps)
-        else:
-            results = [self.model.step()]
-        end = time.perf_counter()
-        took = (end - t) / len(results)
-        if not joining:  # (a step carrying prompts takes longer: a wave of them would hold the next calls to one step)
-            self._step_s = took if not self._step_s else 0.8 * self._step_s + 0.2 * took
-        # a pipelined model steps one micro-batch group at a time: only its slots have new tokens
-        rows = results[0].rows
-        active = [r for r in self._slots if r is not None and (rows is None or rows[r.slot])]
-        with self._cv:
-            self._counts.step_call(len(results), active, end - t, results)
-        for req in active:
-            logprob = req.settings.logprob
-            self._deliver(req, [tok for result in results for tok in result.tokens_of(req.slot, logprob)])
-        self._last_step_at = t if any(self._slots) else None
 
     def _deliver(self, req: EngineRequest, toks: list[TokenInfo]) -> None:
         """Hand the request its new tokens (one a step, in one output) and free its slot if it finished: the

@@ -71,13 +71,14 @@ def running_rows(sent: np.ndarray) -> Optional[np.ndarray]:
     return None if r >= len(sent) else np.concatenate([running, np.full(r - len(running), len(sent), np.int32)])
 
 
-def rows_in(rows: np.ndarray, x: np.ndarray, positions: np.ndarray, adapters: Optional[np.ndarray]):
-    """The inputs of the steps of `rows` (int32 [R], padded with the group's row count): their tokens x, positions
-    and LoRA adapters, each [R] from the group's [B] (a padding row: token 0, position -1, no adapter)."""
+def rows_in(rows: np.ndarray, positions: np.ndarray, adapters: Optional[np.ndarray]):
+    """The inputs of the steps of `rows` (int32 [R], padded with the group's row count): their positions and LoRA
+    adapters, each [R] from the group's [B] (a padding row: position -1, no adapter). Their tokens are taken out
+    of the group's in the steps' program, where the group's may already be (the last call's, on the device)."""
     b = len(positions)
     real, at = rows < b, np.minimum(rows, b - 1)
-    x, positions = np.where(real, x[at], 0), np.where(real, positions[at], -1).astype(np.int32)
-    return x, positions, None if adapters is None else np.where(real, adapters[at], -1).astype(np.int32)
+    positions = np.where(real, positions[at], -1).astype(np.int32)
+    return positions, None if adapters is None else np.where(real, adapters[at], -1).astype(np.int32)
 
 
 def rows_out(a: np.ndarray, rows: np.ndarray, b: int) -> np.ndarray:

@@ -43,10 +43,11 @@ from opt_serving.runner.generate import Generation
 from opt_serving.runner.joins import Joining, Joins, block_sizes
 from opt_serving.runner.lora import Adapters, SlotAdapters
 from opt_serving.runner.ngram import NgramSpeculation
-from opt_serving.runner.packed import pack_step, running_rows
+from opt_serving.runner.packed import pack_step
 from opt_serving.runner.prefill import Prefills
 from opt_serving.runner.prefix import BLOCK_SIZE, PrefixCache
 from opt_serving.runner.slot_table import SlotTable
+from opt_serving.runner.slots_steps import ManySteps
 from opt_serving.runner.stage import LocalStages, Stages
 from opt_serving.runner.types import (ACCELERATOR_JOIN_BLOCKS, JOIN_BLOCKS, JOIN_PROMPT_TOKENS, JOIN_PROMPTS,
                                       MAX_TOP_LOGPROBS, PREFILL_BATCH_TOKENS, DecodeStep, JoinBlock, ModelCosts,
@@ -69,10 +70,10 @@ def join_blocks(platform: str, max_seq_len: int, room: int) -> tuple[int, ...]:
     return blocks or (min(max_seq_len - 1, room),)
 
 
-class Slots(Prefills, SlotModel):
+class Slots(Prefills, ManySteps, SlotModel):
     """The slot model (runner.types.SlotModel) over `stages`, each holding `num_slots // groups` rows of every
     group, with every ability."""
-    batched_prefill = chunked_prefill = joins_steps = many_steps = masks_tokens = runs_generate = True
+    batched_prefill = chunked_prefill = joins_steps = many_steps = sends_ahead = masks_tokens = runs_generate = True
 
     def __init__(self, cfg, stages: Stages, num_slots: int, groups: int = 1, max_seq_len: Optional[int] = None,
                  plan=None, prefix_blocks: int = 0, costs: Optional[ModelCosts] = None):
@@ -80,6 +81,7 @@ class Slots(Prefills, SlotModel):
         a token costs the model (for the engine's statistics)."""
         self.costs = costs
         self.table = SlotTable(num_slots, groups)  # each slot's tokens, wants, (group, row) and generation
+        self._init_many()
         self.cfg, self.stages, self.plan = cfg, stages, plan
         self.num_slots, self.groups = num_slots, groups
         self.max_seq_len = min(max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -209,6 +211,7 @@ class Slots(Prefills, SlotModel):
         with its last token gives its first. On ragged stages its cached prefix's KV is read from the prefix cache
         in place (`cached_of` tells how many tokens that gave). False where it does not join (not `joinable`, or a
         full block: it joins a later step or is prefilled instead)."""
+        self._check_settled("a join")
         g, row = self.group_of(slot)
         joining = Joining(slot, row, [int(t) for t in tokens], settings)
         if not self.joins.add(g, joining):
@@ -281,6 +284,7 @@ class Slots(Prefills, SlotModel):
 
     def insert(self, prefix: Prefix, slot: int, keep: bool = False) -> None:
         """Put a prefilled request into a slot; with `keep` its prefix can be inserted again (warm-up)."""
+        self._check_settled("an insert")
         g, row = self.group_of(slot)
         self._to_all("insert", prefix.state, g, row, keep)
         self.adapters.insert(prefix.state, slot, keep)
@@ -305,7 +309,10 @@ class Slots(Prefills, SlotModel):
     def window_needed(self, g: int, steps: int = 1, entries: int = 0) -> int:
         """The cache window a group's next `steps` steps need: the bucket holding every active slot's tokens (and
         `entries`, those joining prompts' parts fill)."""
-        longest = max(int(self.table.lengths[self.table.group_slots(g)].max()) + steps - 1, entries)
+        return self._window_of(max(int(self.table.lengths[self.table.group_slots(g)].max()) + steps - 1, entries))
+
+    def _window_of(self, longest: int) -> int:
+        """The cache window that holds `longest` entries."""
         return kv_cache.bucket_length(min(max(longest, 1), self.max_seq_len), self.max_seq_len)
 
     def _send_decode(self, g: int) -> None:
@@ -365,6 +372,7 @@ class Slots(Prefills, SlotModel):
         self._unpromise(joining.slot)  # (stored: the prompts waiting for them find them in the cache)
 
     def step(self) -> StepResult:
+        self._check_settled("a single step")
         t = time.perf_counter()
         for g in range(self.groups):  # every idle group with work goes into the stages
             busy = self.table.lengths[self.table.group_slots(g)].any()
@@ -377,30 +385,6 @@ class Slots(Prefills, SlotModel):
         if self.spec is not None and step.packed is not None:  # (a pipeline: the oldest group's step, a call a group)
             self.spec.observe_call(len(step.packed.src), step.packed.verify is not None, 1, t, time.perf_counter())
         return self._result(self.table.group_slots(g), rows, *out, step=step)
-
-    def step_many(self, n: int) -> list[StepResult]:
-        """Up to `n` decode steps of every slot in one call of the stage, each fed the tokens of the one
-        before: the host's work of a step (dispatch, reading the tokens back) is paid once for them. Only
-        where one stage holds the whole model and the slots are one group, with no prompt waiting to join,
-        and room in the context for all n; otherwise one step. -> one StepResult a step."""
-        lengths = self.table.lengths
-        # (n steps write entries up to the longest slot's length + n - 2; one count of steps, one compile)
-        if (n <= 1 or self.stages.n > 1 or self.groups > 1 or self.joins.waiting(0)
-                or lengths.max() + n - 1 > self.max_seq_len):
-            return [self.step()]
-        if self.spec is not None and self.spec.plan_ahead(lengths, self.joins.sizes[-1], self.max_seq_len):
-            return [self.step()]  # (rows drafting take one step: the plan just made is that step's)
-        t = time.perf_counter()
-        slots, sent = self.table.group_slots(0), lengths > 0
-        positions = np.where(sent, lengths - 1, -1).astype(np.int32)
-        want_scores, want_top = self.table.wants(sent)
-        step = DecodeStep(0, positions, self.window_needed(0, n), int(lengths.max()), want_scores, want_top,
-                          adapters=self.adapters.rows(slots), steps=n, rows=running_rows(sent))
-        outs = self.stages.get(self.stages.call(0, "decode_steps", self.table.next.copy(), step))
-        if self.spec is not None:
-            nd = int(sent.sum())
-            self.spec.observe_call(next(b for b in self.joins.sizes if b >= nd), False, n, t, time.perf_counter())
-        return [self._result(slots, sent, *(a[i] for a in outs)) for i in range(n)]
 
     def _result(self, slots, rows, tok, lp, top_ids, top_lp, more=None, kept=None, step=None) -> StepResult:
         """A step's tokens for the group's `slots` (its rows, in order); the slots marked in `rows` take them (and,

@@ -20,7 +20,6 @@ every step takes its rows' adapter slots too, and the stage holds its layers' sh
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 from typing import Any, Optional, Protocol, Sequence
 
@@ -35,10 +34,10 @@ from opt_serving.model import beam_search, kv_cache, layout, opt, sample
 from opt_serving.model import quantize as quantization
 from opt_serving.runner.buckets import KERNEL_MIN_WINDOW, cache_windows
 from opt_serving.runner.lora import StageLora
-from opt_serving.runner.packed import rows_in, rows_out
 from opt_serving.runner.prefix import BLOCK_SIZE as PREFIX_BLOCK
 from opt_serving.runner.programs import Programs
 from opt_serving.runner.sampler import Sampler
+from opt_serving.runner.stage_steps import StepsInOneCall
 from opt_serving.runner.stage_programs import seq_extend_fn, seq_prefill_greedy_fn, stage_programs, truncate
 from opt_serving.runner.types import DecodeStep, SlotSettings
 
@@ -60,7 +59,7 @@ def _settles(method):
     return run
 
 
-class StageSlots:
+class StageSlots(StepsInOneCall):
     """One stage's layers over `groups` groups of `rows` decode slots (see the module docstring)."""
 
     def __init__(self, cfg, params, stage: opt.StageSpec, rows: int, groups: int = 1,
@@ -104,6 +103,7 @@ class StageSlots:
             isinstance(leaf.sharding, jax.sharding.SingleDeviceSharding)
             for leaf in jax.tree_util.tree_leaves(params) if hasattr(leaf, "sharding"))
         self._warming = False  # from begin_warmup to end_warmup (_settles)
+        self._init_steps()
         self.programs = Programs()  # (warm-up compiles them without running them)
         if self.pool is not None and self._device is not None:  # placed as the pools its stores make
             self.pool = jax.device_put(self.pool, self._device)
@@ -210,30 +210,8 @@ class StageSlots:
             return h
         return self.sampler.choose(self.params, h, step)
 
-    @_settles
-    def decode_steps(self, x, step: DecodeStep):
-        """`step.steps` decode steps of a group in one call, on a stage that is the whole model: as `decode` that
-        many times, each given the tokens of the one before, computing only `step.rows` where set. -> each step's
-        tokens and scores, [n, rows, ...]. While a request of the group follows a grammar, each step's masks need
-        the token before: the steps are then taken one at a time here (the engine still gets them in one call)."""
-        s, group, positions, n = self.sampler, step.group, step.positions, step.steps
-        if s.constrained(group):
-            outs = []
-            for i in range(n):
-                outs.append(self.decode(x, dataclasses.replace(
-                    step, positions=np.where(positions >= 0, positions + i, -1), read_len=step.read_len + i,
-                    steps=1)))
-                x = outs[-1][0]
-            return tuple(np.stack(a) for a in zip(*outs))
-        self._fit_cache(group, step.window, shrink=not self.backend.attention)
-        rows, adapters, b = step.rows, step.adapters, len(positions)
-        if rows is not None:  # only these rows are computed (packed.py)
-            x, positions, adapters = rows_in(rows, x, positions, adapters)
-        self.caches[group], s.state[group], out = self._steps(
-            self.params, self.caches[group], x, positions, np.int32(step.read_len), s.state[group],
-            s.settings[group], s.active[group], np.bool_(step.want_scores), np.bool_(step.want_top), n,
-            self._prefix(group), rows, self.lora.batch(adapters, len(positions), self.ragged))
-        return tuple(a if rows is None else rows_out(a, rows, b) for a in jax.device_get(out))  # (one wait for all)
+    decode_steps = _settles(StepsInOneCall.decode_steps)
+    send_steps = _settles(StepsInOneCall.send_steps)
 
     def _prefix(self, group: int):
         """What a ragged step of the group reads cached prefixes from (steps.ragged_step's `prefix`); None on a stage

@@ -173,13 +173,15 @@ def _many_steps(step, choose, rows_step=None):
     `rows_step` (`_rows_pass`): the same step of some rows only."""
     def steps(params, cache, x, pos, read_len, state, settings, active, want_scores, want_top, n, prefix, rows=None):
         """`n` decode steps of a group in one call, each fed the tokens the last one chose (as n calls
-        of `step` and Sampler.choose would) -> the cache, the sampling state and each step's
-        (tokens, logprobs, top ids, top logprobs), stacked [n, rows, ...]. Rows at position -1 stay so.
-        With `rows` (int32 [R], DecodeStep.rows), x [R] and pos [R] are those rows' and only they are computed:
-        their sampling state is taken out of the group's before the steps and put back after, and the outputs are
+        of `step` and Sampler.choose would) -> the cache, the sampling state, each step's (tokens, logprobs, top
+        ids, top logprobs), stacked [n, rows, ...], and the group's newest tokens [B] (the next call's x, which
+        can then stay on the device). Rows at position -1 stay so. x is the group's newest tokens [B]; with
+        `rows` (int32 [R], DecodeStep.rows) pos [R] is those rows' and only they are computed: their tokens and
+        sampling state are taken out of the group's before the steps and put back after, and the outputs are
         [n, R, ...]."""
-        stepped = pos >= 0
+        stepped, group_x = pos >= 0, x
         if rows is not None:  # (a padding row reads the last row's settings; it is not active, so nothing changes)
+            x = x.at[rows].get(mode="fill", fill_value=0)
             settings, active = _take(settings, rows), active.at[rows].get(mode="fill", fill_value=False)
             whole, state = state, _take(state, rows)
 
@@ -189,10 +191,11 @@ def _many_steps(step, choose, rows_step=None):
                 rows_step(params, cache, x, pos, rows, prefix)
             state, out = choose(params, h, state, settings, active, want_scores, want_top)
             return (cache, out[0], jnp.where(stepped, pos + 1, pos), read_len + 1, state), out
-        (cache, _, _, _, state), outs = jax.lax.scan(one, (cache, x, pos, read_len, state), length=n)
+        (cache, last, _, _, state), outs = jax.lax.scan(one, (cache, x, pos, read_len, state), length=n)
         if rows is not None:
             state = jax.tree_util.tree_map(lambda a, b: a.at[rows].set(b, mode="drop"), whole, state)
-        return cache, state, outs
+            last = group_x.at[rows].set(last, mode="drop")
+        return cache, state, outs, last
 
     return steps
 

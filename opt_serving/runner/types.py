@@ -240,6 +240,7 @@ class StageDied(Unavailable):
 # of the model (a stage actor counts those as busy time). StageSlots implements each; a Ray stage actor
 # (parallel/pipeline.py) is generated from this table, so the two cannot drift apart.
 STAGE_CALLS = {"prefill": True, "prefill_chunk": True, "decode": True, "decode_steps": True,
+               "send_steps": True, "take_steps": False,  # decode_steps sent and read back apart (Slots.send_many)
                "insert": False, "store_prefix": False, "use_prefix": False, "store_row": False, "drop": False,
                "free": False, "use_tokenizer": False, "is_ragged": False,
                "begin_warmup": False, "end_warmup": False, "abandon_warmup": False, "cache_windows": False,
@@ -269,9 +270,11 @@ class SlotModel(abc.ABC):
     chunked_prefill: bool = False  # open_prefill / prefill_chunk / discard_partial: a prompt a chunk at a time
     joins_steps: bool = False      # joinable / join: a short prompt prefilled inside the next decode step
     many_steps: bool = False       # step_many: n decode steps in one call, each fed the last one's tokens
+    sends_ahead: bool = False      # send_many / take_many: such a call sent before the one in flight is read
     joins_in_parts: bool = False   # join takes any prompt, its tokens riding several steps (chunked prefill)
     masks_tokens: bool = False     # use_tokenizer: structured output's token masks
     runs_generate: bool = False    # generation_model: a model beam search runs generate() on
+    calls_in_flight: int = 0  # calls sent ahead (send_many) and not yet taken
     loras = None  # the LoRA adapters served (runner.lora.Adapters; SlotSettings.lora names one), or None
 
     @abc.abstractmethod
@@ -337,6 +340,18 @@ class SlotModel(abc.ABC):
 
     def step_many(self, n: int) -> list[StepResult]:
         raise NotImplementedError(f"{type(self).__name__} has no many_steps")
+
+    def send_many(self, n: int):
+        """Send a call of `step_many` after the ones in flight, not waiting for it (None: not sent, as step_many
+        would take one step); only `free` may come between it and its `take_many`."""
+        raise NotImplementedError(f"{type(self).__name__} does not send ahead")
+
+    def take_many(self) -> list[StepResult]:
+        """The oldest sent call's results, one a step."""
+        raise NotImplementedError(f"{type(self).__name__} does not send ahead")
+
+    def abandon_many(self) -> None:
+        """Forget the calls in flight (a step failed: their requests fail with it)."""
 
     def use_tokenizer(self, tokenizer_json: str, eos: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} cannot mask tokens")
