@@ -1,5 +1,6 @@
 """The continuous-batching engine on a random tiny OPT, against Hugging Face's OPTForCausalLM."""
 import threading
+from typing import Optional
 
 import jax
 import numpy as np
@@ -1100,27 +1101,43 @@ def test_the_prefix_caching_option_reaches_the_slot_model(monkeypatch):
     assert_serve_switch_reaches_the_generator(monkeypatch, "prefix_caching", "--no-prefix-caching")
 
 
+def test_calls_sent_ahead_are_off_by_default_and_the_serve_switch_reaches_the_engine(monkeypatch):
+    """`serve --engine-ahead` (ServeArgs engine_ahead) reaches load_generator's `ahead`, off by default; load_engine
+    hands it to the Engine."""
+    from opt_serving.text import loading
+    from opt_serving.model.embedded import ensure_embedded_model
+    folder = ensure_embedded_model()
+    for kw, on in (({}, False), ({"ahead": True}, True)):
+        e = loading.load_engine("jax/opt-tiny", folder, num_slots=2, max_seq_len=64, warmup=False, **kw)
+        e.close()
+        assert e.ahead is on
+    assert_serve_switch_reaches_the_generator(monkeypatch, "engine_ahead", "--engine-ahead", default=False,
+                                              arg="ahead")
+
+
 def test_the_warmup_option_reaches_the_generator(monkeypatch):
     """Warm-up is on by default (`serve`, ServeArgs); `--no-warmup` (warmup=False) reaches load_generator."""
     assert_serve_switch_reaches_the_generator(monkeypatch, "warmup", "--no-warmup")
 
 
-def assert_serve_switch_reaches_the_generator(monkeypatch, field: str, flag: str):
-    """ServeArgs' `field`, on by default: `serve`'s command line without and with `flag`, and the builder's argument
-    left out and given as "false" (`serve run ... field=false`, serve_config.yaml), each reach load_generator."""
+def assert_serve_switch_reaches_the_generator(monkeypatch, field: str, flag: str, default: bool = True,
+                                              arg: Optional[str] = None):
+    """ServeArgs' `field` (load_generator's `arg`, by default the same name), `default` unless `flag` is given:
+    `serve`'s command line without and with `flag`, and the builder's argument left out and given as the other
+    value in words (`serve run ... field=false`, serve_config.yaml), each reach load_generator."""
     from opt_serving.cli import build_parser
     from opt_serving.service import deployment
     from opt_serving.service.cli_args import serve_args_from
     from opt_serving.service.deployment import ServeArgs, build_generator
     serve, _ = build_parser("serve")
-    assert getattr(serve_args_from(serve.parse_args(["serve"])), field) is True
-    assert getattr(serve_args_from(serve.parse_args(["serve", flag])), field) is False
+    assert getattr(serve_args_from(serve.parse_args(["serve"])), field) is default
+    assert getattr(serve_args_from(serve.parse_args(["serve", flag])), field) is (not default)
     seen = {}
     monkeypatch.setattr(deployment, "load_generator", lambda *a, **kw: seen.update(kw))
     build_generator(ServeArgs())
-    assert seen[field] is True
-    build_generator(ServeArgs(**{field: "false"}))
-    assert seen[field] is False
+    assert seen[arg or field] is default
+    build_generator(ServeArgs(**{field: str(not default).lower()}))
+    assert seen[arg or field] is (not default)
 
 
 def test_prefill_widths_pad_long_prompts_by_at_most_a_quarter():

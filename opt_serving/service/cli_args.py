@@ -51,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode steps taken in one call while no waiting request could take a free slot: "
                         "the host's work (dispatch, handing out tokens, streaming) is paid once for K tokens "
                         "of each stream, which arrive together; a newcomer waits at most K steps (1: off)")
+    p.add_argument("--engine-ahead", action="store_true",
+                   help="send each call of several decode steps before the one in flight is read, so a GPU runs "
+                        "it while the host hands out tokens (off by default: no gain measured on CPUs yet)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="do not keep prompts' KV cache for later prompts that start the same way (on by "
                         "default: such a prompt prefills only what follows its cached prefix)")
@@ -164,7 +167,8 @@ def serve_args_from(args: argparse.Namespace):
     return ServeArgs(engine=args.engine, model=args.model, path=path, dummy=args.dummy, seed=args.seed,
                      tokenizer=tokenizer, dtype=args.dtype, quantize=args.quantize, prefill_chunk=args.prefill_chunk,
                      prefill_budget=args.prefill_budget, decode_steps=args.decode_steps,
-                     prefix_caching=args.prefix_caching, warmup=args.warmup, max_batch_size=args.max_batch_size,
+                     prefix_caching=args.prefix_caching, engine_ahead=args.engine_ahead, warmup=args.warmup,
+                     max_batch_size=args.max_batch_size,
                      max_seq_len=args.max_seq_len, max_queue=args.max_queue, request_timeout=args.request_timeout,
                      api_keys=keys, served_model_name=args.served_model_name,
                      num_replicas=args.num_replicas, num_gpus=args.num_gpus,

@@ -49,6 +49,7 @@ class ServeArgs(BaseModel):
     prefill_budget: Optional[PositiveInt] = None  # prompt tokens an iteration, whole and chunks (None: 2048)
     decode_steps: PositiveInt = DECODE_STEPS  # decode steps in one call while nobody waits for a slot
     prefix_caching: bool = True          # keep prompts' KV for later prompts that start the same way
+    engine_ahead: bool = False           # send each call of several steps before the one in flight is read (GPUs)
     # compile what generation runs before the replica serves ("all": every shape, the prefills only scored prompts
     # run too; False: each at its first use, a start in seconds and a first request of each new shape that waits
     # for its compile)
@@ -154,6 +155,7 @@ def build_generator(args: ServeArgs):
                           tokenizer=args.tokenizer, quantize=args.quantize, prefill_chunk=args.prefill_chunk,
                           prefill_budget=args.prefill_budget, decode_steps=args.decode_steps,
                           prefix_caching=args.prefix_caching, warmup=args.warmup, lora=args.lora_options(),
+                          ahead=args.engine_ahead,
                           speculative=args.speculative(), **args.plan_args())
 
 

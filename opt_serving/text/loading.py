@@ -42,7 +42,7 @@ def load_generator(model: Optional[str], path=None, dtype: str = "auto", max_bat
                    max_seq_len: Optional[int] = None, max_queue: int = 256, warmup: Union[bool, str] = True,
                    dummy: bool = False, seed: int = 0, tokenizer=None, prefill_chunk: Optional[int] = PREFILL_CHUNK,
                    prefill_budget: Optional[int] = None, decode_steps: int = DECODE_STEPS, prefix_caching: bool = True,
-                   tensor_parallel: Optional[int] = None, pipeline_parallel: Optional[int] = None,
+                   ahead: bool = False, tensor_parallel: Optional[int] = None, pipeline_parallel: Optional[int] = None,
                    quantize: Optional[str] = None, lora=None, **plan) -> Generator:
     """The named model's weights from `path` (a numpy folder, or its parent holding `<size>-np/`) with the
     tokenizer from the same folder; random weights of the named size from `seed` with `dummy` (no `path`);
@@ -71,7 +71,7 @@ def load_generator(model: Optional[str], path=None, dtype: str = "auto", max_bat
     engine = load_engine(spec, dtype=dtype, num_slots=max_batch_size, max_seq_len=max_seq_len,
                          max_queue=max_queue, warmup=warmup, prefill_chunk=prefill_chunk,
                          prefill_budget=prefill_budget, decode_steps=decode_steps, prefix_caching=prefix_caching,
-                         lora=lora, **plan)
+                         ahead=ahead, lora=lora, **plan)
     return Generator(engine, tok, max_seq_len=max_seq_len, model_name=model)
 
 
@@ -81,7 +81,7 @@ def load_engine(model: Union[str, ModelSpec], path=None, dtype: str = "auto", nu
                 decode_steps: int = DECODE_STEPS, prefix_caching: bool = True, dummy: bool = False, seed: int = 0,
                 tensor_parallel: Optional[int] = None, pipeline_parallel: Optional[int] = None,
                 quantize: Optional[str] = None, device_memory=None, micro_batches: Optional[int] = None,
-                handoff: str = "auto", lora=None, speculative=None) -> Engine:
+                handoff: str = "auto", lora=None, speculative=None, ahead: bool = False) -> Engine:
     """An engine over `runner.load.load_slots` of a model spec, or of a name with its weights (`path`, or
     `dummy` random ones from `seed`) and plan (`tensor_parallel`, `pipeline_parallel`, `quantize`) parsed into
     one here: every plan (one device, a tensor-parallel mesh, pipeline stages on a Ray cluster;
@@ -89,8 +89,9 @@ def load_engine(model: Union[str, ModelSpec], path=None, dtype: str = "auto", nu
     before it returns when `warmup` ("all": every shape, the prefills only scored prompts run too, which
     otherwise compile at their first use where prompts join the steps; False: nothing) (the
     chunked prefill's step and `decode_steps` steps in one call too: `prefill_chunk`, `prefill_budget`,
-    `decode_steps`, see engine.Engine; `prefix_caching`, runner/prefix.py; `lora`: LoRA adapters, runner/lora.py's
-    LoraOptions; `speculative`: served speculative decoding, config.SpeculativeConfig or its JSON, runner/ngram.py).
+    `decode_steps` and `ahead`, see engine.Engine; `prefix_caching`, runner/prefix.py; `lora`: LoRA adapters,
+    runner/lora.py's LoraOptions; `speculative`: served speculative decoding, config.SpeculativeConfig or its JSON,
+    runner/ngram.py).
     What it compiles is kept on disk for the next start (xla_cache)."""
     # JAX is imported where a model is loaded, not with this module: the fake engine's server and a process that
     # only checks arguments or routes requests never import it
@@ -113,7 +114,7 @@ def load_engine(model: Union[str, ModelSpec], path=None, dtype: str = "auto", nu
             slots.close()
             raise
     engine = Engine(slots, max_queue=max_queue, start=False, prefill_chunk=prefill_chunk,
-                    prefill_budget=prefill_budget, decode_steps=decode_steps)
+                    prefill_budget=prefill_budget, decode_steps=decode_steps, ahead=ahead)
     try:
         if warmup:
             engine.warmup(every_shape=warmup == "all")
