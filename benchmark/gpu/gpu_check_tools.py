@@ -158,7 +158,7 @@ class StepBytes:
 
     def row(self, batch: int, context: int) -> dict:
         """`context`: the mean number of cached positions a row attends over during the run."""
-        return {"step_bytes": self.bytes(batch, context), "bound_ms": round(self.bound_ms(batch, context), 3),
+        return {"step_bytes": self.bytes(batch, context), "bound_ms": round(self.bound_ms(batch, context), 4),
                 "bound_context": context}
 
 
