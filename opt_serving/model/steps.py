@@ -106,9 +106,8 @@ def rows_decode_step(cfg, params, cache, tokens, positions, rows, stage: StageSp
     mask = cache["mask"].at[rows, write].set(True, mode="drop")
     read = mask.at[rows].get(mode="fill", fill_value=False)  # [R, n]
     attends = [rows_attend(kc, vc, read, rows, write) for kc, vc in zip(cache["k"], cache["v"])]
-    x = tokens[:, None] if tokens.ndim == 1 else tokens[:, None, :]
     out, caches = OPT(cfg, param_dtype(params), is_fused(params), stage, backend).apply(
-        {"params": params}, x, jnp.maximum(positions, 0)[:, None], attends, return_hidden=True)
+        {"params": params}, tokens[:, None], jnp.maximum(positions, 0)[:, None], attends, return_hidden=True)
     return out[:, 0], {"k": tuple(c[0] for c in caches), "v": tuple(c[1] for c in caches), "mask": mask}
 
 

@@ -168,7 +168,7 @@ def _seq_passes(cfg, stage: opt.StageSpec, backend: Backend):
     return seq_prefill, seq_decode
 
 
-def _many_steps(step, choose, rows_step=None):
+def _many_steps(step, choose, rows_step):
     """`step` and the sampler's `choose` n times in one program (a stage that is the whole model), not jitted;
     `rows_step` (`_rows_pass`): the same step of some rows only."""
     def steps(params, cache, x, pos, read_len, state, settings, active, want_scores, want_top, n, prefix, rows=None):
