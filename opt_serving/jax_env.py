@@ -16,6 +16,8 @@ import os
 import sys
 from typing import Mapping, MutableMapping
 
+XLA_FLAGS = "XLA_FLAGS"
+HOST_DEVICES = "--xla_force_host_platform_device_count"
 PREALLOCATE = "XLA_PYTHON_CLIENT_PREALLOCATE"
 MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 PLATFORMS = "JAX_PLATFORMS"
@@ -33,6 +35,13 @@ def runs_model(gpus: float, headroom: float = DEFAULT_HEADROOM) -> dict[str, str
     if gpus <= 0:
         return {PLATFORMS: "cpu"}
     return {MEM_FRACTION: f"{(1 - headroom) * min(gpus, 1.0):.3f}"}
+
+
+def host_devices(n: int, user: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """XLA_FLAGS for a CPU process that makes `n` host devices: the user's other XLA flags kept (a device count
+    they gave is replaced)."""
+    kept = [f for f in user.get(XLA_FLAGS, "").split() if not f.startswith(HOST_DEVICES)]
+    return {XLA_FLAGS: " ".join(kept + [f"{HOST_DEVICES}={n}"])}
 
 
 def keep_users(env: Mapping[str, str], user: Mapping[str, str] = os.environ) -> dict[str, str]:

@@ -198,7 +198,8 @@ def test_top_alternatives_only_for_requests_that_want_them(engine, hf):
     assert alone.ids == with_top.ids == hf_greedy(hf, prompt, 6)
     for i, tok in enumerate(alone.tokens):
         assert tok.top == [] and tok.logprob == pytest.approx(lp[len(prompt) - 1 + i, tok.id], abs=1e-4)
-    assert [t.logprob for t in alone.tokens] == pytest.approx([t.logprob for t in with_top.tokens], abs=1e-6)
+    # (the same numbers up to float32's rounding: a program that also takes the top-k may sum in another order)
+    assert [t.logprob for t in alone.tokens] == pytest.approx([t.logprob for t in with_top.tokens], abs=1e-5)
     assert all(len(t.top) == MAX_TOP_LOGPROBS for t in with_top.tokens) and all(t.top == [] for t in beside.tokens)
 
 

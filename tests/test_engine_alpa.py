@@ -12,6 +12,8 @@ import subprocess
 import sys
 import textwrap
 
+from opt_serving import jax_env
+
 CHILD = textwrap.dedent("""
     import json, sys
     import numpy as np, jax
@@ -61,8 +63,7 @@ CHILD = textwrap.dedent("""
 def test_engine_serves_a_tensor_parallel_alpa_model(tmp_path):
     from opt_serving.model.embedded import ensure_embedded_model
     path = ensure_embedded_model()
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-           "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, **jax_env.host_devices(4), "JAX_PLATFORMS": "cpu"}
     r = subprocess.run([sys.executable, "-c", CHILD, str(path)], env=env, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -36,9 +36,9 @@ class DecodeCalls:
 
     def _call_ahead(self) -> list[StepResult]:
         """The oldest call in flight's results, with the next call sent behind it before they are read (the
-        first of a run of calls is sent here too; where none can be sent, one step)."""
+        first of a run of calls is sent here too; where none can be sent, step_many's call read at once)."""
         if not self.model.calls_in_flight and self.model.send_many(self.decode_steps) is None:
-            return [self.model.step()]
+            return self.model.step_many(self.decode_steps)
         self.model.send_many(self.decode_steps)  # (None: this one is taken alone, the next run starts afresh)
         return self.model.take_many()
 

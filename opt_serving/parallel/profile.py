@@ -23,6 +23,7 @@ from typing import Callable
 
 import numpy as np
 
+from opt_serving import jax_env
 from opt_serving.config import OPTConfig
 
 def model_key(cfg: OPTConfig) -> tuple[int, ...]:
@@ -229,8 +230,7 @@ def _actor_samples(cfg: OPTConfig, tps, depths, batch, context, dtype, rounds, r
     import ray
     actors = {}
     for tp in tps:
-        env = {"env_vars": {"XLA_FLAGS": f"--xla_force_host_platform_device_count={tp}",
-                            "JAX_PLATFORMS": "cpu"}}
+        env = {"env_vars": {**jax_env.host_devices(tp), "JAX_PLATFORMS": "cpu"}}
         actors[tp] = ray.remote(_ProfileActor).options(num_cpus=1, runtime_env=env).remote(
             cfg, tp, depths, batch, context, dtype)
     try:

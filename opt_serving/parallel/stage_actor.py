@@ -23,7 +23,7 @@ def stage_runtime_env(tp: int, gpus: bool, cpus_per_stage: float) -> dict:
     makes its tp host devices, its kernels use its CPUs."""
     if gpus:
         return {"env_vars": jax_env.keep_users(jax_env.runs_model(tp))}
-    return {"env_vars": {"XLA_FLAGS": f"--xla_force_host_platform_device_count={tp}", "JAX_PLATFORMS": "cpu",
+    return {"env_vars": {**jax_env.host_devices(tp), "JAX_PLATFORMS": "cpu",
                          "OPT_SERVING_CPU_THREADS": str(max(1, int(cpus_per_stage)))}}
 
 

@@ -196,7 +196,7 @@ def placement(args: ServeArgs) -> dict:
     gpus = cluster_gpus() > 0
     if plan.pp == 1:
         if not gpus:  # CPU: the replica's process makes its own tp host devices
-            env = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={plan.tp}"} if plan.tp > 1 else {}
+            env = jax_env.host_devices(plan.tp) if plan.tp > 1 else {}
             return {"ray_actor_options": _actor_options(args.num_cpus, 0, env)}
         return {"ray_actor_options": _actor_options(args.num_cpus, plan.tp, _jax_env(plan.tp)),
                 "placement_group_bundles": [{"CPU": args.num_cpus, "GPU": float(plan.tp)}],

@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 
+from opt_serving import jax_env
+
 FLAG = "--xla_force_host_platform_device_count=8"
 IN_CHILD = FLAG in os.environ.get("XLA_FLAGS", "")
 # pytest's exit statuses
@@ -19,8 +21,7 @@ def rerun_with_8_devices(test_file: str, hang_limit_s: float = 3600.0) -> str:
     killed (the kernel's OOM killer: SIGKILL) or hangs past `hang_limit_s` (a guard against hanging only),
     AssertionError saying how it ended, which test was running, and its last output (stdout and stderr
     interleaved, as they came)."""
-    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {FLAG}".strip(),
-           "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, **jax_env.host_devices(8), "JAX_PLATFORMS": "cpu"}
     # -v: each test's name is printed as it starts, so a child that dies names the test it died in
     proc = subprocess.Popen([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", test_file],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
