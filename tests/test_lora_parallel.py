@@ -8,12 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from opt_serving.testing.multidevice import IN_CHILD as MULTI, rerun_with_8_devices
+from opt_serving.testing.multidevice import rerun_with_8_devices
 
 from conftest import ALL_TARGETS, SMALL, hf_model, peft_model
 
-needs8 = pytest.mark.skipif(not MULTI, reason="runs in the 8-device child process")
-no_ray_in_child = pytest.mark.skipif(MULTI, reason="Ray tests run in the parent process")
+needs8 = pytest.mark.multidevice
 
 CFG = SMALL
 IDS = np.array([[5, 9, 17, 3, 22, 7], [4, 8, 15, 16, 23, 42]], np.int32)
@@ -85,10 +84,7 @@ def check_engine(slots, adapters):
 
 # ---- tensor parallel, in the 8-device child ----
 
-@no_ray_in_child
 def test_in_8_device_subprocess():
-    if MULTI:
-        pytest.skip("already in the child")
     out = rerun_with_8_devices(__file__)
     assert "4 passed" in out, out[-3000:]
 
@@ -142,7 +138,6 @@ def _options(config):
 
 # ---- pipeline, on a Ray this module starts ----
 
-@no_ray_in_child
 def test_pipeline_stages_each_hold_their_layers_adapters(ray_local, folder, adapters):
     """get_model on two stage actors, with the adapter beside the weights and merged, then the engine's slots over
     two stages serving both adapters and the base model."""

@@ -5,11 +5,11 @@ The tensor-parallel cases run in a child process that sees 8 host devices."""
 import numpy as np
 import pytest
 
-from opt_serving.testing.multidevice import IN_CHILD as MULTI, rerun_with_8_devices
+from opt_serving.testing.multidevice import rerun_with_8_devices
 
 from conftest import SMALL, TINY_POST_LN
 
-needs8 = pytest.mark.skipif(not MULTI, reason="runs in the 8-device child process")
+needs8 = pytest.mark.multidevice
 CFG = SMALL
 IDS = np.array([[1, 1, 5, 9, 17, 3], [4, 8, 15, 16, 23, 42]], np.int32)
 MASK = np.array([[0, 0, 1, 1, 1, 1], [1] * 6], np.int32)
@@ -28,8 +28,6 @@ def _same(a, b):
 
 
 def test_in_8_device_subprocess():
-    if MULTI:
-        pytest.skip("already the child")
     out = rerun_with_8_devices(__file__)
     assert "9 passed, 1 skipped" in out, out[-2000:]
 

@@ -26,7 +26,7 @@ def child(tmp_path, name: str, body: str) -> str:
 
 def test_a_killed_child_names_the_signal_and_the_test_it_died_in(tmp_path):
     with pytest.raises(AssertionError) as e:
-        rerun_with_8_devices(child(tmp_path, "dies", "os.kill(os.getpid(), signal.SIGKILL)"))
+        rerun_with_8_devices(child(tmp_path, "dies", "os.kill(os.getpid(), signal.SIGKILL)"), marker=None)
     message = str(e.value)
     assert "was killed by SIGKILL (as the kernel's OOM killer does)" in message
     assert "test_child_dies.py::test_dies (unfinished)" in message
@@ -35,11 +35,11 @@ def test_a_killed_child_names_the_signal_and_the_test_it_died_in(tmp_path):
 
 def test_a_failing_child_gives_its_status_and_the_failure(tmp_path):
     with pytest.raises(AssertionError) as e:
-        rerun_with_8_devices(child(tmp_path, "fails", "assert 1 + 1 == 3, 'arithmetic is broken'"))
+        rerun_with_8_devices(child(tmp_path, "fails", "assert 1 + 1 == 3, 'arithmetic is broken'"), marker=None)
     message = str(e.value)
     assert "exited with status 1 (tests failed)" in message and "arithmetic is broken" in message
 
 
 def test_a_passing_child_returns_its_output(tmp_path):
-    out = rerun_with_8_devices(child(tmp_path, "passes", "pass"))
+    out = rerun_with_8_devices(child(tmp_path, "passes", "pass"), marker=None)
     assert "2 passed" in out

@@ -10,12 +10,11 @@ import time
 import numpy as np
 import pytest
 
-from opt_serving.testing.multidevice import IN_CHILD as MULTI, rerun_with_8_devices
+from opt_serving.testing.multidevice import rerun_with_8_devices
 
 from conftest import SMALL
 
-needs8 = pytest.mark.skipif(not MULTI, reason="runs in the 8-device child process")
-no_ray_in_child = pytest.mark.skipif(MULTI, reason="Ray tests run in the parent process")
+needs8 = pytest.mark.multidevice
 
 CFG = SMALL
 IDS = np.array([[1, 1, 5, 9, 17, 3], [4, 8, 15, 16, 23, 42], [7, 7, 7, 2, 9, 11]], np.int32)
@@ -60,8 +59,6 @@ def reference(folder):
 
 
 def test_in_8_device_subprocess():
-    if MULTI:
-        pytest.skip("already the child")
     out = rerun_with_8_devices(__file__)
     assert "4 passed" in out, out[-2000:]
 
@@ -163,7 +160,6 @@ def _same_generation(got, want):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-@no_ray_in_child
 def test_pipelines_equal_jax_and_a_dead_stage_is_reported(ray_local, folder, reference,
                                                           beam_reference, feature_reference):
     """Each plan replaces the last one in `model` (no shutdown by hand): the dropped pipeline frees its
@@ -205,7 +201,6 @@ def test_pipelines_equal_jax_and_a_dead_stage_is_reported(ray_local, folder, ref
     assert ray_local.available_resources().get("CPU") == 4
 
 
-@no_ray_in_child
 def test_int8_pipelines_equal_jax_int8(ray_local, folder, int8_folders):
     """pp 2 quantizes each stage's weights as it reads them: jax/ int8's numbers, stage by stage; pp 2 x tp 2
     reads the quantized folder, each tp pair splitting int8 weights: the dequantized float model's."""
@@ -230,7 +225,6 @@ def test_int8_pipelines_equal_jax_int8(ray_local, folder, int8_folders):
         model.close()
 
 
-@no_ray_in_child
 @pytest.mark.parametrize("quantize", [None, "int8"])
 def test_random_weights_each_stage_draws_are_the_one_device_models(ray_local, quantize):
     """dummy=True: each stage actor draws its own layers from the seed (nothing crosses the object store), and
@@ -276,7 +270,6 @@ class _PeakRSS:
         return self.peak - self.start
 
 
-@no_ray_in_child
 @pytest.mark.parametrize("weights", ["folder", "random"])
 def test_each_stage_loads_about_its_share_and_the_driver_nothing(ray_local, tmp_path_factory, weights):
     """pp 2 over an 800 MB model: while loading, each stage actor's peak resident memory grows by its params in

@@ -9,17 +9,15 @@ import pytest
 
 from opt_serving.config import OPTConfig
 from opt_serving.parallel import cost
-from opt_serving.testing.multidevice import IN_CHILD as MULTI, rerun_with_8_devices
+from opt_serving.testing.multidevice import rerun_with_8_devices
 
-needs8 = pytest.mark.skipif(not MULTI, reason="runs in the 8-device child process")
+needs8 = pytest.mark.multidevice
 
 CFG = OPTConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                 ffn_dim=256, max_position_embeddings=64, word_embed_proj_dim=64)
 
 
 def test_in_8_device_subprocess():
-    if MULTI:
-        pytest.skip("already the child")
     out = rerun_with_8_devices(__file__)
     # the child ran the 8-device tests rather than skipping them
     assert "4 passed, 1 skipped" in out, out[-2000:]

@@ -1,5 +1,6 @@
 """Multi-device JAX tests on a CPU: jax must see 8 host devices before it is imported, so a test file
-runs itself again in a child pytest with XLA_FLAGS set (its multi-device tests skip in the parent)."""
+runs itself again in a child pytest with XLA_FLAGS set. Its multi-device tests carry the `multidevice` marker:
+they skip in the parent (tests/conftest.py) and are the only ones the child runs (the others ran in the parent)."""
 from __future__ import annotations
 
 import os
@@ -16,14 +17,19 @@ IN_CHILD = FLAG in os.environ.get("XLA_FLAGS", "")
 _PYTEST_STATUS = {1: "tests failed", 2: "interrupted", 3: "internal error", 4: "usage error", 5: "no tests ran"}
 
 
-def rerun_with_8_devices(test_file: str, hang_limit_s: float = 3600.0) -> str:
-    """Run `test_file` in a child pytest that sees 8 CPU devices; its output. When the child fails, is
+MARKER = "multidevice"
+
+
+def rerun_with_8_devices(test_file: str, hang_limit_s: float = 3600.0, marker: str | None = MARKER) -> str:
+    """Run `test_file`'s tests with `marker` (None: all of them) in a child pytest that sees 8 CPU devices; its
+    output. When the child fails, is
     killed (the kernel's OOM killer: SIGKILL) or hangs past `hang_limit_s` (a guard against hanging only),
     AssertionError saying how it ended, which test was running, and its last output (stdout and stderr
     interleaved, as they came)."""
     env = {**os.environ, **jax_env.host_devices(8), "JAX_PLATFORMS": "cpu"}
     # -v: each test's name is printed as it starts, so a child that dies names the test it died in
-    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", test_file],
+    select = ["-m", marker] if marker else []
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", *select, test_file],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         out, _ = proc.communicate(timeout=hang_limit_s)
