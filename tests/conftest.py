@@ -51,12 +51,13 @@ _RAY_TMP = tempfile.mkdtemp(prefix="rt", dir="/tmp")
 os.environ["RAY_TMPDIR"] = _RAY_TMP
 atexit.register(shutil.rmtree, _RAY_TMP, ignore_errors=True)
 
-# The suite's XLA programs compiled with LLVM's cheapest passes: the suite's time is mostly XLA compiling
-# thousands of small programs, and the tests check tokens and numbers, which the optimisation level leaves as
-# they are (no fast-math either way), not speed (benchmarks time the programs users get). Inherited by the
-# workers, servers, stage actors and children the tests start (jax_env.host_devices keeps them); a given
-# OPT_SERVING_TEST_XLA_OPT=1 compiles as users do.
-_CHEAP_COMPILE = ["--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
+# The suite's XLA programs compiled by XLA's CPU emitters of the cheapest kind and LLVM's cheapest passes: the
+# suite's time is mostly XLA compiling thousands of small programs (a file of them compiled in a third of the
+# time: docs/development.md), and the tests check tokens and numbers, not speed (the benchmarks time the programs
+# users get). Inherited by the workers, servers, stage actors and children the tests start (jax_env.host_devices
+# keeps them); OPT_SERVING_TEST_XLA_OPT=1 compiles as users do.
+_CHEAP_COMPILE = ["--xla_cpu_use_fusion_emitters=false", "--xla_backend_optimization_level=0",
+                  "--xla_llvm_disable_expensive_passes=true"]
 if os.environ.get("OPT_SERVING_TEST_XLA_OPT") != "1":
     _flags = os.environ.get("XLA_FLAGS", "").split()
     os.environ["XLA_FLAGS"] = " ".join(_flags + [f for f in _CHEAP_COMPILE if f not in _flags])
