@@ -138,27 +138,33 @@ def test_constrained_rows_leave_the_unconstrained_ones_beside_them_as_they_were(
 
 def test_constrained_steps_in_one_call_equal_single_steps(opt_vocab_server):
     """The server's engine takes four steps a call (a constrained group's one at a time, each with its masks); an
-    engine over the same weights taking one step a call gives the same tokens. Prompts longer than a decode step's
-    block are prefilled, the others join a step: both start their matchers."""
+    engine over the same weights taking one step a call gives the same tokens, and so does one sending its calls
+    ahead (a constrained group's calls are read at once, still four steps each). Prompts longer than a decode
+    step's block are prefilled, the others join a step: both start their matchers."""
     from opt_serving.engine.scheduler import Engine
     from opt_serving.text.generator import Generator
     from opt_serving.runner.load import local_slots
     g = opt_vocab_server[0]
     stage = g.engine.model.stages.stages[0]
-    single = Generator(Engine(local_slots(stage.cfg, stage.params, 8, 256, backend=stage.backend), decode_steps=1),
-                       g.tokenizer)
+
+    def generator(**engine_args):
+        slots = local_slots(stage.cfg, stage.params, 8, 256, backend=stage.backend)
+        return Generator(Engine(slots, **engine_args), g.tokenizer)
+    single, ahead = generator(decode_steps=1), generator(decode_steps=g.engine.decode_steps, ahead=True)
     long_prompt = "Write the record of a person, in JSON, with a name, an age and some tags. " * 3
     prompts = PROMPTS + [long_prompt]
     params = [SamplingParams(max_tokens=60, temperature=t, seed=11,
                              structured=StructuredOutput.of("json", PERSON, "guided_json")) for t in (0, 1.0)]
     try:
-        before = g.engine.stats()
-        want = [[c.text for [c] in g.complete_many(prompts, p)] for p in params]
-        after = g.engine.stats()
-        assert after.steps - before.steps > after.step_calls - before.step_calls  # several steps a call
-        assert [[c.text for [c] in single.complete_many(prompts, p)] for p in params] == want
+        want = [[c.text for [c] in single.complete_many(prompts, p)] for p in params]
+        for many in (g, ahead):
+            before = many.engine.stats()
+            assert [[c.text for [c] in many.complete_many(prompts, p)] for p in params] == want
+            after = many.engine.stats()
+            assert after.steps - before.steps > after.step_calls - before.step_calls  # several steps a call
     finally:
         single.close()
+        ahead.close()
     for texts in want:
         for t in texts:
             jsonschema.validate(json.loads(t), PERSON)
