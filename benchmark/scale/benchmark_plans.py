@@ -35,8 +35,8 @@ def parse_args():
 
 def main() -> int:
     args = parse_args()
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + f" --xla_force_host_platform_device_count={args.devices}")
+    from opt_serving import jax_env  # (imports no JAX: the devices are set before JAX loads)
+    os.environ.update(jax_env.host_devices(args.devices))
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import dataclasses
 

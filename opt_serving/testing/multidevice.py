@@ -11,7 +11,7 @@ import sys
 
 from opt_serving import jax_env
 
-FLAG = "--xla_force_host_platform_device_count=8"
+FLAG = f"{jax_env.HOST_DEVICES}=8"
 IN_CHILD = FLAG in os.environ.get("XLA_FLAGS", "")
 # pytest's exit statuses
 _PYTEST_STATUS = {1: "tests failed", 2: "interrupted", 3: "internal error", 4: "usage error", 5: "no tests ran"}
@@ -22,10 +22,9 @@ MARKER = "multidevice"
 
 def rerun_with_8_devices(test_file: str, hang_limit_s: float = 3600.0, marker: str | None = MARKER) -> str:
     """Run `test_file`'s tests with `marker` (None: all of them) in a child pytest that sees 8 CPU devices; its
-    output. When the child fails, is
-    killed (the kernel's OOM killer: SIGKILL) or hangs past `hang_limit_s` (a guard against hanging only),
-    AssertionError saying how it ended, which test was running, and its last output (stdout and stderr
-    interleaved, as they came)."""
+    output. When the child fails, is killed (the kernel's OOM killer: SIGKILL) or hangs past `hang_limit_s` (a
+    guard against hanging only), AssertionError saying how it ended, which test was running, and its last output
+    (stdout and stderr interleaved, as they came)."""
     env = {**os.environ, **jax_env.host_devices(8), "JAX_PLATFORMS": "cpu"}
     # -v: each test's name is printed as it starts, so a child that dies names the test it died in
     select = ["-m", marker] if marker else []
