@@ -8,6 +8,7 @@ from opt_serving.parallel import cost
 from opt_serving.parallel.cluster import parse_cluster
 from opt_serving.parallel.planner import search
 from opt_serving.parallel.profile import profile_decode, variants
+from opt_serving.testing.multidevice import rerun_with_8_devices
 
 CFG = OPT_CONFIGS["125m"]           # 12 layers
 DEPTHS = (1, 4, 12)
@@ -137,6 +138,21 @@ def test_real_stages_measure_on_this_device():
     spec = dataclasses.replace(parse_cluster("1x1x1GB:cpu").spec, profile=prof)
     st = cost.stage_time(cfg, spec, 2, True, True, 1, 1, 1, 32, "float32")
     assert st.measured and st.total_s == pytest.approx(t.stage_s(2, True, True))
+
+
+def test_in_8_device_subprocess():
+    out = rerun_with_8_devices(__file__)
+    assert "1 passed" in out, out[-2000:]
+
+
+@pytest.mark.multidevice
+def test_real_tensor_parallel_stages_measure_on_the_local_devices():
+    """tp 2 in this process: the stages' params cut from the whole model's Megatron shardings, each on 2 devices."""
+    cfg = OPTConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                    ffn_dim=64, max_position_embeddings=64, word_embed_proj_dim=32)
+    prof = profile_decode(cfg, [1, 2], context=32, rounds=2, repeats=2)
+    assert [tp for tp, _ in prof.by_tp] == [1, 2]
+    assert all(t.stage_s(2, True, True) > 0 for _, t in prof.by_tp)
 
 
 def test_pipeline_stages_use_the_times_measured_in_stage_actors():

@@ -142,17 +142,13 @@ def _stage_steps(cfg: OPTConfig, tp: int, depths: tuple[int, ...], batch: int, c
     tokens = np.full((batch,), 5, np.int32)
     hidden = np.zeros((batch, cfg.hidden_size), dt)
     where = np.full((batch,), context // 2, np.int32)   # position and cache slot written
-    mesh = None
-    if tp > 1:
-        from opt_serving.parallel.sharding import make_mesh
-        mesh = make_mesh(jax.devices()[:tp], tp)
+    if tp > 1:  # the whole model's Megatron shardings; a stage's params cut from them keep theirs
+        from opt_serving.parallel.sharding import make_mesh, shard_params
+        params = shard_params(params, cfg.replace(num_hidden_layers=max(depths)), make_mesh(jax.devices()[:tp], tp))
     steps = {}
     for n, first, last in variants(depths):
         spec = opt.StageSpec(0, n, first, last)
         part = param_tree.stage_params(params, spec)
-        if mesh is not None:
-            from opt_serving.parallel.pipeline import _shard_stage
-            part = _shard_stage(part, cfg, spec, mesh)
         stage = StageSlots(cfg, part, spec, rows=batch, max_seq_len=context)
         stage.seq_open(0, batch, context)
         x = tokens if first else hidden
