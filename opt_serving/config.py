@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,13 +171,16 @@ MAX_SPECULATIVE_TOKENS = 8
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    """Served speculative decoding, as vLLM's `--speculative-config` spells it. Only prompt lookup ("ngram": the
-    tokens that followed the latest earlier occurrence of a row's last n tokens, n from `prompt_lookup_max` down to
-    `prompt_lookup_min`) is served; a draft model is generate()'s (`assistant_model=`)."""
+    """Served speculative decoding, as vLLM's `--speculative-config` spells it: prompt lookup ("ngram": the tokens
+    that followed the latest earlier occurrence of a row's last n tokens, n from `prompt_lookup_max` down to
+    `prompt_lookup_min`), or a draft model ("draft_model": `model`, a jax/ or facebook/ name with its numpy
+    weights folder `path`, or the embedded "opt-tiny" without one), the target's vocabulary, on one device."""
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 1
+    model: Optional[str] = None
+    path: Optional[str] = None
 
     @classmethod
     def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
@@ -196,13 +199,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
         if not value:
             return None
-        value = dict(value)
-        if value.get("model") is not None or value.get("method") in ("draft_model", "eagle", "medusa", "mtp"):
-            raise ValueError("speculative_config: only prompt lookup ({\"method\": \"ngram\"}) is served; a draft "
-                             "model is used in notebooks with generate(assistant_model=...)")
-        method = value.pop("method", "ngram")
-        if method != "ngram":
-            raise ValueError(f"speculative_config: unknown method {method!r} (served: 'ngram')")
+        value = {k: v for k, v in value.items() if not (k in ("model", "path") and v is None)}
+        method = _speculative_method(value)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
@@ -211,9 +209,12 @@ class SpeculativeConfig:
         for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
             if key in value and (not isinstance(value[key], int) or isinstance(value[key], bool)):
                 raise ValueError(f"speculative_config: {key} must be an integer, got {value[key]!r}")
+        for key in ("model", "path"):
+            if key in value and not isinstance(value[key], str):
+                raise ValueError(f"speculative_config: {key} must be a string, got {value[key]!r}")
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative_config: num_speculative_tokens is required")
-        config = cls(method="ngram", **value)
+        config = cls(method=method, **value)
         if not 1 <= config.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config: num_speculative_tokens must be 1 to {MAX_SPECULATIVE_TOKENS}, "
                              f"got {config.num_speculative_tokens}")
@@ -221,3 +222,32 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{config.prompt_lookup_min} and {config.prompt_lookup_max}")
         return config
+
+    def as_dict(self) -> dict:
+        """The keys its method reads, spelt out (what the command line hands a replica; parse takes it back)."""
+        keys = (("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min") if self.model is None
+                else ("method", "num_speculative_tokens", "model", "path"))
+        return {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
+
+
+def _speculative_method(value: dict) -> str:
+    """The method a speculative_config asks for ("ngram" or "draft_model", from `method` or the `model` key;
+    popped from `value`), its keys checked against it."""
+    method = value.pop("method", None)
+    if method not in (None, "ngram", "draft_model"):
+        raise ValueError(f"speculative_config: unknown method {method!r} (served: 'ngram', prompt lookup, and "
+                         "'draft_model', a draft model named by 'model')")
+    if "model" not in value:
+        if method == "draft_model":
+            raise ValueError("speculative_config: method 'draft_model' needs 'model', the draft model's name "
+                             "(e.g. \"jax/opt-125m\" with its weights folder in 'path', or \"opt-tiny\")")
+        if "path" in value:
+            raise ValueError("speculative_config: 'path' is the draft model's weights folder; give 'model' too")
+        return "ngram"
+    if method == "ngram":
+        raise ValueError("speculative_config: method 'ngram' (prompt lookup) takes no 'model'")
+    lookup = sorted(k for k in ("prompt_lookup_max", "prompt_lookup_min") if k in value)
+    if lookup:
+        raise ValueError(f"speculative_config: {', '.join(lookup)}: prompt lookup's (method 'ngram'), not a draft "
+                         "model's")
+    return "draft_model"

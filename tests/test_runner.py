@@ -230,3 +230,23 @@ def test_structured_output_through_two_stages_and_two_groups_equals_one_device(p
     for ids, rx in zip(runs[0], regexes + [None] * 3 + regexes[:1]):
         if rx is not None:
             assert ids[-1] == 2 and re.fullmatch(rx, tok.decode(ids[:-1])), (rx, tok.decode(ids))
+
+
+def test_a_step_of_up_to_four_rows_computes_four_tokens_and_more_rows_the_next_block(params):
+    """The CPU kernels take four rows in one pass over each weight block, so a packed step of one to four rows
+    (and no prompt) is padded to four tokens, not to the eight a prompt's smallest block holds."""
+    from opt_serving.engine.scheduler import OPTSlots
+    from opt_serving.runner.slots import ROWS_BLOCK
+    m = OPTSlots(CFG, params, num_slots=8, max_seq_len=64)
+    try:
+        assert m.joins.sizes[:2] == (ROWS_BLOCK, 8) == (4, 8)
+        widths = []
+        for running in (1, 4, 5):
+            m.table.lengths[:] = 0
+            m.table.lengths[:running] = 3  # (rows mid-sequence: no prompt joins the step)
+            step, parts = m._decode_step(0, m.table.group_slots(0))
+            widths.append(len(step.packed.src))
+        assert parts == [] and widths == [4, 4, 8]
+    finally:
+        m.table.lengths[:] = 0
+        m.close()

@@ -269,3 +269,16 @@ def test_a_block_s_plain_step_is_measured_before_drafts_ride_in_it_and_again_now
     s.observe_step(8, False, 0.030)
     taken = [len(plan()) for _ in range(2 * ngram.REMEASURE)]
     assert taken.count(0) == 2 and taken[ngram.REMEASURE - 2] == 0  # (the first plan was the 1st at this block)
+
+
+def test_a_drafted_step_once_measured_slow_is_measured_again():
+    """A drafted step measured during a compile looks too dear for drafts to ride: one draft rides anyway every
+    REMEASURE declined steps, and a time under half the estimate replaces it, so drafts come back."""
+    s = spec_rows()
+    s.observe_step(8, False, 0.030)
+    s.observe_step(8, True, 0.300)
+    plans = [s.plan([(0, 0, 6)], tokens=1, room=100, max_seq_len=MAX_SEQ) for _ in range(2 * ngram.REMEASURE)]
+    assert [[len(d.tokens) for d in p] for p in plans if p] == [[1]]
+    s.observe_step(8, True, 0.031)
+    assert s.step_s[8, True] == 0.031
+    assert len(s.plan([(0, 0, 6)], tokens=1, room=100, max_seq_len=MAX_SEQ)[0].tokens) == 4

@@ -261,3 +261,21 @@ def test_a_refused_application_is_printed_with_what_serve_says_of_its_failed_dep
         raise ConnectionError("the controller died")
     monkeypatch.setattr(serve, "status", gone)
     assert serve_deploy.deployment_messages("opt") == ""
+
+
+def test_a_draft_model_is_found_or_refused_before_anything_loads(tmp_path):
+    """speculative_config's draft model: the embedded one by name alone; another needs its folder, which must
+    exist; a parallel plan's name is refused (the draft runs on one device); each error names the draft model."""
+    def spec(**kw):
+        return loading.draft_spec(SpeculativeConfig.parse({"num_speculative_tokens": 2, **kw}))
+    assert spec() is None
+    tiny = spec(model="opt-tiny")
+    assert tiny.name == "jax/opt-tiny" and (tiny.weights.folder / "config.json").is_file()
+    for kw, error, message in (
+            (dict(model="jax/opt-125m"), ValueError, "give 'path', jax/opt-125m's numpy weights folder"),
+            (dict(model="jax/opt-125m", path=str(tmp_path / "nowhere")), FileNotFoundError, "nowhere"),
+            (dict(model="alpa/opt-125m", path=str(tmp_path)), ValueError, "alpa/opt-125m names a parallel plan"),
+            (dict(model="opt-125m"), ValueError, "unknown model 'opt-125m'")):
+        with pytest.raises(error, match=message) as refused:
+            spec(**kw)
+        assert str(refused.value).startswith("speculative_config's draft model: ")

@@ -177,32 +177,45 @@ def test_cached_prompt_tokens_in_usage_and_the_hit_rate_in_metrics(tiny):
 
 
 def test_speculative_decoding_served_gives_the_greedy_text_and_counts_its_drafts():
-    """`--speculative-config`'s ngram through the HTTP routes: the `openai` client's greedy text, and its seeded
-    sampled text, are plain decoding's (the server without it), with drafts checked in the steps and counted by
-    /metrics. (How many the random tiny model accepts is its own affair: test_runner_ngram.py checks acceptance on
-    a model built for it.)"""
+    """`--speculative-config`'s ngram and draft model through the HTTP routes: the `openai` client's greedy text,
+    and its seeded sampled text, are plain decoding's (the server without it), with drafts checked in the steps
+    and counted by /metrics. The embedded model drafting for itself has every greedy draft kept. (How many the random
+    tiny model accepts from prompt lookup is its own affair: test_runner_ngram.py checks acceptance on a model
+    built for it.)"""
     from opt_serving.model.embedded import ensure_embedded_model
     path = str(ensure_embedded_model())
     kw = dict(max_batch_size=4, max_seq_len=64, warmup=False)
     prompts = ["the the the the the", "Hello world, hello world, hello", "1 2 3 1 2 3 1 2"]
-    texts = {}
-    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3}):
+    texts, metrics = {}, {}
+    configs = {"plain": None, "ngram": {"method": "ngram", "num_speculative_tokens": 3},
+               "draft": {"model": "opt-tiny", "num_speculative_tokens": 3}}
+    for name, spec in configs.items():
         g = load_generator("jax/opt-tiny", path, speculative=spec, **kw)
         if spec is not None:
             g.engine.model.spec.adaptive = False  # (the tiny model's steps cost the host's time: drafts ride anyway)
         try:
             with serve_in_thread(create_app(g)) as url:
                 client = openai.OpenAI(base_url=url + "/v1", api_key="dummy", max_retries=0, timeout=120)
-                texts[spec is not None] = [client.completions.create(
+                texts[name] = [client.completions.create(
                     model="jax/opt-tiny", prompt=p, max_tokens=24, temperature=0).choices[0].text for p in prompts]
-                texts[spec is not None] += [client.completions.create(
+                metrics[name, "greedy"] = httpx.get(url + "/metrics", timeout=30).text
+                texts[name] += [client.completions.create(
                     model="jax/opt-tiny", prompt=p, max_tokens=24, temperature=0.7, top_p=0.9, seed=11 + i
                 ).choices[0].text for i, p in enumerate(prompts)]
-                text = httpx.get(url + "/metrics", timeout=30).text
+                metrics[name] = httpx.get(url + "/metrics", timeout=30).text
         finally:
             g.close()
-    assert texts[True] == texts[False] and texts[True][3:] != texts[True][:3]  # (the sampled text is not greedy's)
-    drafts, drafted = (metric(text, f"opt_serving_spec_decode_num_{k}_total") for k in ("drafts", "draft_tokens"))
-    accepted = metric(text, "opt_serving_spec_decode_num_accepted_tokens_total")
-    assert 0 < drafts <= drafted and accepted <= drafted
-    assert metric(text, "opt_serving_spec_decode_mean_acceptance_length") == pytest.approx(1 + accepted / drafts)
+    assert texts["ngram"] == texts["draft"] == texts["plain"]
+    assert texts["plain"][3:] != texts["plain"][:3]  # (the sampled text is not greedy's)
+    for name in ("ngram", "draft"):
+        text = metrics[name]
+        drafts, drafted = (metric(text, f"opt_serving_spec_decode_num_{k}_total") for k in ("drafts", "draft_tokens"))
+        accepted = metric(text, "opt_serving_spec_decode_num_accepted_tokens_total")
+        assert 0 < drafts <= drafted and accepted <= drafted
+        assert metric(text, "opt_serving_spec_decode_mean_acceptance_length") == pytest.approx(1 + accepted / drafts)
+    # the draft model's drafts are the model's own greedy tokens: greedy rows keep them all (sampled rows keep each
+    # with the probability the model gives it)
+    greedy = metrics["draft", "greedy"]
+    drafted, accepted = (metric(greedy, f"opt_serving_spec_decode_num_{k}_total")
+                         for k in ("draft_tokens", "accepted_tokens"))
+    assert accepted == drafted > 0

@@ -8,6 +8,7 @@ one Ray actor per stage (`parallel/pipeline.py`), each holding its layers and th
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Optional
 
@@ -17,6 +18,7 @@ from opt_serving.backend import Backend
 from opt_serving.model import kv_cache, loader, opt
 from opt_serving.parallel import backend as parallel
 from opt_serving.parallel.pipeline import RayStages
+from opt_serving.runner.generate import Generation
 from opt_serving.runner.prefix import default_blocks
 from opt_serving.runner.slots import Slots
 from opt_serving.runner.stage import LocalStages, StageSlots
@@ -76,6 +78,13 @@ def _load_slots(spec, dtype, num_slots, max_seq_len, device_memory, micro_batche
         m = parallel.tensor_parallel_model(cfg, plan, source, dtype, spec.weights.seed or 0, spec.quantize)
     return local_slots(m.config, m.fused_params, num_slots, max_seq_len, plan=m.plan, backend=m.backend,
                        prefix_blocks=prefix_blocks(m.config, num_slots, max_seq_len, prefix_caching), lora=lora)
+
+
+def load_draft(spec: ModelSpec, dtype: str = "auto", quantize: Optional[str] = None):
+    """A draft model for served speculative decoding (runner/draft.py): a Generation of the spec's weights on one
+    device, in the target's dtype and weight format."""
+    spec = dataclasses.replace(spec.for_engine(), quantize=quantize)
+    return Generation.of(loader.local_model(spec, resolve_dtype(dtype)))
 
 
 def prefix_blocks(cfg, num_slots: int, max_seq_len: Optional[int], on: bool = True) -> int:

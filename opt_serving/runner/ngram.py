@@ -99,6 +99,7 @@ class NgramSpeculation:
         self.forced: Optional[tuple[int, int]] = None  # warm-up: (slot, block) of the next step's drafts
         self.planned: Optional[list] = None  # plan_ahead's drafts, for the step that follows
         self._plans: dict[int, int] = {}  # block size -> the steps planned at it (every REMEASURE-th plain)
+        self._declined: dict[int, int] = {}  # block size -> the steps whose drafts would not pay (a probe a while)
         self._call: Optional[tuple] = None  # the latest call (observe_call): block, drafted, steps, began, ended
         self.adaptive = True  # False: every offered draft the step holds rides, paying or not (tests, probes)
 
@@ -118,6 +119,12 @@ class NgramSpeculation:
 
     def end(self, slot: int) -> None:
         self.length[slot] = 0
+
+    def close(self) -> None:
+        """Let go of what drafting holds (a draft model's caches)."""
+
+    def warm(self) -> None:
+        """Compile what drafting runs besides the steps (a draft model's calls)."""
 
     # ---- each step ----
     def drafts(self, slots: np.ndarray, positions: np.ndarray, tokens: int, room: int, max_seq_len: int) -> list:
@@ -149,8 +156,12 @@ class NgramSpeculation:
         if self.adaptive and self._measure_plain(tokens):
             return []
         plain = self._rate(tokens, False, len(running))
-        if self.adaptive and all(self._rate(tokens + n, True, len(running) + n) <= plain for n in range(1, most + 1)):
-            return []  # (not even drafts that all land would pay: no lookups)
+        probe = False
+        if self.adaptive and all(self._rate(tokens + n, True, len(running) + n, n) <= plain
+                                 for n in range(1, most + 1)):
+            if not self._probe_drafted(tokens):
+                return []  # (not even drafts that all land would pay: no lookups)
+            probe, most = True, 1  # (one draft rides now and then, so the estimate is measured again)
         offers = []  # (expected kept, slot, row, its i-th draft, the drafts)
         for slot, row, length in running:
             if not self.length[slot]:
@@ -161,8 +172,7 @@ class NgramSpeculation:
                 if self.idle[slot] < PROBE_EVERY:
                     continue
                 k = min(k, 1)
-            h = self.tokens[slot, :self.length[slot]]
-            drafted = lookup(h, k, self.config.prompt_lookup_max, self.config.prompt_lookup_min) if k > 0 else []
+            drafted = self._candidates(slot, k) if k > 0 else []
             offers += [(self.rate[slot] ** (i + 1), slot, row, i, drafted) for i in range(len(drafted))]
         if not offers:
             return []
@@ -170,16 +180,30 @@ class NgramSpeculation:
         best, best_n, kept = plain, 0, 0.0
         for n in range(1, min(len(offers), most) + 1):
             kept += offers[n - 1][0]
-            rate = self._rate(tokens + n, True, len(running) + kept)
-            if rate > best or not self.adaptive:
+            rate = self._rate(tokens + n, True, len(running) + kept, n)
+            if rate > best or not self.adaptive or probe:
                 best, best_n = rate, n
         chosen: dict[int, tuple[int, int]] = {}  # slot -> (row, drafts taken)
         for _, slot, row, i, _ in offers[:best_n]:
             chosen[slot] = (row, max(chosen.get(slot, (row, 0))[1], i + 1))
-        drafts = {o[1]: o[4] for o in offers}
         for slot in chosen:
             self.idle[slot] = 0
-        return [Draft(slot, row, tuple(drafts[slot][:n])) for slot, (row, n) in sorted(chosen.items())]
+        drafts = self._proposals({slot: n for slot, (_, n) in chosen.items()}, {o[1]: o[4] for o in offers})
+        return [Draft(slot, row, tuple(drafts[slot])) for slot, (row, _) in sorted(chosen.items()) if drafts[slot]]
+
+    # ---- where drafts come from (a draft model's proposer, runner/draft.py, drafts only what a step takes) ----
+    def _candidates(self, slot: int, k: int) -> list:
+        """Up to k drafts the slot's row could take this step (their count makes its offers)."""
+        h = self.tokens[slot, :self.length[slot]]
+        return lookup(h, k, self.config.prompt_lookup_max, self.config.prompt_lookup_min)
+
+    def _proposals(self, chosen: dict[int, int], offered: dict[int, list]) -> dict[int, list[int]]:
+        """The drafts of the rows chosen (slot -> how many it takes) from the candidates offered."""
+        return {slot: offered[slot][:n] for slot, n in chosen.items()}
+
+    def _draft_seconds(self, drafts: int) -> float:
+        """What making `drafts` drafts costs the host besides the step (a lookup: next to nothing)."""
+        return 0.0
 
     def _measure_plain(self, tokens: int) -> bool:
         """Should this step go without drafts, to measure (again) what a plain step of its block costs? Its first,
@@ -187,6 +211,14 @@ class NgramSpeculation:
         block = self._block(tokens)
         n = self._plans[block] = self._plans.get(block, 0) + 1
         return (block, False) not in self.step_s or n % REMEASURE == 0
+
+    def _probe_drafted(self, tokens: int) -> bool:
+        """Drafts do not pay at this step's block, by the times measured: does one ride anyway, to measure a step
+        with drafts again? One step in every REMEASURE so declined (a drafted step once measured slow, during a
+        compile or a burst of other work, would otherwise keep drafts out of that block for good)."""
+        block = self._block(tokens)
+        n = self._declined[block] = self._declined.get(block, 0) + 1
+        return n % REMEASURE == 0
 
     def _forced(self, running, tokens: int) -> list[Draft]:
         """Warm-up's step: the slot drafts as many tokens as fit the block it asked for (their values: its own)."""
@@ -213,13 +245,14 @@ class NgramSpeculation:
         b0, s0 = known[0]
         return s0 * max(1.0, block / b0)
 
-    def _rate(self, tokens: int, drafted: bool, expected: float) -> float:
-        return expected / self._seconds(tokens, drafted)
+    def _rate(self, tokens: int, drafted: bool, expected: float, drafts: int = 0) -> float:
+        return expected / (self._seconds(tokens, drafted) + self._draft_seconds(drafts))
 
     def forget_times(self) -> None:
         """Warm-up's calls compiled: their times are not a step's."""
         self.step_s.clear()
         self._plans.clear()
+        self._declined.clear()
         self._call = None
 
     def observe_call(self, block: int, drafted: bool, steps: int, began: float, ended: float) -> None:
@@ -230,15 +263,21 @@ class NgramSpeculation:
         between) leaves the call's own time."""
         if self._call is not None:
             b, d, n, t0, t1 = self._call
-            cycle = began - t0
+            cycle = began - t0 - self._drafting_within(t0, began)  # (a draft model's time is counted apart)
             self.observe_step(b, d, (cycle if cycle <= 2 * (t1 - t0) else t1 - t0) / n)
         self._call = (block, drafted, steps, began, ended)
+
+    def _drafting_within(self, t0: float, t1: float) -> float:
+        """Seconds the host spent drafting between t0 and t1 (a lookup's: none worth counting)."""
+        return 0.0
 
     def observe_step(self, block: int, drafted: bool, seconds: float) -> None:
         """A step of `block` tokens (with drafts or not) took `seconds` (its call, waited for)."""
         key = (block, drafted)
         old = self.step_s.get(key)
-        self.step_s[key] = seconds if old is None else (1 - EMA) * old + EMA * min(seconds, 4 * old)
+        # (a time under half the estimate replaces it: the estimate came from a step that did more, a compile)
+        fresh = old is None or seconds < old / 2
+        self.step_s[key] = seconds if fresh else (1 - EMA) * old + EMA * min(seconds, 4 * old)
 
     def observe_row(self, slot: int, drafted: int, kept: int) -> None:
         """A row's step checked `drafted` drafts and kept the first `kept`."""

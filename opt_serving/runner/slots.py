@@ -42,6 +42,7 @@ from opt_serving.runner.buckets import prefill_buckets
 from opt_serving.runner.generate import Generation
 from opt_serving.runner.joins import Joining, Joins, block_sizes
 from opt_serving.runner.lora import Adapters, SlotAdapters
+from opt_serving.runner.draft import ModelSpeculation
 from opt_serving.runner.ngram import NgramSpeculation
 from opt_serving.runner.packed import pack_step
 from opt_serving.runner.prefill import Prefills
@@ -68,6 +69,9 @@ def join_blocks(platform: str, max_seq_len: int, room: int) -> tuple[int, ...]:
     else:
         blocks = tuple(b for b in ACCELERATOR_JOIN_BLOCKS if b <= room)
     return blocks or (min(max_seq_len - 1, room),)
+
+
+ROWS_BLOCK = 4  # the smallest block of a packed step's tokens
 
 
 class Slots(Prefills, ManySteps, SlotModel):
@@ -124,8 +128,10 @@ class Slots(Prefills, ManySteps, SlotModel):
         if self.ragged:  # (at most what the group's rows besides one hold: warm-up fills each size)
             width = self.max_seq_len - 1  # (each prompt leaves room in the cache for a token)
             budget = min(chunk or self.max_seq_len, self.max_seq_len, max(1, rows - 1) * width)
-            # the rows running ride in the same block (packed): it holds them all and a few prompt tokens besides
-            sizes = block_sizes(max(budget, rows + JOIN_BLOCKS[0]) if self.packed else budget)
+            # the rows running ride in the same block (packed): it holds them all and a few prompt tokens besides;
+            # the smallest holds four rows' tokens, which the CPU kernels take in one pass over each weight block
+            # (a step of one to four rows padded to 8 passed twice: OPT-1.3b's step at batch 1 took 1.6x its time)
+            sizes = block_sizes(max(budget, rows + JOIN_BLOCKS[0]), ROWS_BLOCK) if self.packed else block_sizes(budget)
         else:
             width, sizes = longest, join_blocks(self._platform, self.max_seq_len, self.join_room)
             budget = sizes[-1]
@@ -138,13 +144,20 @@ class Slots(Prefills, ManySteps, SlotModel):
             raise RuntimeError("the prefill chunk changed while prompts were joining")
         self.joins = Joins(self.groups, rows, sizes, self.ragged, longest, width, self.cfg.pad_token_id, budget)
 
-    def use_speculation(self, config) -> None:
-        """Serve speculative decoding by prompt lookup (config.SpeculativeConfig; runner/ngram.py): its drafts ride
-        in ragged steps, so only where the stages run them."""
+    def use_speculation(self, config, draft=None) -> None:
+        """Serve speculative decoding (config.SpeculativeConfig): by prompt lookup (runner/ngram.py), or with
+        `draft`, a draft model's Generation on one device (runner/draft.py). Drafts ride in ragged steps, so only
+        where the stages run them."""
         if not self.ragged:
             raise ValueError("speculative decoding is served on ragged steps (the CPU backend's attention kernel); "
                              "this model's stages do not run them")
-        self.spec = NgramSpeculation(config, self.num_slots, self.max_seq_len, self.joins.sizes)
+        if draft is None:
+            self.spec = NgramSpeculation(config, self.num_slots, self.max_seq_len, self.joins.sizes)
+            return
+        if draft.config.vocab_size != self.cfg.vocab_size:
+            raise ValueError(f"speculative_config: the draft model's vocabulary ({draft.config.vocab_size} tokens) "
+                             f"is not the target's ({self.cfg.vocab_size}); a draft must share the tokenizer")
+        self.spec = ModelSpeculation(config, self.num_slots, self.max_seq_len, self.joins.sizes, draft)
 
     @property
     def packed(self) -> bool:
@@ -427,4 +440,6 @@ class Slots(Prefills, ManySteps, SlotModel):
         self.stages.check_health()
 
     def close(self) -> None:
+        if self.spec is not None:
+            self.spec.close()
         self.stages.close()

@@ -165,6 +165,9 @@ def warm_up(slots: "Slots", prefill_chunk: Optional[int] = None, decode_steps: i
             with startlog.PHASES.phase(f"warm-up {group}", shapes=len(shapes), compiles=True):
                 for shape in shapes:
                     getattr(run, shape.kind)(shape)
+        if slots.spec is not None:
+            with startlog.PHASES.phase("warm-up drafting", compiles=True):
+                slots.spec.warm()
     except BaseException:
         slots._to_all("abandon_warmup")  # (no stage is left compiling its programs instead of running them)
         raise

@@ -4,7 +4,6 @@ before Ray starts (a replica that loads the model would only report it as a fail
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 
 from opt_serving.config import SpeculativeConfig, get_config
@@ -94,10 +93,11 @@ def _decoding_feature_arguments(p: argparse.ArgumentParser) -> None:
     """LoRA adapters (service/lora_args.py) and speculative decoding."""
     lora_args.add_arguments(p)
     p.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
-                   help='served speculative decoding, as vLLM\'s flag: prompt lookup only, e.g. \'{"method": '
+                   help='served speculative decoding, as vLLM\'s flag: prompt lookup, e.g. \'{"method": '
                         '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}\' (greedy and sampled rows '
-                        "draft the tokens that followed an earlier occurrence of their last n tokens; a draft model "
-                        "is refused)")
+                        "draft the tokens that followed an earlier occurrence of their last n tokens), or a draft "
+                        'model sharing the tokenizer, e.g. \'{"model": "jax/opt-125m", "path": "/data/opt-125m-np", '
+                        '"num_speculative_tokens": 4}\' ("model": "opt-tiny" without a path: the embedded model)')
 
 
 def speculative_config(value: str) -> dict | None:
@@ -113,7 +113,7 @@ def speculative_config(value: str) -> dict | None:
                 message = instead + message[len(prefix):]
                 break
         raise argparse.ArgumentTypeError(message) from None
-    return None if config is None else dataclasses.asdict(config)
+    return None if config is None else config.as_dict()
 
 
 def _plan_and_ray_arguments(p: argparse.ArgumentParser) -> None:

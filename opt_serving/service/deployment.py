@@ -4,7 +4,6 @@ generator (`build_generator`) and serves `app.create_app` over it.
 """
 from __future__ import annotations
 
-import dataclasses
 import gc
 from typing import Literal, Optional, Union
 
@@ -86,7 +85,7 @@ class ServeArgs(BaseModel):
     lora_target_modules: list[str] | str | None = None  # None: those of lora_modules, or every linear layer
     enable_lora_runtime_updates: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter
     # served speculative decoding (vLLM's --speculative-config): a dict (serve_config.yaml) or its JSON (`serve run
-    # ... speculative_config='{...}'`), prompt lookup only; checked here, kept as the dict (None: off)
+    # ... speculative_config='{...}'`), prompt lookup or a draft model; checked here, kept as the dict (None: off)
     speculative_config: dict | str | None = None
 
     @field_validator("speculative_config", mode="before")
@@ -95,7 +94,7 @@ class ServeArgs(BaseModel):
         """config.SpeculativeConfig.parse's errors (each names speculative_config, a value of another type too)
         when the arguments are made, before anything loads; the config's dict (every key spelt out) or None."""
         config = SpeculativeConfig.parse(value)
-        return None if config is None else dataclasses.asdict(config)
+        return None if config is None else config.as_dict()
 
     def key_list(self) -> list[str]:
         keys = self.api_keys.split(",") if isinstance(self.api_keys, str) else self.api_keys

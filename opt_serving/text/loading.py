@@ -75,6 +75,26 @@ def load_generator(model: Optional[str], path=None, dtype: str = "auto", max_bat
     return Generator(engine, tok, max_seq_len=max_seq_len, model_name=model)
 
 
+def draft_spec(speculative: Optional[SpeculativeConfig], quantize: Optional[str] = None) -> Optional[ModelSpec]:
+    """The draft model's spec of a speculative_config that names one (the embedded tiny model for "opt-tiny"
+    without a path), its folder resolved; None for prompt lookup or none. ValueError/OSError naming it."""
+    if speculative is None or speculative.model is None:
+        return None
+    model, path = speculative.model, speculative.path
+    try:
+        if ModelSpec.parse(EMBEDDED if model in EMBEDDED_NAMES else model, path, dummy=True).parallel:
+            raise ValueError(f"it runs on one device in the engine's process, and {model} names a parallel plan "
+                             f"(give jax/{model.rsplit('/', 1)[-1]})")
+        if path is None:
+            if model not in EMBEDDED_NAMES:
+                raise ValueError(f"give 'path', {model}'s numpy weights folder (or \"model\": \"opt-tiny\", the "
+                                 "embedded tiny model, without one)")
+            path, model = ensure_embedded_model(), EMBEDDED
+        return ModelSpec.parse(model, resolve_numpy_folder(path, model), quantize=quantize)
+    except (ValueError, OSError) as e:
+        raise type(e)(f"speculative_config's draft model: {e}") from None
+
+
 def load_engine(model: Union[str, ModelSpec], path=None, dtype: str = "auto", num_slots: int = 16,
                 max_seq_len: Optional[int] = None, max_queue: int = 256, warmup: Union[bool, str] = True,
                 prefill_chunk: Optional[int] = PREFILL_CHUNK, prefill_budget: Optional[int] = None,
@@ -95,11 +115,12 @@ def load_engine(model: Union[str, ModelSpec], path=None, dtype: str = "auto", nu
     What it compiles is kept on disk for the next start (xla_cache)."""
     # JAX is imported where a model is loaded, not with this module: the fake engine's server and a process that
     # only checks arguments or routes requests never import it
-    from opt_serving.runner.load import load_slots
+    from opt_serving.runner.load import load_draft, load_slots
     spec = model if isinstance(model, ModelSpec) else ModelSpec.parse(
         model, path, dummy=dummy, seed=seed, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
         quantize=quantize)
     speculative = SpeculativeConfig.parse(speculative)  # (its errors before any weight is read)
+    draft = draft_spec(speculative, spec.quantize)
     if warmup not in (True, False, "all"):
         raise ValueError(f"warmup is True, False or 'all', not {warmup!r}")
     xla_cache.enable()
@@ -109,7 +130,8 @@ def load_engine(model: Union[str, ModelSpec], path=None, dtype: str = "auto", nu
                            handoff=handoff, lora=lora)
     if speculative is not None:
         try:
-            slots.use_speculation(speculative)
+            with startlog.PHASES.phase("draft model" if draft else "speculation", compiles=False):
+                slots.use_speculation(speculative, None if draft is None else load_draft(draft, dtype, spec.quantize))
         except BaseException:
             slots.close()
             raise
