@@ -77,6 +77,17 @@ def test_speculative_config_as_a_mapping_or_json(given):
     check_model_args(args)  # (the embedded model speculates)
 
 
+def test_a_draft_model_s_speculative_config_goes_to_the_replica_as_its_own_keys():
+    """A draft model's config spells out the keys its method reads (not prompt lookup's), and the replica's
+    ServeArgs takes it back as the same config."""
+    given = {"model": "jax/opt-125m", "path": "/data/opt-125m-np", "num_speculative_tokens": 3}
+    args = ServeArgs(speculative_config=json.dumps(given))
+    assert args.speculative_config == {"method": "draft_model", **given}
+    want = SpeculativeConfig(method="draft_model", num_speculative_tokens=3, model="jax/opt-125m",
+                             path="/data/opt-125m-np")
+    assert args.speculative() == want and ServeArgs(**args.model_dump()).speculative() == want
+
+
 @pytest.mark.parametrize("off", [None, "", "  ", {}, "{}"])
 def test_speculative_config_left_out_or_empty_is_off(off):
     args = ServeArgs(speculative_config=off)

@@ -450,7 +450,7 @@ def test_on_ragged_stages_any_prompt_joins_a_budget_of_its_tokens_a_step(model8,
     cuts in. Rows get a token only from the step with their prompt's last part, each HF's; a freed prompt never
     runs."""
     s = SlotSettings(max_tokens=4)
-    assert model8.ragged and model8.join_tokens == 32 and model8.join_blocks == (8, 16, 32)
+    assert model8.ragged and model8.join_tokens == 32 and model8.join_blocks == (4, 8, 16, 32)
     assert not model8.join([2, 5], SlotSettings(prompt_logprobs=True), 0)
     rng = np.random.default_rng(7)
     a, b, c = ([2] + rng.integers(4, CFG.vocab_size, n - 1).tolist() for n in (20, 23, 5))
@@ -511,12 +511,12 @@ def test_on_ragged_stages_a_step_packs_the_running_rows_and_the_prompt_tokens_in
         for slot in tokens:
             model8.free(slot)
     rows = model8.num_slots  # (one group: row = slot)
-    assert len(packs[0].ids) == 8 and packs[0].src.tolist() == [-1] * 8  # a's 2 tokens alone: a block of 8
+    assert len(packs[0].ids) == 4 and packs[0].src.tolist() == [-1] * 4  # a's 2 tokens alone: a block of 4
     p = packs[1]  # a's newest token (position 2), then b's 11: 12 tokens in a block of 16, not 8 rows and 16
     assert len(p.ids) == 16 and p.src.tolist() == [0] + [-1] * 15
     assert p.rows.tolist() == [0] + [2] * 11 + [rows] * 4 and p.entries.tolist()[:12] == [2] + list(range(11))
     assert p.ids.tolist()[1:12] == b and p.out.tolist() == [0, 0, 11] + [0] * 5
-    assert packs[2].src.tolist() == [0, 2] + [-1] * 6 and packs[2].entries.tolist()[:2] == [3, 11]  # 2 rows: 8
+    assert packs[2].src.tolist() == [0, 2] + [-1] * 2 and packs[2].entries.tolist()[:2] == [3, 11]  # 2 rows: 4
     assert tokens[0] == hf_greedy(hf, a, 3) and tokens[2] == hf_greedy(hf, b, 2)
 
 
@@ -575,7 +575,7 @@ def test_a_burst_of_short_prompts_joins_one_step_in_a_large_block_and_matches_hf
         assert JOIN_PROMPTS == 16 and model.join_blocks == (8, 16, 32, 64, 128) and model.join_prompt_tokens == 32
         assert blocks == [(16, 128), (2, 16)]
     else:  # any prompt of the context joins, 160 prompt tokens a step at most (a whole context: no chunk given)
-        assert model.join_blocks == (8, 16, 32, 48, 64, 96, 128, 160) and model.join_prompt_tokens == 159
+        assert model.join_blocks == (4, 8, 16, 32, 48, 64, 96, 128, 160) and model.join_prompt_tokens == 159
         assert blocks == [(16, 96), (2, 16)]
     assert passes == []
 
@@ -597,7 +597,7 @@ def test_on_a_cpu_the_blocks_stop_at_128_tokens_and_below_the_context(xla_model8
     each shorter than the context: a cache of 32 takes blocks of 8 and 16; with them, up to a context's worth."""
     assert xla_model8.stages.stages[0].platform() == "cpu"
     assert (MAX_SEQ, xla_model8.join_blocks) == (32, (8, 16))
-    assert model8.join_blocks == (8, 16, 32)
+    assert model8.join_blocks == (4, 8, 16, 32)  # (ragged: the smallest holds four rows' tokens)
 
 
 @pytest.mark.parametrize("xla", [False, True])
