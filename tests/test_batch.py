@@ -255,7 +255,7 @@ from opt_serving.text.fake import byte_tokenizer
 
 class SlowSlots(FakeSlots):  # a decode step that takes time, like a real model's
     def step(self):
-        time.sleep(0.003)
+        time.sleep(0.01)  # (long enough that the test sees its first lines while most are still to come)
         return super().step()
 
 signal.signal(signal.SIGTERM, B._interrupt)  # as `opt-serving batch` does
