@@ -5,6 +5,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -244,3 +245,22 @@ def ray_local():
     yield ray
     if ray.is_initialized():
         ray.shutdown()
+
+
+def run_jobs(engine, jobs):
+    """Submit (prompt, settings) jobs to an engine at once -> [(tokens, finish reason)] in order (the served
+    speculative decoding tests compare these between engines)."""
+    outs = [([], []) for _ in jobs]
+    finished = [threading.Event() for _ in jobs]
+
+    def collect(i):
+        def on(out):
+            outs[i][0].extend(t.id for t in out.tokens)
+            if out.finish_reason:
+                outs[i][1].append(out.finish_reason)
+                finished[i].set()
+        return on
+    for i, (prompt, settings) in enumerate(jobs):
+        engine.submit(prompt, settings, collect(i))
+    assert all(f.wait(120) for f in finished)
+    return [(toks, reason[0]) for toks, reason in outs]

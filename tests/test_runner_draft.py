@@ -3,7 +3,6 @@ against the same engine without one, on random tiny OPTs: a draft that is the ta
 one with other weights (most miss: the draft's cache is cut back after each), and the rule pricing the draft's
 calls."""
 import dataclasses
-import threading
 
 import numpy as np
 import pytest
@@ -16,7 +15,7 @@ from opt_serving.model import weights
 from opt_serving.model.wrapper import OPTModel
 from opt_serving.runner.draft import WIDTHS, ModelSpeculation
 from opt_serving.runner.generate import Generation
-from conftest import xla_compiles
+from conftest import run_jobs, xla_compiles
 
 CFG = OPTConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
                 max_position_embeddings=128)
@@ -69,24 +68,6 @@ def other(target):
     e.close()
 
 
-def run_all(engine, jobs):
-    """Run (prompt, settings) jobs at once -> [(tokens, finish reason)] in order."""
-    outs = [([], []) for _ in jobs]
-    finished = [threading.Event() for _ in jobs]
-
-    def collect(i):
-        def on(out):
-            outs[i][0].extend(t.id for t in out.tokens)
-            if out.finish_reason:
-                outs[i][1].append(out.finish_reason)
-                finished[i].set()
-        return on
-    for i, (prompt, settings) in enumerate(jobs):
-        engine.submit(prompt, settings, collect(i))
-    assert all(f.wait(120) for f in finished)
-    return [(toks, reason[0]) for toks, reason in outs]
-
-
 def delta(engine, before):
     after = engine.stats()
     return (after.steps - before.steps, after.spec_draft_tokens - before.spec_draft_tokens,
@@ -96,9 +77,9 @@ def delta(engine, before):
 def test_a_draft_that_is_the_target_has_every_draft_kept(plain, agreeing):
     jobs = [(p, GREEDY) for p in PROMPTS]
     before = agreeing.stats()
-    got = run_all(agreeing, jobs)
+    got = run_jobs(agreeing, jobs)
     steps, drafted, accepted = delta(agreeing, before)
-    assert got == run_all(plain, jobs)
+    assert got == run_jobs(plain, jobs)
     assert drafted > 40 and accepted == drafted
     generated = sum(len(t) for t, _ in got)
     assert steps < generated / len(jobs) / 2  # (up to 5 tokens a step for each row)
@@ -108,9 +89,9 @@ def test_a_draft_that_is_the_target_has_every_draft_kept(plain, agreeing):
 def test_a_draft_that_disagrees_is_cut_back_and_the_tokens_stay_the_target_s(plain, other):
     jobs = [(p, GREEDY) for p in PROMPTS]
     before = other.stats()
-    got = run_all(other, jobs)
+    got = run_jobs(other, jobs)
     steps, drafted, accepted = delta(other, before)
-    assert got == run_all(plain, jobs)
+    assert got == run_jobs(plain, jobs)
     assert drafted > 0 and accepted < drafted  # drafts were refused, and the draft's cache went on from there
 
 
@@ -120,10 +101,10 @@ def test_sampled_and_scored_rows_beside_drafting_ones_get_plain_decoding_s_token
     scored = SlotSettings(max_tokens=20, logprob=True, top_logprobs=False)
     jobs = [(PROMPTS[0], sampled(1)), (PROMPTS[1], sampled(2, top_k=8)), (PROMPTS[2], scored),
             (PROMPTS[3], GREEDY), (PROMPTS[0], sampled(4, min_tokens=25))]
-    want = run_all(plain, jobs)
+    want = run_jobs(plain, jobs)
     for engine in (agreeing, other):
         before = engine.stats()
-        assert run_all(engine, jobs) == want
+        assert run_jobs(engine, jobs) == want
         assert delta(engine, before)[2] > 0
 
 
@@ -131,7 +112,7 @@ def test_long_prompts_reach_the_draft_a_chunk_at_a_time(plain, agreeing):
     long = [2] + [int(t) for t in np.random.default_rng(0).integers(4, 128, WIDTHS[-1] + 10)]
     jobs = [(long, GREEDY), (PROMPTS[0], GREEDY)]
     before = agreeing.stats()
-    assert run_all(agreeing, jobs) == run_all(plain, jobs)
+    assert run_jobs(agreeing, jobs) == run_jobs(plain, jobs)
     _, drafted, accepted = delta(agreeing, before)
     assert accepted == drafted > 0
 
@@ -140,7 +121,7 @@ def test_several_steps_a_call_and_drafts(target, plain):
     e = engine_of(target, target, decode_steps=4)
     try:
         jobs = [(p, GREEDY) for p in PROMPTS[:2]]
-        assert run_all(e, jobs) == run_all(plain, jobs)
+        assert run_jobs(e, jobs) == run_jobs(plain, jobs)
         assert e.stats().spec_accepted_tokens > 0
     finally:
         e.close()
@@ -148,7 +129,7 @@ def test_several_steps_a_call_and_drafts(target, plain):
 
 def test_warmup_compiled_the_draft_model_s_calls(agreeing):
     with xla_compiles() as asked:
-        run_all(agreeing, [(p, GREEDY) for p in PROMPTS])
+        run_jobs(agreeing, [(p, GREEDY) for p in PROMPTS])
     assert asked == []
 
 
@@ -215,7 +196,7 @@ def test_pipeline_stages_check_a_draft_model_s_drafts_as_one_device_does(target,
     e = Engine(piped)
     try:
         jobs = [(p, GREEDY) for p in PROMPTS]
-        assert run_all(e, jobs) == run_all(plain, jobs)
+        assert run_jobs(e, jobs) == run_jobs(plain, jobs)
         stats = e.stats()
         assert stats.spec_accepted_tokens == stats.spec_draft_tokens > 10
     finally:

@@ -1,6 +1,5 @@
 """Served speculative decoding by prompt lookup (runner/ngram.py): the lookup, the rule that decides what drafts a
 step takes, and the engine's tokens with it on, against the same engine without it, on a random tiny OPT."""
-import threading
 
 import numpy as np
 import pytest
@@ -12,7 +11,7 @@ from opt_serving.engine.scheduler import Engine, OPTSlots, SlotSettings
 from opt_serving.model import weights
 from opt_serving.runner import ngram
 from opt_serving.runner.ngram import MIN_RATE, PROBE_EVERY, NgramSpeculation, lookup
-from conftest import xla_compiles, xla_slots
+from conftest import run_jobs, xla_compiles, xla_slots
 
 CFG = OPTConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
                 max_position_embeddings=64)
@@ -139,33 +138,15 @@ def drafting(params):
     e.close()
 
 
-def run_all(engine, jobs):
-    """Run (prompt, settings) jobs at once -> [(tokens, finish reason)] in order."""
-    outs = [([], []) for _ in jobs]
-    finished = [threading.Event() for _ in jobs]
-
-    def collect(i):
-        def on(out):
-            outs[i][0].extend(t.id for t in out.tokens)
-            if out.finish_reason:
-                outs[i][1].append(out.finish_reason)
-                finished[i].set()
-        return on
-    for i, (prompt, settings) in enumerate(jobs):
-        engine.submit(prompt, settings, collect(i))
-    assert all(f.wait(120) for f in finished)
-    return [(toks, reason[0]) for toks, reason in outs]
-
-
 PROMPTS = [[2, 54, 17, 99], [2, 26, 62, 29, 93, 62], [2, 73, 5], [2, 12, 120, 12, 115, 49, 122]]
 
 
 def test_greedy_tokens_are_plain_decoding_s_in_fewer_steps(plain, drafting):
     jobs = [(p, GREEDY) for p in PROMPTS]
     before = drafting.stats()
-    got = run_all(drafting, jobs)
+    got = run_jobs(drafting, jobs)
     after = drafting.stats()
-    assert got == run_all(plain, jobs)
+    assert got == run_jobs(plain, jobs)
     assert after.spec_accepted_tokens - before.spec_accepted_tokens > 10
     assert after.spec_drafts > before.spec_drafts and after.mean_acceptance_length > 1
     generated = sum(len(t) for t, _ in got)
@@ -178,7 +159,7 @@ def test_other_rows_decode_as_without_speculation_beside_drafting_ones(plain, dr
     scored = SlotSettings(max_tokens=20, logprob=True, top_logprobs=False)
     jobs = [(PROMPTS[0], GREEDY), (PROMPTS[1], penalised), (PROMPTS[2], scored), (PROMPTS[3], GREEDY)]
     before = drafting.stats()
-    assert run_all(drafting, jobs) == run_all(plain, jobs)
+    assert run_jobs(drafting, jobs) == run_jobs(plain, jobs)
     assert drafting.stats().spec_drafts > before.spec_drafts
 
 
@@ -191,37 +172,37 @@ def test_sampled_rows_draft_and_get_the_tokens_plain_decoding_draws(plain, draft
     jobs = [(PROMPTS[0], sampled(1)), (PROMPTS[1], sampled(2, top_k=8)), (PROMPTS[2], GREEDY),
             (PROMPTS[3], sampled(3)), (PROMPTS[0], sampled(4)), (PROMPTS[1], sampled(5, temperature=1.0))]
     before = drafting.stats()
-    got = run_all(drafting, jobs)
+    got = run_jobs(drafting, jobs)
     after = drafting.stats()
-    assert got == run_all(plain, jobs)
-    greedy = run_all(plain, [(p, GREEDY) for p, _ in jobs])
+    assert got == run_jobs(plain, jobs)
+    greedy = run_jobs(plain, [(p, GREEDY) for p, _ in jobs])
     assert sum(g != s for g, s in zip(greedy, got)) >= 3
     # the greedy row alone cannot account for these: sampled rows' drafts were kept too
-    (alone, _), = run_all(drafting, [(PROMPTS[2], GREEDY)])
+    (alone, _), = run_jobs(drafting, [(PROMPTS[2], GREEDY)])
     accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
     assert accepted > len(alone)
 
 
 def test_stop_tokens_and_the_context_end_cut_accepted_drafts(plain, drafting):
-    (first, _), = run_all(plain, [(PROMPTS[1], GREEDY)])
+    (first, _), = run_jobs(plain, [(PROMPTS[1], GREEDY)])
     stop = first[12]  # a token the greedy text reaches after drafts have begun to land
     stopping = SlotSettings(**{**GREEDY.__dict__, "stop_token_ids": (stop,)})
     to_the_end = SlotSettings(**{**GREEDY.__dict__, "max_tokens": MAX_SEQ - len(PROMPTS[1])})
     jobs = [(PROMPTS[1], stopping), (PROMPTS[1], to_the_end)]
-    got = run_all(drafting, jobs)
-    assert got == run_all(plain, jobs)
+    got = run_jobs(drafting, jobs)
+    assert got == run_jobs(plain, jobs)
     assert got[0][1] == "stop" and got[0][0][-1] == stop and got[1][1] == "length"
     # min_tokens holds the stop token back in the drafts' checks as in plain steps
     held = SlotSettings(**{**stopping.__dict__, "min_tokens": 20})
-    got = run_all(drafting, [(PROMPTS[1], held)])
-    assert got == run_all(plain, [(PROMPTS[1], held)]) and len(got[0][0]) >= 20
+    got = run_jobs(drafting, [(PROMPTS[1], held)])
+    assert got == run_jobs(plain, [(PROMPTS[1], held)]) and len(got[0][0]) >= 20
 
 
 def test_a_model_that_steps_several_times_a_call_still_drafts(params, plain):
     e = engine_of(params, True, decode_steps=4)
     try:
         jobs = [(p, GREEDY) for p in PROMPTS[:2]]
-        assert run_all(e, jobs) == run_all(plain, jobs)
+        assert run_jobs(e, jobs) == run_jobs(plain, jobs)
         assert e.stats().spec_accepted_tokens > 0
     finally:
         e.close()
@@ -229,7 +210,7 @@ def test_a_model_that_steps_several_times_a_call_still_drafts(params, plain):
 
 def test_warmup_compiled_the_drafting_steps(drafting):
     with xla_compiles() as asked:
-        run_all(drafting, [(p, GREEDY) for p in PROMPTS] + [([2] + [9] * 14, GREEDY)])
+        run_jobs(drafting, [(p, GREEDY) for p in PROMPTS] + [([2] + [9] * 14, GREEDY)])
     assert asked == []
 
 
@@ -256,7 +237,7 @@ def test_pipeline_stages_check_drafts_as_one_device_does(params, plain):
     e = Engine(piped)
     try:
         jobs = [(p, GREEDY) for p in PROMPTS]
-        assert run_all(e, jobs) == run_all(plain, jobs)
+        assert run_jobs(e, jobs) == run_jobs(plain, jobs)
         assert e.stats().spec_accepted_tokens > 10
     finally:
         e.close()
