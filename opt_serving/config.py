@@ -167,6 +167,8 @@ def config_for(name: str, folder: str | Path | None = None) -> OPTConfig:
 
 # the most tokens a served row drafts a step (each is one more token in the step's products)
 MAX_SPECULATIVE_TOKENS = 8
+# the chunks a draft model's row cache is fed in (runner/draft.py: each a compile of the draft model)
+DRAFT_WIDTHS = (1, 2, 8, 64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +183,11 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     model: Optional[str] = None
     path: Optional[str] = None
+
+    @property
+    def draft_cache_extra(self) -> int:
+        """Entries a draft model's row cache holds past the row's tokens: the widest chunk fed and the drafts."""
+        return DRAFT_WIDTHS[-1] + self.num_speculative_tokens
 
     @classmethod
     def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":

@@ -195,6 +195,19 @@ def test_cli_bad_arguments(capsys, args, words):
     assert words in capsys.readouterr().err
 
 
+def test_cli_holds_a_draft_model_beside_the_first_stage(capsys):
+    draft = '{"model": "jax/opt-350m", "num_speculative_tokens": 4}'
+    args = ["plan", "--model", "opt-2.7b", "--cluster", "2x1x12GB:cpu", "--batch-size", "16", "--max-seq-len", "512",
+            "--dtype", "float32"]
+    assert main(args) == 0
+    alone = capsys.readouterr().out
+    assert main(args + ["--speculative-config", draft]) == 0
+    beside = capsys.readouterr().out
+    assert "draft model" not in alone and "stage 0's with the draft model's 3.28 GB beside it" in beside
+    assert main(args[:4] + ["1x1x22GB:cpu"] + args[5:] + ["--speculative-config", draft]) == 1
+    assert "+ the draft model 3.3), usable 19.8 GB" in capsys.readouterr().err
+
+
 def test_cli_model_folder(tmp_path, capsys):
     OPT_CONFIGS["tiny"].save_hf_json(tmp_path)
     assert main(["plan", "--model", str(tmp_path), "--cluster", "1x2x1GB:cpu", "--json"]) == 0
@@ -269,3 +282,51 @@ def test_a_plan_for_generate_counts_its_whole_sequence_caches():
     assert one.pp == 1 and one.stages[0].kv_bytes == 24 * cost.kv_cache_bytes(cfg, 8, 256, "float32")
     with pytest.raises(ValueError, match="use must be one of serve, generate"):
         search(cfg, cluster, use="beam", **args)
+
+
+def test_a_served_draft_model_is_held_beside_the_first_stage():
+    """OPT-2.7b served at 16 slots of 512 tokens with an OPT-350m draft model (runner/draft.py: its weights and a
+    cache of 512 + 68 entries for each of the 16 rows, in the serving process): where the target alone fits one
+    22 GB node, the two do not, and the refusal names the draft; on two 12 GB nodes the first stage gives layers to
+    the second to make room. A draft bigger than what the cluster has left is refused before the search."""
+    from opt_serving.config import get_config
+    from opt_serving.parallel.stage_memory import DraftModel
+    cfg, draft = get_config("opt-2.7b"), DraftModel(get_config("opt-350m"), 68)
+    args = dict(model="opt-2.7b", batch_size=16, max_seq_len=512, dtype="float32")
+    need = draft.peak_bytes(16, 512, "float32", cpu=True)
+    kv = 16 * 580 * 24 * cost.kv_cache_bytes(draft.cfg, 1, 1, "float32")  # 16 rows of 580 entries, 24 layers
+    assert need > kv + cost.weight_bytes(draft.cfg, "float32")
+    assert search(cfg, parse_cluster("1x1x22GB:cpu"), **args).best.pp == 1
+    with pytest.raises(NoFeasiblePlan, match=rf"\+ the draft model {need / GB:.1f}\), usable 19.8 GB"):
+        search(cfg, parse_cluster("1x1x22GB:cpu"), draft=draft, **args)
+    alone = search(cfg, parse_cluster("2x1x12GB:cpu"), **args).best
+    beside = search(cfg, parse_cluster("2x1x12GB:cpu"), draft=draft, **args).best
+    assert alone.pp == beside.pp == 2 and beside.layer_split[0] < alone.layer_split[0]
+    assert [s.draft_bytes for s in beside.stages] == [need, 0]
+    first = beside.stages[0]
+    assert first.memory_bytes == need + peak_bytes(first.param_bytes, first.kv_bytes, first.act_bytes,
+                                                   first.runtime_bytes, first.load_bytes) <= beside.memory_limit
+    with pytest.raises(NoFeasiblePlan, match="needs 10.6 GB of float32 weights and its draft model 5.3 GB"):
+        search(cfg, parse_cluster("1x1x15GB:cpu"), draft=DraftModel(get_config("opt-1.3b"), 68), **args)
+    with pytest.raises(ValueError, match="a draft model is planned for serving"):
+        search(cfg, parse_cluster("2x1x12GB:cpu"), draft=draft, use="generate", **args)
+
+
+def test_load_engine_plans_room_for_its_draft_model(monkeypatch):
+    """load_engine hands the planner the draft model its speculative_config names: its config, k drafts and the
+    widest chunk past each row's tokens, in the target's weight format."""
+    from opt_serving.config import config_for
+    from opt_serving.model.embedded import ensure_embedded_model
+    from opt_serving.runner import load
+    from opt_serving.text import loading
+    seen = {}
+
+    def load_slots(spec, **kwargs):
+        seen.update(kwargs)
+        raise RuntimeError("planned")
+    monkeypatch.setattr(load, "load_slots", load_slots)
+    with pytest.raises(RuntimeError, match="planned"):
+        loading.load_engine("alpa/opt-125m", dummy=True, quantize="int8",
+                            speculative={"model": "opt-tiny", "num_speculative_tokens": 3})
+    draft = seen["draft"]
+    assert (draft.cfg, draft.extra, draft.weights) == (config_for("opt-tiny", ensure_embedded_model()), 64 + 3, "int8")

@@ -88,11 +88,12 @@ def plan_cluster(tensor_parallel=None, pipeline_parallel=None, device_memory=Non
 
 
 def plan_model(spec: ModelSpec, dtype="float32", device_memory=None, batch_size: int = 1, max_seq_len=None,
-               cluster: Cluster | None = None, use: str = "serve"):
+               cluster: Cluster | None = None, use: str = "serve", draft=None):
     """(plan, config, weights folder or None) of an alpa/ model: the planner's best plan with the spec's
     degrees fixed (`spec.quantize="int8"`: planned for int8 weights), its caches sized for `use` (planner.search:
-    "serve", the slot runner's; "generate", get_model's). Raises planner.NoFeasiblePlan with `opt-serving plan`'s
-    message when nothing fits."""
+    "serve", the slot runner's; "generate", get_model's), room for a served draft model beside the first stage
+    (`draft`: stage_memory.DraftModel). Raises planner.NoFeasiblePlan with `opt-serving plan`'s message when
+    nothing fits."""
     dtype = loader.model_dtype(dtype)
     folder = None
     if spec.weights.random:
@@ -105,7 +106,8 @@ def plan_model(spec: ModelSpec, dtype="float32", device_memory=None, batch_size:
     cluster = cluster or plan_cluster(spec.tensor_parallel, spec.pipeline_parallel, device_memory)
     plan = search(cfg, cluster, model=spec.label, batch_size=batch_size,
                   max_seq_len=max_seq_len, dtype=jnp.dtype(dtype).name, tensor_parallel=spec.tensor_parallel,
-                  pipeline_parallel=spec.pipeline_parallel, weights=spec.quantize or "float32", use=use).best
+                  pipeline_parallel=spec.pipeline_parallel, weights=spec.quantize or "float32", use=use,
+                  draft=draft).best
     return plan, cfg, folder
 
 

@@ -14,7 +14,7 @@ from opt_serving.parallel import cost
 from opt_serving.parallel.cluster import GB, Cluster
 from opt_serving.parallel.plan import Plan, Rejected, Stage
 from opt_serving.parallel.slicing import slice_layers
-from opt_serving.parallel.stage_memory import peak_bytes, stage_memory
+from opt_serving.parallel.stage_memory import DraftModel, peak_bytes, stage_memory
 
 
 def _stage_kinds(pp: int) -> list[tuple[bool, bool]]:
@@ -66,15 +66,17 @@ def _stage_tables(cfg: OPTConfig, cluster: Cluster, pp: int, tp: int, batch: int
     return t
 
 
-def _memory_rejection(t: _Tables, dp: int, pp: int, tp: int, limit: float) -> Rejected:
+def _memory_rejection(t: _Tables, dp: int, pp: int, tp: int, limit: float, draft: int) -> Rejected:
     need, split = slice_layers(t.mem_of, t.mem_of, np.inf)   # the least memory any split needs
     worst = int(np.argmax([t.mem_of[s, n] for s, n in enumerate(split)]))
     p, k, a, r, ld = t.mems[(*_stage_kinds(pp)[worst], split[worst])]
     runtime = f" + runtime layout {r / GB:.1f}" if r else ""
+    beside = f" + the draft model {draft / GB:.1f}" if draft and worst == 0 else ""
     return Rejected(dp, pp, tp,
                     f"needs {need / GB:.1f} GB per device (stage {worst}: {split[worst]} layers, "
                     f"weights {p / GB:.1f}{runtime} + the larger of KV cache {k / GB:.1f} + activations "
-                    f"{a / GB:.1f} and loading {ld / GB:.1f} GB), usable {limit / GB:.1f} GB", need_bytes=need)
+                    f"{a / GB:.1f} and loading {ld / GB:.1f} GB{beside}), usable {limit / GB:.1f} GB",
+                    need_bytes=need)
 
 
 def _step_time(cluster: Cluster, stages: list[Stage], pp: int, tp: int, micro: int,
@@ -106,7 +108,7 @@ def _prefill_time(cfg: OPTConfig, cluster: Cluster, stages: list[Stage], tp: int
 def evaluate(cfg: OPTConfig, cluster: Cluster, model: str, dp: int, pp: int, tp: int, *,
              batch_size: int, max_seq_len: int, dtype: str, limit: float, objective: str,
              prefill_batch: int, weights: str = "float32", pool: bool = True,
-             use: str = "serve") -> Plan | Rejected:
+             use: str = "serve", draft: DraftModel | None = None) -> Plan | Rejected:
     problem = _degree_problem(cfg, dp, pp, tp)
     if problem is not None:
         return problem
@@ -115,16 +117,19 @@ def evaluate(cfg: OPTConfig, cluster: Cluster, model: str, dp: int, pp: int, tp:
     micro = min(pp, batch) if objective == "throughput" else 1
     mb = math.ceil(batch / micro)
     t = _stage_tables(cfg, cluster, pp, tp, batch, mb, max_seq_len, prefill_batch, dtype, weights, pool, use)
+    draft_bytes = 0 if draft is None else draft.peak_bytes(batch, max_seq_len, dtype, cluster.spec.kind == "cpu")
+    t.mem_of[0] += draft_bytes  # (a served draft model runs in the serving process, beside the first stage)
     found = slice_layers(t.cost_of, t.mem_of, limit)
     if found is None:
-        return _memory_rejection(t, dp, pp, tp, limit)
+        return _memory_rejection(t, dp, pp, tp, limit, draft_bytes)
     _, split = found
     stages, start = [], 0
     for s, n in enumerate(split):
         first, last = _stage_kinds(pp)[s]
         p, k, a, r, ld = t.mems[first, last, n]
         stages.append(Stage(s, (start, start + n), tuple(range(s * tp, (s + 1) * tp)), t.nodes[s],
-                            first, last, p, k, a, t.times[first, last, n], *t.handoffs[s], r, ld))
+                            first, last, p, k, a, t.times[first, last, n], *t.handoffs[s], r, ld,
+                            draft_bytes if s == 0 else 0))
         start += n
     step = _step_time(cluster, stages, pp, tp, micro, active)
     throughput = active * batch / step

@@ -16,12 +16,13 @@ import json
 import sys
 from pathlib import Path
 
-from opt_serving.config import OPTConfig, get_config
+from opt_serving.config import DRAFT_WIDTHS, OPTConfig, SpeculativeConfig, config_for, get_config
 from opt_serving.jax_env import DEFAULT_HEADROOM
 from opt_serving.parallel import cost, ray_address
 from opt_serving.parallel.cluster import GB, Cluster, cluster_from_jax, cluster_from_ray, parse_cluster
 from opt_serving.parallel.cluster import calibrate as measure
 from opt_serving.parallel.planner import NoFeasiblePlan, SearchResult, search
+from opt_serving.parallel.stage_memory import DraftModel
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,6 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="measure FLOP/s, memory bandwidth and all-reduce cost on the local devices, "
                         "and (local, batch 1, small models) time the model's decode stages at "
                         "each tp degree")
+    p.add_argument("--speculative-config", default=None,
+                   help="as `opt-serving serve` takes it: a draft model's memory (its weights, and a cache for each "
+                        "of --batch-size rows) is held beside the first stage, e.g. '{\"model\": \"jax/opt-125m\", "
+                        "\"num_speculative_tokens\": 4}' (\"path\": its folder's config.json, else the name's)")
     p.add_argument("--runners-up", type=int, default=5, help="how many runner-up plans to show")
     p.add_argument("--json", action="store_true", help="print the plans as JSON")
 
@@ -59,6 +64,15 @@ def load_model_config(model: str) -> tuple[str, OPTConfig]:
         return path.name, OPTConfig.from_hf_json(path)
     cfg = get_config(model)   # raises with the known sizes listed
     return model.rsplit("/", 1)[-1], cfg
+
+
+def _draft(args: argparse.Namespace) -> DraftModel | None:
+    """The draft model a --speculative-config names, as the serving process holds it (runner/draft.py's caches)."""
+    spec = SpeculativeConfig.parse(args.speculative_config)
+    if spec is None or spec.model is None:
+        return None
+    cfg = config_for(spec.model.rsplit("/", 1)[-1], spec.path)
+    return DraftModel(cfg, spec.draft_cache_extra, args.quantize or "float32", DRAFT_WIDTHS[-1])
 
 
 def load_cluster(text: str, calibrate: bool = False, profile: dict | None = None) -> Cluster:
@@ -111,8 +125,10 @@ def format_plan(result: SearchResult, cluster: Cluster, runners_up: int = 5) -> 
             f"{_devices(s.devices):>7}  {s.node:>4}  {_gb(s.param_bytes):>8}  {_gb(s.runtime_bytes):>7}  "
             f"{_gb(s.kv_bytes):>6}  {_gb(s.act_bytes):>6}  {_gb(s.load_bytes):>7}  {_gb(s.memory_bytes):>7}  "
             f"{_gb(best.device_memory - s.memory_bytes):>8}  {s.busy_s * 1e3:>7.2f}  {extra}")
+    draft = best.stages[0].draft_bytes
     lines += [
-        "(memory: weights + runtime layout + the larger of KV + activations and the loading overhead)",
+        "(memory: weights + runtime layout + the larger of KV + activations and the loading overhead"
+        + (f"; stage 0's with the draft model's {_gb(draft)} GB beside it)" if draft else ")"),
         f"(GB per device of {_gb(best.device_memory)} GB; usable {_gb(best.memory_limit)} GB "
         f"after headroom; replicas 1..{best.dp - 1} repeat this layout on the next devices)"
         if best.dp > 1 else
@@ -159,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
                         tensor_parallel=args.tensor_parallel,
                         pipeline_parallel=args.pipeline_parallel,
                         data_parallel=args.data_parallel, objective=args.objective,
-                        weights=args.quantize or "float32")
+                        weights=args.quantize or "float32", draft=_draft(args))
     except NoFeasiblePlan as e:
         if args.json:
             print(json.dumps({"error": str(e)}))

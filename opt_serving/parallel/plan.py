@@ -38,6 +38,7 @@ class Stage:
     inter_node_handoff: bool
     runtime_bytes: int = 0           # per device, the runtime layout beyond the params (cost.runtime_extra_bytes)
     load_bytes: int = 0              # per device, transient while the stage loads (cost.load_bytes)
+    draft_bytes: int = 0             # the first stage's first device: a served draft model beside it
 
     @property
     def num_layers(self) -> int:
@@ -46,8 +47,10 @@ class Stage:
     @property
     def memory_bytes(self) -> int:
         """The stage's peak on one device: its params in their runtime layout, then the larger of what
-        loading them passes through (before any cache exists) and its KV cache with the activations."""
-        return peak_bytes(self.param_bytes, self.kv_bytes, self.act_bytes, self.runtime_bytes, self.load_bytes)
+        loading them passes through (before any cache exists) and its KV cache with the activations; and a
+        served draft model's peak where one runs beside it."""
+        return (peak_bytes(self.param_bytes, self.kv_bytes, self.act_bytes, self.runtime_bytes, self.load_bytes)
+                + self.draft_bytes)
 
     @property
     def busy_s(self) -> float:

@@ -22,6 +22,7 @@ from opt_serving.parallel.cluster import GB, Cluster
 from opt_serving.parallel.plan import USES, NoFeasiblePlan, Plan, Rejected
 from opt_serving.parallel.plan_explain import why_lost
 from opt_serving.parallel.slicing import slice_layers  # noqa: F401  (re-exported)
+from opt_serving.parallel.stage_memory import DraftModel
 
 
 @dataclasses.dataclass
@@ -43,7 +44,8 @@ def _divisors(n: int) -> list[int]:
 
 def _check_search_args(cfg: OPTConfig, cluster: Cluster, model: str, batch_size: int,
                        max_seq_len: int | None, dtype: str, headroom: float,
-                       objective: str | None, weights: str = "float32", use: str = "serve") -> tuple[int, str]:
+                       objective: str | None, weights: str = "float32", use: str = "serve",
+                       draft: DraftModel | None = None) -> tuple[int, str]:
     """Reject bad arguments and models too big for the whole cluster before searching;
     returns max_seq_len and objective with their defaults filled in."""
     if batch_size < 1:
@@ -60,11 +62,15 @@ def _check_search_args(cfg: OPTConfig, cluster: Cluster, model: str, batch_size:
     if use not in USES:
         raise ValueError(f"use must be one of {', '.join(USES)}, got {use!r}")
     cost.dtype_bytes(dtype)
+    if draft is not None and use != "serve":
+        raise ValueError("a draft model is planned for serving (use='serve'), not for generate()")
     need = cost.weight_bytes(cfg, dtype, weights)
-    if need > cluster.total_memory:
+    draft_need = 0 if draft is None else cost.weight_bytes(draft.cfg, dtype, draft.weights)
+    if need + draft_need > cluster.total_memory:
+        beside = f" and its draft model {draft_need / GB:.1f} GB" if draft_need else ""
         raise NoFeasiblePlan(
-            f"{model or 'the model'} needs {need / GB:.1f} GB of {_weights_name(dtype, weights)} weights, the cluster "
-            f"has {cluster.total_memory / GB:.1f} GB ({cluster.describe()})")
+            f"{model or 'the model'} needs {need / GB:.1f} GB of {_weights_name(dtype, weights)} weights{beside}, "
+            f"the cluster has {cluster.total_memory / GB:.1f} GB ({cluster.describe()})")
     return max_seq_len, objective
 
 
@@ -85,12 +91,33 @@ def _no_plan(model: str, cluster: Cluster, rejected: list[Rejected]) -> NoFeasib
     return NoFeasiblePlan(msg, rejected)
 
 
+def _degrees(cluster: Cluster, tensor_parallel: int | None, pipeline_parallel: int | None,
+             data_parallel: int | None, rejected: list[Rejected]) -> list[tuple[int, int, int]]:
+    """The (dp, pp, tp) the cluster allows, degrees given kept; why the others cannot be, into `rejected`."""
+    N, D = cluster.num_devices, cluster.devices_per_node
+    out = []
+    for tp in [tensor_parallel] if tensor_parallel else _divisors(D):
+        if tp < 1 or D % tp:
+            rejected.append(Rejected(data_parallel or 1, pipeline_parallel or 1, tp,
+                                     f"tp={tp} must divide the {D} devices of a node "
+                                     f"(tensor parallelism stays inside a node)"))
+            continue
+        for pp in [pipeline_parallel] if pipeline_parallel else range(1, N // tp + 1):
+            dp = data_parallel or N // (pp * tp)
+            if dp < 1 or dp * pp * tp > N:
+                rejected.append(Rejected(dp, pp, tp, f"needs {max(dp, 1) * pp * tp} devices, "
+                                                     f"the cluster has {N}"))
+                continue
+            out.append((dp, pp, tp))
+    return out
+
+
 def search(cfg: OPTConfig, cluster: Cluster, *, model: str = "", batch_size: int = 1,
            max_seq_len: int | None = None, dtype: str = "float16", headroom: float = DEFAULT_HEADROOM,
            tensor_parallel: int | None = None, pipeline_parallel: int | None = None,
            data_parallel: int | None = None, objective: str | None = None,
            prefill_batch: int = 1, weights: str = "float32", prefix_pool: bool = True,
-           use: str = "serve") -> SearchResult:
+           use: str = "serve", draft: DraftModel | None = None) -> SearchResult:
     """Every candidate plan, feasible ones best first. Raises NoFeasiblePlan when none fits.
 
     Each plan has room for the prefix cache's pool beside the slots' cache; where no plan has, the plans without
@@ -105,39 +132,27 @@ def search(cfg: OPTConfig, cluster: Cluster, *, model: str = "", batch_size: int
     cache's pool, prompts prefilled `prefill_batch` at a time. "generate": get_model's generate() calls of up to
     `batch_size` rows of up to `max_seq_len` (the prompt's width and the new tokens, each rounded up to a power of
     two: runner.generate.Generation), each micro-batch's prompts prefilled together; no pool.
+
+    `draft`: a served draft model (runner/draft.py), held with its rows' caches beside the first stage's first device
+    (the serving process's).
     """
     max_seq_len, objective = _check_search_args(cfg, cluster, model, batch_size, max_seq_len,
-                                                dtype, headroom, objective, weights, use)
+                                                dtype, headroom, objective, weights, use, draft)
     prefix_pool = prefix_pool and use == "serve"
     limit = cluster.device_memory * (1 - headroom)
-    N, D = cluster.num_devices, cluster.devices_per_node
-    tps = [tensor_parallel] if tensor_parallel else _divisors(D)
     plans: list[Plan] = []
     rejected: list[Rejected] = []
-    for tp in tps:
-        if tp < 1 or D % tp:
-            rejected.append(Rejected(data_parallel or 1, pipeline_parallel or 1, tp,
-                                     f"tp={tp} must divide the {D} devices of a node "
-                                     f"(tensor parallelism stays inside a node)"))
-            continue
-        pps = [pipeline_parallel] if pipeline_parallel else range(1, N // tp + 1)
-        for pp in pps:
-            dp = data_parallel or N // (pp * tp)
-            if dp < 1 or dp * pp * tp > N:
-                rejected.append(Rejected(dp, pp, tp, f"needs {max(dp, 1) * pp * tp} devices, "
-                                                     f"the cluster has {N}"))
-                continue
-            r = evaluate(cfg, cluster, model, dp, pp, tp, batch_size=batch_size,
-                         max_seq_len=max_seq_len, dtype=dtype, limit=limit,
-                         objective=objective, prefill_batch=prefill_batch, weights=weights, pool=prefix_pool,
-                         use=use)
-            (plans if isinstance(r, Plan) else rejected).append(r)
+    for dp, pp, tp in _degrees(cluster, tensor_parallel, pipeline_parallel, data_parallel, rejected):
+        r = evaluate(cfg, cluster, model, dp, pp, tp, batch_size=batch_size, max_seq_len=max_seq_len, dtype=dtype,
+                     limit=limit, objective=objective, prefill_batch=prefill_batch, weights=weights,
+                     pool=prefix_pool, use=use, draft=draft)
+        (plans if isinstance(r, Plan) else rejected).append(r)
     if not plans and prefix_pool:
         try:
             return search(cfg, cluster, model=model, batch_size=batch_size, max_seq_len=max_seq_len, dtype=dtype,
                           headroom=headroom, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
                           data_parallel=data_parallel, objective=objective, prefill_batch=prefill_batch,
-                          weights=weights, prefix_pool=False, use=use)
+                          weights=weights, prefix_pool=False, use=use, draft=draft)
         except NoFeasiblePlan:
             pass  # the reasons given with the pool counted
     if not plans:

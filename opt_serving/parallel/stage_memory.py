@@ -4,6 +4,8 @@ fits these under each device's memory; kept apart from the search, which only co
 """
 from __future__ import annotations
 
+import dataclasses
+
 from opt_serving.config import OPTConfig
 from opt_serving.parallel import cost
 from opt_serving.runner import prefix
@@ -40,3 +42,24 @@ def stage_memory(cfg: OPTConfig, n: int, first: bool, last: bool, tp: int, batch
         act += cost.logits_bytes(cfg, max(micro, prefill_batch), tp)
     runtime = cost.runtime_extra_bytes(cfg, last, tp, dtype, weights, cpu, first)
     return params, kv, act, runtime, cost.load_bytes(cfg, n, first, last, tp, dtype, weights)
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftModel:
+    """A served draft model (runner/draft.py) a plan holds beside its first stage, in the serving process: its whole
+    model on one device and a batch-1 cache for each drafting row, `extra` entries past the slots' max_seq_len
+    (the widest chunk it is fed and the drafts)."""
+    cfg: OPTConfig
+    extra: int
+    weights: str = "float32"          # "int8": the target's int8 weights, as the draft is loaded
+    chunk: int = 64                   # the widest chunk fed at once
+
+    def peak_bytes(self, rows: int, max_seq_len: int, dtype: str, cpu: bool = False) -> int:
+        """Its peak with `rows` drafting rows (greedy: the screened head makes no logits). It loads after the
+        target's caches exist, so its loading overhead counts with them."""
+        cfg, n = self.cfg, self.cfg.num_hidden_layers
+        params = cost.stage_param_bytes(cfg, n, True, True, 1, dtype, self.weights)
+        kv = n * cost.kv_cache_bytes(cfg, rows, max_seq_len + self.extra, dtype)
+        act = cost.activation_bytes(cfg, 1, self.chunk, dtype)
+        runtime = cost.runtime_extra_bytes(cfg, True, 1, dtype, self.weights, cpu, True)
+        return peak_bytes(params, kv, act, runtime, cost.load_bytes(cfg, n, True, True, 1, dtype, self.weights))

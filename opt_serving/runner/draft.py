@@ -27,10 +27,10 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from opt_serving.config import SpeculativeConfig
+from opt_serving.config import DRAFT_WIDTHS, SpeculativeConfig
 from opt_serving.runner.ngram import EMA, NgramSpeculation
 
-WIDTHS = (1, 2, 8, 64)  # chunks the draft's cache is fed in (each a compile of the draft model)
+WIDTHS = DRAFT_WIDTHS  # chunks the draft's cache is fed in (each a compile of the draft model)
 
 
 class ModelSpeculation(NgramSpeculation):
@@ -41,7 +41,7 @@ class ModelSpeculation(NgramSpeculation):
         super().__init__(config, num_slots, max_seq_len, sizes)
         self.draft = draft
         # a row's cache holds its tokens and its drafts but the last, written a chunk at a time past them
-        self.cache_len = max_seq_len + WIDTHS[-1] + self.k
+        self.cache_len = max_seq_len + config.draft_cache_extra
         self.keys: dict[int, object] = {}  # slot -> its cache in the draft model
         self.fed = np.zeros((num_slots, self.cache_len), np.int32)  # the tokens each row's cache holds ...
         self.done = np.zeros(num_slots, np.int64)  # ... its first done entries

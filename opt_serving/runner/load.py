@@ -15,9 +15,11 @@ from typing import Optional
 import jax
 
 from opt_serving.backend import Backend
+from opt_serving.config import DRAFT_WIDTHS, SpeculativeConfig, config_for
 from opt_serving.model import kv_cache, loader, opt
 from opt_serving.parallel import backend as parallel
 from opt_serving.parallel.pipeline import RayStages
+from opt_serving.parallel.stage_memory import DraftModel
 from opt_serving.runner.generate import Generation
 from opt_serving.runner.prefix import default_blocks
 from opt_serving.runner.slots import Slots
@@ -30,7 +32,7 @@ log = logging.getLogger(__name__)
 
 def load_slots(spec: ModelSpec, dtype: str = "auto", num_slots: int = 16, max_seq_len: Optional[int] = None,
                device_memory=None, micro_batches: Optional[int] = None, prefix_caching: bool = True,
-               handoff: str = "auto", lora=None) -> Slots:
+               handoff: str = "auto", lora=None, draft: Optional[DraftModel] = None) -> Slots:
     """Slots over the spec's weights: a numpy folder (or its parent holding `<size>-np/`), or random weights
     of its size drawn from its seed. `micro_batches`: decode slot groups of a pipelined plan (default: pp, at
     most one per slot). `spec.quantize="int8"`: int8 weights (model/quantize.py; an alpa/ plan's are split as
@@ -38,11 +40,11 @@ def load_slots(spec: ModelSpec, dtype: str = "auto", num_slots: int = 16, max_se
     that start the same way (runner/prefix.py; every stage keeps its layers'). `handoff`: how a pipelined plan's
     stages hand hidden states on (pipeline.RayStages: "auto", "cgraph", "refs"). `lora`: the LoRA adapters
     (runner/lora.py's LoraOptions: their slots, every stage holding its layers' share, and those served from the
-    start; Slots.loras serves them).
+    start; Slots.loras serves them). `draft`: a served draft model the plan makes room for (draft_model's).
     """
     options, lora = lora, (None if lora is None else lora.config())
     slots = _load_slots(spec.for_engine(), dtype, num_slots, max_seq_len, device_memory, micro_batches,
-                        prefix_caching, handoff, lora)
+                        prefix_caching, handoff, lora, draft)
     for name, path in () if options is None else options.modules:
         try:
             slots.loras.add(name, path)
@@ -53,14 +55,14 @@ def load_slots(spec: ModelSpec, dtype: str = "auto", num_slots: int = 16, max_se
 
 
 def _load_slots(spec, dtype, num_slots, max_seq_len, device_memory, micro_batches, prefix_caching, handoff,
-                lora) -> Slots:
+                lora, draft) -> Slots:
     dtype = resolve_dtype(dtype, cluster=spec.parallel)
     if not spec.parallel:
         m = loader.local_model(spec, dtype)
     else:
         loader.check_quantize_dtype(spec.quantize, dtype)
         plan, cfg, source = parallel.plan_model(spec, dtype, device_memory=device_memory, batch_size=num_slots,
-                                                max_seq_len=max_seq_len)
+                                                max_seq_len=max_seq_len, draft=draft)
         if prefix_caching and not plan.prefix_pool:
             log.warning("prefix caching is off: the plan %s has no room for its pool beside %d slots of %s tokens",
                         plan.name, num_slots, max_seq_len or cfg.max_position_embeddings)
@@ -78,6 +80,14 @@ def _load_slots(spec, dtype, num_slots, max_seq_len, device_memory, micro_batche
         m = parallel.tensor_parallel_model(cfg, plan, source, dtype, spec.weights.seed or 0, spec.quantize)
     return local_slots(m.config, m.fused_params, num_slots, max_seq_len, plan=m.plan, backend=m.backend,
                        prefix_blocks=prefix_blocks(m.config, num_slots, max_seq_len, prefix_caching), lora=lora)
+
+
+def draft_model(spec: ModelSpec, speculative: SpeculativeConfig) -> DraftModel:
+    """What a plan holds for the served draft model of a speculative_config (runner/draft.py's caches), read from
+    its config alone."""
+    spec = spec.for_engine()
+    return DraftModel(config_for(spec.name, spec.weights.folder), speculative.draft_cache_extra,
+                      spec.quantize or "float32", DRAFT_WIDTHS[-1])
 
 
 def load_draft(spec: ModelSpec, dtype: str = "auto", quantize: Optional[str] = None):

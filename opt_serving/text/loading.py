@@ -115,7 +115,7 @@ def load_engine(model: Union[str, ModelSpec], path=None, dtype: str = "auto", nu
     What it compiles is kept on disk for the next start (xla_cache)."""
     # JAX is imported where a model is loaded, not with this module: the fake engine's server and a process that
     # only checks arguments or routes requests never import it
-    from opt_serving.runner.load import load_draft, load_slots
+    from opt_serving.runner.load import draft_model, load_draft, load_slots
     spec = model if isinstance(model, ModelSpec) else ModelSpec.parse(
         model, path, dummy=dummy, seed=seed, tensor_parallel=tensor_parallel, pipeline_parallel=pipeline_parallel,
         quantize=quantize)
@@ -127,7 +127,8 @@ def load_engine(model: Union[str, ModelSpec], path=None, dtype: str = "auto", nu
     with startlog.PHASES.phase("weights and stages", compiles=True):
         slots = load_slots(spec, dtype=dtype, num_slots=num_slots, max_seq_len=max_seq_len,
                            device_memory=device_memory, micro_batches=micro_batches, prefix_caching=prefix_caching,
-                           handoff=handoff, lora=lora)
+                           handoff=handoff, lora=lora,
+                           draft=None if draft is None else draft_model(draft, speculative))
     if speculative is not None:
         try:
             with startlog.PHASES.phase("draft model" if draft else "speculation", compiles=False):
