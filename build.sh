@@ -4,7 +4,7 @@
 #  - opt_serving/_speedups.pyx (Cython): host-side helpers;
 #  - opt_serving/csrc/*.cc (C++) -> opt_serving/_cpu_kernels.so: XLA FFI custom calls for the CPU
 #    backend (opt_serving/backend/cpu/): oneDNN matrix products on pre-packed float32, bfloat16
-#    and int8 weights, an argmax, a decode attention and the screened greedy head.
+#    and int8 weights, an argmax, a decode attention, the screened greedy head and the layer norm.
 #    Needs a C++17 compiler and oneDNN's headers and library (the onednn-cpu-gomp and
 #    onednn-devel-cpu-gomp wheels in requirements.txt put them under the venv's include/, lib/).
 set -euo pipefail

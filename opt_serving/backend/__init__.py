@@ -2,7 +2,7 @@
 
 A `Backend` is a frozen, hashable value: the Flax model takes it as a static attribute (`opt.OPT(backend=...)`)
 and the jitted steps as a static argument, and its methods are the operations whose implementation depends on
-where the model runs: the dense layers' products, the tied LM head (logits, greedy tokens), a decode step's
+where the model runs: the dense layers' products, the layer norms, the tied LM head (logits, greedy tokens), a decode step's
 attention, the argmax over the vocabulary. `Backend.xla()` is plain XLA, right on every device; the CPU
 kernels (backend/cpu/) run where `choose` / `for_params` say, and `prepare` puts the params in the layout
 they read (`plain` undoes it).
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from opt_serving.backend import sampling
-from opt_serving.backend.cpu import _lib, attention, head, products
+from opt_serving.backend.cpu import _lib, attention, head, norm, products
 from opt_serving.settings import Settings
 
 __all__ = ["Backend", "bfloat16_products", "choose", "devices", "for_params"]
@@ -76,6 +76,18 @@ class Backend:
         if bias is not None:
             y = y + bias
         return nn.relu(y) if relu else y
+
+    def layer_norm(self, module: nn.Module, x, eps: float, dtype=jnp.float32):
+        """`module`'s layer norm of float32 x [..., D] over its last axis: its params declared (at init) and read
+        through it, `scale` and `bias` [D] of `dtype`, nn.LayerNorm's. With packed products the CPU kernel's, each
+        row alone (a row's numbers the same whatever the rows beside it); otherwise nn.LayerNorm's numbers."""
+        d = x.shape[-1]
+        scale = module.param("scale", nn.initializers.ones, (d,), dtype)
+        bias = module.param("bias", nn.initializers.zeros, (d,), dtype)
+        if self.products:
+            return norm.layer_norm(x, scale, bias, eps)
+        return nn.LayerNorm(epsilon=eps, dtype=jnp.float32, param_dtype=dtype).apply(
+            {"params": {"scale": scale, "bias": bias}}, x)
 
     def logits(self, params: dict, h):
         """The tied LM head: h [..., D] -> float32 logits [..., V]. int8 reads only its own copy (`lm_head`): a

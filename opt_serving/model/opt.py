@@ -31,15 +31,25 @@ LN_EPS = 1e-5  # torch.nn.LayerNorm's default, which OPT uses
 XLA = Backend.xla()
 
 
-class LayerNorm(nn.Module):
-    """Layer norm computed in float32 whatever the model dtype."""
-    dtype: Any = jnp.float32
+class _Norm(nn.Module):
+    """The layer norm's params (`scale`, `bias`) where nn.LayerNorm kept them (checkpoints' "ln"), run by the
+    backend (Backend.layer_norm)."""
+    dtype: Any
+    backend: Backend
 
     @nn.compact
     def __call__(self, x):
-        y = nn.LayerNorm(epsilon=LN_EPS, dtype=jnp.float32, param_dtype=self.dtype,
-                         name="ln")(x.astype(jnp.float32))
-        return y.astype(self.dtype)
+        return self.backend.layer_norm(self, x, LN_EPS, self.dtype)
+
+
+class LayerNorm(nn.Module):
+    """Layer norm computed in float32 whatever the model dtype."""
+    dtype: Any = jnp.float32
+    backend: Backend = XLA
+
+    @nn.compact
+    def __call__(self, x):
+        return _Norm(self.dtype, self.backend, name="ln")(x.astype(jnp.float32)).astype(self.dtype)
 
 
 class Linear(nn.Module):
@@ -96,10 +106,10 @@ class DecoderLayer(nn.Module):
     def setup(self):
         cfg, dt, be = self.cfg, self.dtype, self.backend
         self.self_attn = SelfAttention(cfg, dt, self.fused_qkv, be)
-        self.self_attn_layer_norm = LayerNorm(dt)
+        self.self_attn_layer_norm = LayerNorm(dt, be)
         self.fc1 = Linear(cfg.ffn_dim, relu=True, dtype=dt, backend=be)
         self.fc2 = Linear(cfg.hidden_size, dtype=dt, backend=be)
-        self.final_layer_norm = LayerNorm(dt)
+        self.final_layer_norm = LayerNorm(dt, be)
 
     def __call__(self, h, attend: Callable, keep=None):
         """h [B, S, D] -> [B, S, D], or with `keep` (int32 [K]) only those tokens past the attention's k/v:
@@ -162,7 +172,7 @@ class OPT(nn.Module):
             self.project_out = Linear(cfg.word_embed_proj_dim, use_bias=False, dtype=dt, backend=be)
         self.layers = [DecoderLayer(cfg, dt, self.fused_qkv, be) for _ in range(st.num_layers)]
         if st.last and cfg.has_final_layer_norm:
-            self.layer_norm = LayerNorm(dt)
+            self.layer_norm = LayerNorm(dt, be)
 
     def __call__(self, x, positions, attends, all_logits: bool = True,
                  return_hidden: bool = False, keep=None):

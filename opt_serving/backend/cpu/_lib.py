@@ -15,7 +15,7 @@ from opt_serving.settings import Settings
 LIBRARY = Path(__file__).resolve().parents[2] / "_cpu_kernels.so"
 MATMUL, ARGMAX, ATTENTION, GREEDY_HEAD = "opt_onednn_matmul", "opt_argmax", "opt_decode_attention", "opt_greedy_head"
 MATMUL_LOWP, GREEDY_HEAD8 = "opt_onednn_matmul_lowp", "opt_greedy_head8"
-RAGGED_ATTENTION = "opt_ragged_attention"
+RAGGED_ATTENTION, LAYER_NORM = "opt_ragged_attention", "opt_layer_norm"
 
 
 @functools.cache
@@ -67,7 +67,8 @@ def _load() -> Optional[ctypes.CDLL]:
     lib.opt_f32_tile_rows(-1 if settings.f32_tile_rows is None else settings.f32_tile_rows)
     for target, fn in ((MATMUL, lib.OptOnednnMatmul), (MATMUL_LOWP, lib.OptOnednnMatmulLowp), (ARGMAX, lib.OptArgmax),
                        (ATTENTION, lib.OptDecodeAttention), (GREEDY_HEAD, lib.OptGreedyHead),
-                       (GREEDY_HEAD8, lib.OptGreedyHead8), (RAGGED_ATTENTION, lib.OptRaggedAttention)):
+                       (GREEDY_HEAD8, lib.OptGreedyHead8), (RAGGED_ATTENTION, lib.OptRaggedAttention),
+                       (LAYER_NORM, lib.OptLayerNorm)):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform="cpu")
     return lib
 
