@@ -2,8 +2,8 @@
 
 A `Backend` is a frozen, hashable value: the Flax model takes it as a static attribute (`opt.OPT(backend=...)`)
 and the jitted steps as a static argument, and its methods are the operations whose implementation depends on
-where the model runs: the dense layers' products, the layer norms, the tied LM head (logits, greedy tokens), a decode step's
-attention, the argmax over the vocabulary. `Backend.xla()` is plain XLA, right on every device; the CPU
+where the model runs: the dense layers' products, the layer norms, the tied LM head (logits, greedy tokens), a
+decode step's attention, the argmax over the vocabulary. `Backend.xla()` is plain XLA, right on every device; the CPU
 kernels (backend/cpu/) run where `choose` / `for_params` say, and `prepare` puts the params in the layout
 they read (`plain` undoes it).
 

@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from opt_serving.config import DRAFT_WIDTHS, OPTConfig, SpeculativeConfig, config_for, get_config
+from opt_serving.config import OPTConfig, SpeculativeConfig, config_for, get_config
 from opt_serving.jax_env import DEFAULT_HEADROOM
 from opt_serving.parallel import cost, ray_address
 from opt_serving.parallel.cluster import GB, Cluster, cluster_from_jax, cluster_from_ray, parse_cluster
@@ -71,8 +71,7 @@ def _draft(args: argparse.Namespace) -> DraftModel | None:
     spec = SpeculativeConfig.parse(args.speculative_config)
     if spec is None or spec.model is None:
         return None
-    cfg = config_for(spec.model.rsplit("/", 1)[-1], spec.path)
-    return DraftModel(cfg, spec.draft_cache_extra, args.quantize or "float32", DRAFT_WIDTHS[-1])
+    return DraftModel.of(config_for(spec.model.rsplit("/", 1)[-1], spec.path), spec, args.quantize or "float32")
 
 
 def load_cluster(text: str, calibrate: bool = False, profile: dict | None = None) -> Cluster:

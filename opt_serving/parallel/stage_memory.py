@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from opt_serving.config import OPTConfig
+from opt_serving.config import DRAFT_WIDTHS, OPTConfig, SpeculativeConfig
 from opt_serving.parallel import cost
 from opt_serving.runner import prefix
 
@@ -52,7 +52,13 @@ class DraftModel:
     cfg: OPTConfig
     extra: int
     weights: str = "float32"          # "int8": the target's int8 weights, as the draft is loaded
-    chunk: int = 64                   # the widest chunk fed at once
+    chunk: int = DRAFT_WIDTHS[-1]     # the widest chunk fed at once
+
+    @classmethod
+    def of(cls, cfg: OPTConfig, speculative: SpeculativeConfig, weights: str = "float32") -> "DraftModel":
+        """The draft model a speculative_config names (`cfg`: its config), its rows' caches as runner/draft.py
+        sizes them."""
+        return cls(cfg, speculative.draft_cache_extra, weights)
 
     def peak_bytes(self, rows: int, max_seq_len: int, dtype: str, cpu: bool = False) -> int:
         """Its peak with `rows` drafting rows (greedy: the screened head makes no logits). It loads after the

@@ -15,7 +15,7 @@ from typing import Optional
 import jax
 
 from opt_serving.backend import Backend
-from opt_serving.config import DRAFT_WIDTHS, SpeculativeConfig, config_for
+from opt_serving.config import SpeculativeConfig, config_for
 from opt_serving.model import kv_cache, loader, opt
 from opt_serving.parallel import backend as parallel
 from opt_serving.parallel.pipeline import RayStages
@@ -86,8 +86,7 @@ def draft_model(spec: ModelSpec, speculative: SpeculativeConfig) -> DraftModel:
     """What a plan holds for the served draft model of a speculative_config (runner/draft.py's caches), read from
     its config alone."""
     spec = spec.for_engine()
-    return DraftModel(config_for(spec.name, spec.weights.folder), speculative.draft_cache_extra,
-                      spec.quantize or "float32", DRAFT_WIDTHS[-1])
+    return DraftModel.of(config_for(spec.name, spec.weights.folder), speculative, spec.quantize or "float32")
 
 
 def load_draft(spec: ModelSpec, dtype: str = "auto", quantize: Optional[str] = None):
