@@ -17,28 +17,29 @@ static inline v16 load16(const float* p) {
   return v;
 }
 
-// Each sum of a row in one fixed order: 16 running sums (element j into sum j % 16), then those in turn, written out
-// rather than left to `omp simd reduction`, whose order is the compiler's.
+// A row's sum of term(x_j) in one fixed order: 16 running sums (element j into sum j % 16), then those in turn,
+// written out rather than left to `omp simd reduction`, whose order is the compiler's. `term` takes 16 lanes or one.
+template <class Term>
+static inline __attribute__((always_inline)) float row_sum(const float* x, int64_t d, Term term) {
+  const int64_t whole = d / 16 * 16;
+  v16 acc = {};
+  for (int64_t j = 0; j < whole; j += 16) acc += term(load16(x + j));
+  float part[16];
+  std::memcpy(part, &acc, sizeof part);
+  for (int64_t j = whole; j < d; ++j) part[j & 15] += term(x[j]);
+  float sum = 0.f;
+  for (int i = 0; i < 16; ++i) sum += part[i];
+  return sum;
+}
+
 __attribute__((target_clones("avx512f", "avx2", "default")))
 static void norm_row(const float* x, const float* scale, const float* bias, int64_t d, float eps, float* y) {
   const int64_t whole = d / 16 * 16;
-  v16 acc = {};
-  for (int64_t j = 0; j < whole; j += 16) acc += load16(x + j);
-  float part[16];
-  std::memcpy(part, &acc, sizeof part);
-  for (int64_t j = whole; j < d; ++j) part[j & 15] += x[j];
-  float sum = 0.f;
-  for (int i = 0; i < 16; ++i) sum += part[i];
-  const float mean = sum / static_cast<float>(d);
-  v16 sq = {};
-  for (int64_t j = 0; j < whole; j += 16) {
-    const v16 c = load16(x + j) - mean;
-    sq += c * c;
-  }
-  std::memcpy(part, &sq, sizeof part);
-  for (int64_t j = whole; j < d; ++j) part[j & 15] += (x[j] - mean) * (x[j] - mean);
-  float squares = 0.f;
-  for (int i = 0; i < 16; ++i) squares += part[i];
+  const float mean = row_sum(x, d, [](auto v) { return v; }) / static_cast<float>(d);
+  const float squares = row_sum(x, d, [mean](auto v) {
+    const auto c = v - mean;
+    return c * c;
+  });
   const float inv = 1.f / std::sqrt(squares / static_cast<float>(d) + eps);
   for (int64_t j = 0; j < whole; j += 16) {
     const v16 out = (load16(x + j) - mean) * inv * load16(scale + j) + load16(bias + j);
