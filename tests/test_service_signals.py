@@ -16,11 +16,10 @@ import psutil
 import pytest
 
 from opt_serving.service.testserver import free_port
-from opt_serving.testing.cli_server import wait_for_line
+from opt_serving.testing.cli_server import rest_of_output, wait_for_line
 
 pytest.importorskip("ray.serve")
 REPO = Path(__file__).resolve().parents[1]
-
 
 
 def _urllib_status(url: str, payload: dict) -> int:
@@ -78,6 +77,9 @@ def test_serve_answers_through_ray_and_a_signal_leaves_no_processes(sig, ingress
         assert nice["ray::ProxyActor"] == (19 if ingress == "auto" else os.nice(0)), nice
         proc.send_signal(sig)
         assert proc.wait(timeout=120) == 0
+        stopping = rest_of_output(proc, timeout=30)  # Serve, then Ray, stopped in order: nothing failed on the way
+        for complaint in ("while stopping", "Event loop is closed", "has been disabled", "Traceback"):
+            assert complaint not in stopping, stopping
         gone, alive = psutil.wait_procs(children, timeout=30)
         alive = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
         assert not alive, f"left behind: {[(p.pid, p.name()) for p in alive]}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import threading
 
 from opt_serving import startlog
 from opt_serving.parallel.planner import NoFeasiblePlan
@@ -83,12 +84,34 @@ def _foreign_serve_problem(args: argparse.Namespace) -> str | None:
 def replica_phases() -> list[str]:
     """Where the application's replica's start went (its startlog lines), or [] where it cannot say (the fake
     engine's replica says the same way; a replica of another version has no such method)."""
-    from ray import serve
+    from ray.serve.handle import DeploymentHandle
 
-    async def fetch():  # (in an event loop: Serve's throughput-optimised mode routes a handle's calls on the caller's)
-        return await serve.get_deployment_handle("OPTServer", app_name=APP_NAME).start_phases.remote()
+    async def fetch():  # a handle of this call's own (not serve.get_deployment_handle's cached one), shut down here
+        handle = DeploymentHandle("OPTServer", APP_NAME)
+        try:
+            return await handle.start_phases.remote()
+        finally:
+            await handle.shutdown_async()
 
+    call = asyncio.run_coroutine_threadsafe(fetch(), _handle_loop())
     try:
-        return startlog.lines_of(asyncio.run(asyncio.wait_for(fetch(), 30)))
+        return startlog.lines_of(call.result(timeout=30))
     except Exception as e:  # a log line is not worth failing a start for
+        call.cancel()  # (a replica silent for 30 s: the call given up, its handle shut down)
         return [f"opt-serving start: the replica's phases are not known ({type(e).__name__}: {e})"]
+
+
+_loop: asyncio.AbstractEventLoop | None = None
+
+
+def _handle_loop() -> asyncio.AbstractEventLoop:
+    """The event loop of this command's calls through Serve handles, running in a thread of its own until the
+    command exits. In Serve's throughput-optimised mode a handle's router and Serve's long-poll client run on
+    the caller's loop; a loop closed after the call (asyncio.run) left them bound to it, so serve.shutdown()
+    failed on the router ("Event loop is closed", skipping the ray.shutdown() after it) and the long-poll
+    clients logged errors as Serve stopped."""
+    global _loop
+    if _loop is None:
+        _loop = asyncio.new_event_loop()
+        threading.Thread(target=_loop.run_forever, daemon=True, name="opt-serving-handles").start()
+    return _loop

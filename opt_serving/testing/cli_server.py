@@ -45,6 +45,22 @@ def wait_for_line(proc: subprocess.Popen, text: str, timeout: float) -> list[str
                          f"output:\n{''.join(seen)}")
 
 
+def rest_of_output(proc: subprocess.Popen, timeout: float) -> str:
+    """The child's output from where wait_for_line left it to its end (a child that has exited), or what came
+    within `timeout` where it has not ended by then."""
+    lines, rest, deadline = _lines(proc), [], time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            line = lines.get(timeout=left)
+        except queue.Empty:
+            break
+        if line is None:
+            lines.put(None)
+            break
+        rest.append(line)
+    return "".join(rest)
+
+
 _readers: "weakref.WeakKeyDictionary[subprocess.Popen, queue.Queue]" = weakref.WeakKeyDictionary()
 _readers_lock = threading.Lock()
 
