@@ -80,6 +80,16 @@ def test_drafts_stay_in_the_context_and_in_the_check():
     assert sum(len(d.tokens) for d in drafts) == s.verify_rows < 4 * 4
 
 
+def test_a_rows_rate_is_its_drafts_kept_over_those_tested():
+    """Drafts each kept with probability 0.85 until the first miss: the row's rate reads 0.85, where a mean of
+    each step's kept / tested read about 0.73."""
+    s, rng, rates = spec_rows(), np.random.default_rng(1), []
+    for _ in range(4000):
+        s.observe_row(0, 4, next((i for i in range(4) if rng.random() >= 0.85), 4))
+        rates.append(s.rate[0])
+    assert abs(np.mean(rates[100:]) - 0.85) < 0.02, np.mean(rates[100:])
+
+
 def test_a_row_whose_drafts_miss_only_probes():
     s = spec_rows()
     s.observe_step(8, False, 0.030)

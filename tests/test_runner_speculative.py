@@ -103,6 +103,21 @@ def test_draft_length_rule():
     assert KChooser(4, adaptive=False).next_k() == 4
 
 
+def test_the_acceptance_rate_is_the_drafts_accepted_over_those_tested():
+    """Drafts each accepted with probability 0.85 until the first rejection: the rate read from the rounds is
+    0.85 (a mean of each round's accepted / tested read about 0.73), so the rule keeps drafting 4."""
+    from opt_serving.runner.speculative import KChooser
+    rng = np.random.default_rng(0)
+    chooser, rates = KChooser(4), []
+    for _ in range(4000):
+        k = 4
+        accepted = next((i for i in range(k) if rng.random() >= 0.85), k)
+        chooser.observe(k, accepted, t_draft=k * 0.009, t_check=0.06)
+        rates.append(chooser.rate)
+    assert abs(np.mean(rates[100:]) - 0.85) < 0.02, np.mean(rates[100:])
+    assert chooser.expected_rate(4) > chooser.expected_rate(3)  # at 0.85, with these costs, 4 drafts pay most
+
+
 def test_failed_probes_wait_longer_and_a_landing_one_turns_drafting_back_on():
     from opt_serving.runner.speculative import PROBE_EVERY, PROBE_MAX, KChooser
     chooser, ks = KChooser(4), []

@@ -93,7 +93,8 @@ class NgramSpeculation:
         self.verify_rows = min(SPEC_MAX_BLOCK // 2, 2 * self.k)
         self.tokens = np.zeros((num_slots, max_seq_len + MAX_SPECULATIVE_TOKENS + 1), np.int32)  # each slot's
         self.length = np.zeros(num_slots, np.int64)  # prompt and tokens so far; 0: a slot that does not draft
-        self.rate = np.full(num_slots, PRIOR_RATE)
+        self.rate = np.full(num_slots, PRIOR_RATE)  # each slot's acceptance rate: _kept / _tested (running sums)
+        self._kept, self._tested = np.full(num_slots, PRIOR_RATE), np.ones(num_slots)
         self.idle = np.zeros(num_slots, np.int64)  # steps since a low-rate row last probed
         self.step_s: dict[tuple[int, bool], float] = {}  # (block size, with drafts) -> seconds, running
         self.forced: Optional[tuple[int, int]] = None  # warm-up: (slot, block) of the next step's drafts
@@ -110,6 +111,7 @@ class NgramSpeculation:
         if may_draft(settings):
             self.tokens[slot, :len(tokens)] = tokens
             self.length[slot], self.rate[slot], self.idle[slot] = len(tokens), PRIOR_RATE, 0
+            self._kept[slot], self._tested[slot] = PRIOR_RATE, 1.0
 
     def extend(self, slot: int, tokens: Sequence[int]) -> None:
         n = self.length[slot]
@@ -282,8 +284,10 @@ class NgramSpeculation:
     def observe_row(self, slot: int, drafted: int, kept: int) -> None:
         """A row's step checked `drafted` drafts and kept the first `kept`."""
         tested = kept + (kept < drafted)  # (the drafts after the first rejected one were never tested)
-        if tested:
-            self.rate[slot] = (1 - EMA) * self.rate[slot] + EMA * kept / tested
+        if tested:  # sums, not a mean of kept / tested, which is biased low (speculative.KChooser.observe)
+            self._kept[slot] = (1 - EMA) * self._kept[slot] + EMA * kept
+            self._tested[slot] = (1 - EMA) * self._tested[slot] + EMA * tested
+            self.rate[slot] = self._kept[slot] / self._tested[slot]
 
     def settle(self, result, slots: np.ndarray, more, kept, packed, table) -> None:
         """A step's `result` (runner.types.StepResult over the group's `slots`, in row order) as the sampler gave
