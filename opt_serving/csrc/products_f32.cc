@@ -48,10 +48,9 @@ void rows_by_block(const float* x, int64_t k, int64_t n, const float* block, int
 }
 
 // The same with AVX-512 intrinsics, M rows by 16 * V columns of a block (V = 4: the whole block): the accumulators
-// in registers (up to 6 x 4 of the 32) and the block's rows prefetched into L2 48 rows (12 KB) ahead and from
-// there into L1 8 rows (2 KB) ahead (the plain loop above read the weights at 12-15 GB/s for 2-8 rows, where one
-// row read them at 20-23; one prefetch into L1 4 KB ahead left 5 rows 15% slower than two levels, L1's few
-// outstanding misses its limit, as in products_s8.cc). 5-8 rows once ran as two passes
+// in registers (up to 6 x 4 of the 32) and the block's rows prefetched 48 rows ahead into L2 and 8 into L1
+// (prefetch_ahead; the plain loop above read the weights at 12-15 GB/s for 2-8 rows, where one row read them at
+// 20-23). 5-8 rows once ran as two passes
 // over the block's halves (V = 2), which read half of each 256-byte row at a time and the weights at 19 GB/s where
 // 1-4 rows read them at 31: 5-6 rows now take the whole block in one pass, 7-8 four rows at a time (26 GB/s).
 template <int M, int V>
@@ -69,8 +68,7 @@ void rows_by_tile(const float* x, int64_t k, int64_t n, const float* tile, int64
     __m512 w[V];
 #pragma GCC unroll 4
     for (int q = 0; q < V; ++q) {
-      _mm_prefetch(reinterpret_cast<const char*>(row + 64 * 48 + 16 * q), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(row + 64 * 8 + 16 * q), _MM_HINT_T0);
+      prefetch_ahead(row + 16 * q);
       w[q] = _mm512_loadu_ps(row + 16 * q);
     }
 #pragma GCC unroll 8

@@ -107,13 +107,6 @@ bool opt::s8_vnni_reads(const dnnl::memory::desc& packed, int64_t k, int64_t n) 
 
 namespace {
 
-// The block's rows prefetched twice: into L2 48 rows of 4 k (12 KB) ahead, and from there into L1 8 rows (2 KB)
-// ahead. With a few rows' VNNI work between two rows' reads, the hardware's prefetcher alone fell behind the
-// memory; one prefetch into L1 4 KB ahead (as rows_by_tile does for float32) helped, but L1's few outstanding
-// misses kept it short of the memory's rate, which L2's deeper queue reaches (benchmark/README.md, speculative
-// decoding: five variants taking turns)
-constexpr int64_t kToL2 = 48 * 256, kToL1 = 8 * 256;
-
 // R rows x one block of 64 columns; xu [R, k64] the rows as uint8 (x + 128), rows k64 apart
 template <int R>
 __attribute__((target("avx512f,avx512bw,avx512vnni")))
@@ -124,10 +117,7 @@ void s8_tile(const uint8_t* xu, int64_t k64, const int8_t* w, const int32_t* com
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm512_setzero_si512();
   for (int64_t p = 0; p < k64 / 4; ++p, w += 256) {
 #pragma GCC unroll 4
-    for (int q = 0; q < 4; ++q) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + kToL2 + 64 * q), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(w + kToL1 + 64 * q), _MM_HINT_T0);
-    }
+    for (int q = 0; q < 4; ++q) prefetch_ahead(w + 64 * q);  // (products.h)
     const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64), w2 = _mm512_loadu_si512(w + 128),
                   w3 = _mm512_loadu_si512(w + 192);
 #pragma GCC unroll 8

@@ -93,7 +93,7 @@ class NgramSpeculation:
         self.verify_rows = min(SPEC_MAX_BLOCK // 2, 2 * self.k)
         self.tokens = np.zeros((num_slots, max_seq_len + MAX_SPECULATIVE_TOKENS + 1), np.int32)  # each slot's
         self.length = np.zeros(num_slots, np.int64)  # prompt and tokens so far; 0: a slot that does not draft
-        self.rate = np.full(num_slots, PRIOR_RATE)  # each slot's acceptance rate: _kept / _tested (running sums)
+        # each slot's drafts kept and tested, running sums (the prior: one step of PRIOR_RATE of one): `rate`
         self._kept, self._tested = np.full(num_slots, PRIOR_RATE), np.ones(num_slots)
         self.idle = np.zeros(num_slots, np.int64)  # steps since a low-rate row last probed
         self.step_s: dict[tuple[int, bool], float] = {}  # (block size, with drafts) -> seconds, running
@@ -110,7 +110,7 @@ class NgramSpeculation:
         self.length[slot] = 0
         if may_draft(settings):
             self.tokens[slot, :len(tokens)] = tokens
-            self.length[slot], self.rate[slot], self.idle[slot] = len(tokens), PRIOR_RATE, 0
+            self.length[slot], self.idle[slot] = len(tokens), 0
             self._kept[slot], self._tested[slot] = PRIOR_RATE, 1.0
 
     def extend(self, slot: int, tokens: Sequence[int]) -> None:
@@ -164,18 +164,18 @@ class NgramSpeculation:
             if not self._probe_drafted(tokens):
                 return []  # (not even drafts that all land would pay: no lookups)
             probe, most = True, 1  # (one draft rides now and then, so the estimate is measured again)
-        offers = []  # (expected kept, slot, row, its i-th draft, the drafts)
+        offers, rates = [], self.rate  # (expected kept, slot, row, its i-th draft, the drafts)
         for slot, row, length in running:
             if not self.length[slot]:
                 continue
             k = min(self.k, max_seq_len - length)  # (draft i takes entry length - 1 + i)
-            if self.adaptive and self.rate[slot] < MIN_RATE:
+            if self.adaptive and rates[slot] < MIN_RATE:
                 self.idle[slot] += 1
                 if self.idle[slot] < PROBE_EVERY:
                     continue
                 k = min(k, 1)
             drafted = self._candidates(slot, k) if k > 0 else []
-            offers += [(self.rate[slot] ** (i + 1), slot, row, i, drafted) for i in range(len(drafted))]
+            offers += [(rates[slot] ** (i + 1), slot, row, i, drafted) for i in range(len(drafted))]
         if not offers:
             return []
         offers.sort(key=lambda o: -o[0])  # (a row's i-th draft is never likelier than its (i-1)-th)
@@ -281,13 +281,17 @@ class NgramSpeculation:
         fresh = old is None or seconds < old / 2
         self.step_s[key] = seconds if fresh else (1 - EMA) * old + EMA * min(seconds, 4 * old)
 
+    @property
+    def rate(self) -> np.ndarray:
+        """Each slot's acceptance rate: its drafts kept over those tested, newer steps weighing more."""
+        return self._kept / self._tested
+
     def observe_row(self, slot: int, drafted: int, kept: int) -> None:
         """A row's step checked `drafted` drafts and kept the first `kept`."""
         tested = kept + (kept < drafted)  # (the drafts after the first rejected one were never tested)
         if tested:  # sums, not a mean of kept / tested, which is biased low (speculative.KChooser.observe)
             self._kept[slot] = (1 - EMA) * self._kept[slot] + EMA * kept
             self._tested[slot] = (1 - EMA) * self._tested[slot] + EMA * tested
-            self.rate[slot] = self._kept[slot] / self._tested[slot]
 
     def settle(self, result, slots: np.ndarray, more, kept, packed, table) -> None:
         """A step's `result` (runner.types.StepResult over the group's `slots`, in row order) as the sampler gave

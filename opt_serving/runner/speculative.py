@@ -89,7 +89,7 @@ class KChooser:
     @property
     def rate(self) -> float:
         """The acceptance rate: accepted over tested drafts of the rounds seen, newer rounds weighing more."""
-        return self._accepted / self._tested if self._tested > 0 else 0.0
+        return self._accepted / self._tested  # (a round tests at least one draft: never 0)
 
     def expected_rate(self, k: int) -> float:
         """Expected tokens per second when drafting k."""

@@ -24,23 +24,9 @@ def wait_for_line(proc: subprocess.Popen, text: str, timeout: float) -> list[str
     """Read the child's output until a line contains `text`; AssertionError with the output otherwise, also
     when the child stays silent past `timeout` (its lines are read by a thread of their own, so a readline
     that blocks never outlasts the deadline)."""
-    lines = _lines(proc)
-    seen, deadline, why = [], time.monotonic() + timeout, f"within {timeout:.0f} s"
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        try:
-            line = lines.get(timeout=left)
-        except queue.Empty:
-            break
-        if line is None:
-            lines.put(None)  # (for a later call too)
-            why = "before its output ended"
-            break
-        seen.append(line)
-        if text in line:
-            return seen
+    seen, why = _read(proc, timeout, text)
+    if why is None:
+        return seen
     raise AssertionError(f"server did not print {text!r} {why} (exit status {proc.poll()}); "
                          f"output:\n{''.join(seen)}")
 
@@ -48,17 +34,25 @@ def wait_for_line(proc: subprocess.Popen, text: str, timeout: float) -> list[str
 def rest_of_output(proc: subprocess.Popen, timeout: float) -> str:
     """The child's output from where wait_for_line left it to its end (a child that has exited), or what came
     within `timeout` where it has not ended by then."""
-    lines, rest, deadline = _lines(proc), [], time.monotonic() + timeout
+    return "".join(_read(proc, timeout)[0])
+
+
+def _read(proc: subprocess.Popen, timeout: float, text: str | None = None) -> tuple[list[str], str | None]:
+    """The child's next lines up to one containing `text` -> (lines, None), or up to its output's end or
+    `timeout` -> (lines, why it stopped there)."""
+    lines, seen, deadline = _lines(proc), [], time.monotonic() + timeout
     while (left := deadline - time.monotonic()) > 0:
         try:
             line = lines.get(timeout=left)
         except queue.Empty:
             break
         if line is None:
-            lines.put(None)
-            break
-        rest.append(line)
-    return "".join(rest)
+            lines.put(None)  # (for a later call too)
+            return seen, "before its output ended"
+        seen.append(line)
+        if text is not None and text in line:
+            return seen, None
+    return seen, f"within {timeout:.0f} s"
 
 
 _readers: "weakref.WeakKeyDictionary[subprocess.Popen, queue.Queue]" = weakref.WeakKeyDictionary()
