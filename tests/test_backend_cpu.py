@@ -87,7 +87,8 @@ def int8_kernel(request):
 @pytest.mark.parametrize("int8_kernel", ["onednn", "vnni"], indirect=True)
 @pytest.mark.parametrize("m,k,n", [(1, 32, 96), (3, 33, 70), (17, 768, 300), (64, 3072, 48), (7, 100, 130)])
 def test_int8_product_is_the_row_quantized_product(m, k, n, int8_kernel):
-    # the kernel's own arithmetic, in numpy: each row of x to int8 with scale max|x|/127, int32 sums, scaled
+    # the kernel's own arithmetic, in numpy: each row of x to int8 with scale max|x|/127 (7 bits, max|x|/63, on a CPU
+    # whose int8 products sum pairs in int16: products.int8_row_levels), exact int32 sums, scaled
     rng = np.random.default_rng(m)
     x, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((m, k), (k, n), (n,)))
     x[0] *= 100  # rows of very different sizes keep their own scales
@@ -95,8 +96,9 @@ def test_int8_product_is_the_row_quantized_product(m, k, n, int8_kernel):
     q = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
     packed = products.pack(q, weights="int8")
     assert np.array_equal(products.unpack(packed, k, n, "int8"), q)
-    sx = np.abs(x).max(1) / 127
-    qx = np.clip(np.rint(x / sx[:, None]), -127, 127)
+    levels = products.int8_row_levels()
+    sx = np.abs(x).max(1) / levels
+    qx = np.clip(np.rint(x / sx[:, None]), -levels, levels)
     ref = (qx @ q.astype(np.float64)) * sx[:, None] * scale + b
     got = jax.jit(lambda x, p, s, b: products.matmul(x, p, n, b, relu=True, weights="int8", scales=s))(
         x, packed, scale, b)
@@ -520,7 +522,8 @@ def test_ragged_attention_reads_each_querys_own_row_up_to_its_end(d, cache, port
     """Decode rows (one query each), a prompt's part continuing its row (queries reading one entry more each:
     causal), a part after a cached prefix read from the pool, and padding, against numpy; entries past each
     query's end and the row entries a pool prefix stands for are NaN (never read). head_dim 64 and 128 take the
-    AVX-512 code where the CPU has it, others and OPT_SERVING_NO_AVX512 the portable code (in a child)."""
+    AVX-512 code where the CPU has it, else (and with OPT_SERVING_NO_AVX512, in a child) the vector loops built
+    for AVX2; other sizes the portable code."""
     if portable:
         probe = ("import sys; sys.path.insert(0, 'tests'); import test_backend_cpu as t; "
                  f"t.test_ragged_attention_reads_each_querys_own_row_up_to_its_end({d}, {cache!r}, False)")

@@ -121,17 +121,56 @@ void use_threads() {
   pin_team(omp_get_max_threads());
 }
 
+bool native_products(dt type, std::initializer_list<const char*> marks) {
+  try {
+    dnnl::memory::desc src({kPackRows, 64}, type, tag::ab), w({64, 1024}, type, tag::any),
+        dst({kPackRows, 1024}, dt::f32, tag::ab);
+    dnnl::primitive_attr attr;
+    if (type == dt::s8) attr.set_scales_mask(DNNL_ARG_WEIGHTS, 1 << 1);
+    const std::string impl = dnnl::matmul::primitive_desc(cpu_engine(), src, w, dst, attr).impl_info_str();
+    for (const char* mark : marks) {
+      if (impl.find(mark) != std::string::npos) return true;
+    }
+    return false;
+  } catch (...) {
+    return false;
+  }
+}
+
+bool s8_rows() {
+  static const bool exact = native_products(dt::s8, {"vnni", "amx"});
+  return exact;
+}
+
+namespace {
+
+// the rows' type and attributes of an int8 (or other `in`) product: per-column weight scales, the 7-bit rows'
+// zero point
+dt rows_type(dt in) { return in == dt::s8 && !s8_rows() ? dt::u8 : in; }
+
+void int8_attr(dnnl::primitive_attr& attr, dt in) {
+  if (in != dt::s8) return;
+  attr.set_scales_mask(DNNL_ARG_WEIGHTS, 1 << 1);
+  if (!s8_rows()) attr.set_zero_points_mask(DNNL_ARG_SRC, 0);
+}
+
+}  // namespace
+
 const dnnl::memory::desc& packed_desc(int64_t k, int64_t n, dt in) {
   static std::map<std::tuple<int64_t, int64_t, dt>, dnnl::memory::desc> descs;
   std::lock_guard<std::mutex> lock(mu);
   auto key = std::make_tuple(k, n, in);
   auto it = descs.find(key);
   if (it == descs.end()) {
-    dnnl::memory::desc src({kPackRows, k}, in, tag::ab);
+    if (in == dt::f32 && f32_everywhere()) {
+      it = descs.emplace(key, dnnl::memory::desc({k, n}, in, tag::BA16a64b)).first;
+      return it->second;
+    }
+    dnnl::memory::desc src({kPackRows, k}, rows_type(in), tag::ab);
     dnnl::memory::desc w({k, n}, in, tag::any);
     dnnl::memory::desc dst({kPackRows, n}, dt::f32, tag::ab);
     dnnl::primitive_attr attr;
-    if (in == dt::s8) attr.set_scales_mask(DNNL_ARG_WEIGHTS, 1 << 1);
+    int8_attr(attr, in);
     dnnl::matmul::primitive_desc pd(cpu_engine(), src, w, dst, attr);
     it = descs.emplace(key, pd.weights_desc()).first;
   }
@@ -150,13 +189,13 @@ dnnl::matmul matmul_for(int64_t m, int64_t k, int64_t n, bool bias, bool relu, d
   if (it == prims.end()) {
     dnnl::primitive_attr attr;
     if (in == dt::s8) {
-      attr.set_scales_mask(DNNL_ARG_WEIGHTS, 1 << 1);
+      int8_attr(attr, in);
     } else if (relu) {
       dnnl::post_ops ops;
       ops.append_eltwise(dnnl::algorithm::eltwise_relu, 0.f, 0.f);
       attr.set_post_ops(ops);
     }
-    dnnl::memory::desc src({m, k}, in, tag::ab);
+    dnnl::memory::desc src({m, k}, rows_type(in), tag::ab);
     dnnl::memory::desc dst({m, n}, dt::f32, tag::ab);
     dnnl::matmul::primitive_desc pd =
         bias && in != dt::s8

@@ -79,13 +79,27 @@ struct OnKernelThread<Body> {
   }
 };
 
+// Does oneDNN's matmul of `type` rows by `type` weights run on an implementation whose name has one of `marks`?
+bool native_products(dt type, std::initializer_list<const char*> marks);
+
+// How oneDNN's int8 products take their rows here. With VNNI or AMX they sum int8 products in int32 exactly, and
+// take int8 rows (s8_rows: 127 levels a side). Without (AVX2, AVX-512 before VNNI) they multiply uint8 by int8
+// bytes and add pairs of products in int16 (VPMADDUBSW), which saturates past 32767: an int8 row, shifted by 128
+// to uint8, gave sums off by a tenth. There the rows are quantized to 7 bits (63 levels a side) and shifted by 64
+// to uint8 in [1, 127], a zero point oneDNN takes back: a pair then sums to at most 2 * 127 * 127 = 32258, exact
+// (PyTorch's fbgemm does the same there, its reduce_range).
+bool s8_rows();
+inline int s8_row_levels() { return s8_rows() ? 127 : 63; }
+constexpr int32_t kU8RowZero = 64;  // the zero point of the 7-bit rows
+
 // The layout oneDNN's matmul picks for a [K, N] weight of type `in` (float32 results either way;
-// int8 weights are multiplied by int8 rows with per-column weight scales).
+// int8 weights are multiplied by int8 rows (or 7-bit ones, above) with per-column weight scales).
 const dnnl::memory::desc& packed_desc(int64_t k, int64_t n, dt in = dt::f32);
 
 // The matmul (cached) of [M, K] rows of type `in` by a packed [K, N] weight of that type (packed_desc) into float32
 // [M, N]: with a bias [1, N] and a fused ReLU for float32 and bfloat16; int8 takes a scale per column instead
-// (DNNL_ARG_ATTR_SCALES | DNNL_ARG_WEIGHTS) and leaves bias and ReLU to the caller.
+// (DNNL_ARG_ATTR_SCALES | DNNL_ARG_WEIGHTS) and leaves bias and ReLU to the caller; without s8_rows() its rows are
+// uint8 with the zero point kU8RowZero (DNNL_ARG_ATTR_ZERO_POINTS | DNNL_ARG_SRC).
 dnnl::matmul matmul_for(int64_t m, int64_t k, int64_t n, bool bias, bool relu, dt in = dt::f32);
 
 // Copy between a plain row-major [K, N] (or [N, K], transposed) weight of type `plain_type` and
@@ -112,5 +126,16 @@ inline bool use_avx512() {
   return on;
 }
 #endif
+
+// Whether every float32 product runs our kernels (products_f32.cc: small_rows, then f32_panels), over weights
+// packed_desc lays out as they read them (BA16a64b): where AVX-512 is not used (above). There oneDNN's kernels
+// read a few rows' weights at a fraction of the memory's speed and sum a row differently with the rows beside it.
+inline bool f32_everywhere() {
+#if defined(__x86_64__)
+  return !use_avx512();
+#else
+  return false;
+#endif
+}
 
 }  // namespace opt

@@ -296,19 +296,3 @@ float opt::largest(const float* v, int64_t n) {
 }
 
 bool opt::scored_exactly(double x_norm, float max_norm) { return !std::isfinite(x_norm) || x_norm * max_norm > 1e37; }
-
-bool opt::native_products(dt type, std::initializer_list<const char*> marks) {
-  try {
-    dnnl::memory::desc src({kPackRows, 64}, type, tag::ab), w({64, 1024}, type, tag::any),
-        dst({kPackRows, 1024}, dt::f32, tag::ab);
-    dnnl::primitive_attr attr;
-    if (type == dt::s8) attr.set_scales_mask(DNNL_ARG_WEIGHTS, 1 << 1);
-    const std::string impl = dnnl::matmul::primitive_desc(cpu_engine(), src, w, dst, attr).impl_info_str();
-    for (const char* mark : marks) {
-      if (impl.find(mark) != std::string::npos) return true;
-    }
-    return false;
-  } catch (...) {
-    return false;
-  }
-}

@@ -24,8 +24,6 @@ void decide_rows(const float* xs, float* approx, const float* e, int64_t m, int6
 float largest(const float* v, int64_t n);
 // A non-finite input, or one whose logits could overflow float32 (|x| |e_j| past 1e37), is scored exactly.
 bool scored_exactly(double x_norm, float max_norm);
-// Does oneDNN's matmul of `type` rows by `type` weights run on an implementation whose name has one of `marks`?
-bool native_products(dt type, std::initializer_list<const char*> marks);
 // The token masks' words per row (0: none), or -1 when `allowed` is not [M, 0] or [M, ceil(N / 32)].
 int64_t mask_words(const ffi::Buffer<ffi::S32>& allowed, int64_t m, int64_t n);
 

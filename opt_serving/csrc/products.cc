@@ -4,7 +4,8 @@
 //   bfloat16  the rows rounded to bfloat16, bfloat16 weights, float32 accumulation (AVX512_BF16/AMX; from
 //             opt_bf16_fma_rows rows up, float32 FMAs on the weights widened in registers: bf16_fma)
 //   int8      each row quantized to int8 with its own scale (max |x| / 127), int8 weights with a
-//             scale per output column (symmetric), int32 accumulation (VNNI), y = acc * s_row * s_col
+//             scale per output column (symmetric), int32 accumulation (VNNI), y = acc * s_row * s_col; on a CPU
+//             without VNNI or AMX the rows get 7 bits (max |x| / 63), which its int16 pair sums hold (common.h)
 //
 // Why packed: XLA CPU's GEMMs take the weights as a plain [K, N] runtime argument and re-pack them
 // on every call; a decode step multiplies a few rows by every weight of the model, so that packing
@@ -21,6 +22,7 @@
 //   opt_onednn_unpack_as(packed, K, N, type, w)             the reverse ([K, N]; bfloat16 comes back as float32)
 //   OptOnednnMatmul (FFI)      y[M, N] = x[M, K] @ W (+ bias[N]) (relu), float32 weights
 //   OptOnednnMatmulLowp (FFI)  the same for bfloat16 (weights=1) or int8 (weights=2, with scales[N]) weights
+//   opt_s8_row_levels()        the levels a side of an int8 product's rows here: 127, or 63 (common.h, s8_rows)
 #include "products.h"
 
 using namespace opt;
@@ -67,6 +69,8 @@ extern "C" int64_t opt_onednn_packed_bytes_as(int64_t k, int64_t n, int type) {
   }
 }
 
+extern "C" int opt_s8_row_levels() { return s8_row_levels(); }
+
 extern "C" int opt_onednn_pack_as(const void* w, int64_t k, int64_t n, int transposed, int type, void* out) {
   return reorder_plain(k, n, transposed, w, out, true, packed_type(type), type == kS8 ? dt::s8 : dt::f32);
 }
@@ -92,6 +96,11 @@ static ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ffi::Bu
     if (m <= f32_tile_rows() && streams_as_rows(wd, k, n)) {
       f32_tiles(x.typed_data(), m, k, n, static_cast<const float*>(packed.untyped_data()),
                 has_bias ? bias.typed_data() : nullptr, relu, y->typed_data());
+      return ffi::Error::Success();
+    }
+    if (f32_everywhere() && streams_as_rows(wd, k, n)) {
+      f32_panels(x.typed_data(), m, k, n, static_cast<const float*>(packed.untyped_data()),
+                 has_bias ? bias.typed_data() : nullptr, relu, y->typed_data());
       return ffi::Error::Success();
     }
     dnnl::matmul prim = matmul_for(m, k, n, has_bias, relu);
@@ -144,10 +153,15 @@ static ffi::Error MatmulLowp(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ffi
     static std::vector<uint16_t> xb;
     static std::vector<float> row_scale;
     void* src_data;
+    const bool u7 = type == dt::s8 && !s8_rows();
     if (type == dt::s8) {
       xq.resize(m * k);
       row_scale.resize(m);
-      rows_to_s8(x.typed_data(), m, k, xq.data(), row_scale.data());
+      if (u7) {
+        rows_to_u7(x.typed_data(), m, k, reinterpret_cast<uint8_t*>(xq.data()), row_scale.data());
+      } else {
+        rows_to_s8(x.typed_data(), m, k, xq.data(), row_scale.data());
+      }
       src_data = xq.data();
     } else {
       xb.resize(m * k);
@@ -155,12 +169,14 @@ static ffi::Error MatmulLowp(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ffi
       src_data = xb.data();
     }
     std::unordered_map<int, dnnl::memory> args{
-        {DNNL_ARG_SRC, dnnl::memory({{m, k}, type, tag::ab}, eng, src_data)},
+        {DNNL_ARG_SRC, dnnl::memory({{m, k}, u7 ? dt::u8 : type, tag::ab}, eng, src_data)},
         {DNNL_ARG_WEIGHTS, dnnl::memory(wd, eng, packed.untyped_data())},
         {DNNL_ARG_DST, dnnl::memory({{m, n}, dt::f32, tag::ab}, eng, y->typed_data())}};
     if (type == dt::s8) {
       args.emplace(DNNL_ARG_ATTR_SCALES | DNNL_ARG_WEIGHTS,
                    dnnl::memory({{n}, dt::f32, tag::a}, eng, const_cast<float*>(scales.typed_data())));
+      static int32_t zero = kU8RowZero;
+      if (u7) args.emplace(DNNL_ARG_ATTR_ZERO_POINTS | DNNL_ARG_SRC, dnnl::memory({{1}, dt::s32, tag::a}, eng, &zero));
     } else if (has_bias) {
       args.emplace(DNNL_ARG_BIAS, dnnl::memory({{1, n}, dt::f32, tag::ab}, eng, bias.typed_data()));
     }

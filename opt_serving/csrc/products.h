@@ -44,6 +44,9 @@ void small_rows(const float* x, int64_t m, int64_t k, int64_t n, const float* w,
 int64_t f32_tile_rows();
 void f32_tiles(const float* x, int64_t m, int64_t k, int64_t n, const float* w, const float* bias, bool relu,
                float* y);
+// Where every float32 product runs our kernels (common.h, f32_everywhere): f32_panels past kSmallRows rows.
+void f32_panels(const float* x, int64_t m, int64_t k, int64_t n, const float* w, const float* bias, bool relu,
+                float* y);
 
 // ---- bfloat16 (products_bf16.cc) ----
 
@@ -64,8 +67,10 @@ int64_t s8_vnni_rows();
 bool s8_vnni_reads(const dnnl::memory::desc& packed, int64_t k, int64_t n);
 void s8_vnni(const float* x, int64_t m, int64_t k, int64_t n, const int8_t* w, const float* col_scale,
              const float* bias, bool relu, float* y);
-// oneDNN's int8 products: x [M, K] -> q [M, K] int8, each row with its own scale[M] (max |x| / 127) ...
+// oneDNN's int8 products: x [M, K] -> q [M, K] int8, each row with its own scale[M] (max |x| / 127) where
+// s8_rows() (common.h), else 7-bit rows shifted to uint8 (max |x| / 63, plus kU8RowZero) ...
 void rows_to_s8(const float* x, int64_t m, int64_t k, int8_t* q, float* scale);
+void rows_to_u7(const float* x, int64_t m, int64_t k, uint8_t* q, float* scale);
 // ... and after the product (which applied the columns' scales), y [M, N] = y * scale[row] (+ bias) (relu), in place
 void s8_epilogue(float* y, int64_t m, int64_t n, const float* scale, const float* bias, bool relu);
 

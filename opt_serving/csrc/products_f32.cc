@@ -10,7 +10,7 @@ using namespace opt;
 //
 //   opt_f32_tile_rows(rows)    float32 products of 9 to `rows` rows run f32_tiles (0: never; -1: the CPU's
 //                              default with AVX-512, 48 on AMD, 96 elsewhere; below -1: left as it is); returns
-//                              the setting in force
+//                              the setting in force (0 without AVX-512: f32_panels, at the end, runs there)
 
 // A few rows (a decode step at batch 1-8, a speculative check of a few drafts) over the BA16a64b layout oneDNN
 // packs these weights in: oneDNN's kernels take ~15% longer than XLA's matrix-vector products at 1-4 rows and
@@ -26,7 +26,7 @@ namespace {
 
 // M rows by one block; M is a template argument so the accumulators stay in registers.
 template <int M>
-__attribute__((target_clones("avx512f", "avx2", "default")))
+__attribute__((target_clones("avx512f", "arch=x86-64-v3", "default")))  // (v3: AVX2 with FMA, as f32_panels)
 void rows_by_block(const float* x, int64_t k, int64_t n, const float* block, int64_t n0, const float* bias,
                    bool relu, float* y) {
   float acc[M][64] = {};
@@ -107,7 +107,7 @@ void four_rows_by_block(bool avx512, const float* x, int64_t k, int64_t n, const
 
 void opt::small_rows(const float* x, int64_t m, int64_t k, int64_t n, const float* w, const float* bias, bool relu,
                      float* y) {
-  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  const bool avx512 = use_avx512();  // (as f32_panels: OPT_SERVING_NO_AVX512 takes both to the plain loops)
   const int64_t k_padded = (k + 15) / 16 * 16, blocks = (n + 63) / 64;
 #pragma omp parallel for schedule(static)
   for (int64_t nb = 0; nb < blocks; ++nb) {
@@ -194,7 +194,7 @@ int64_t opt::f32_tile_rows() {
   if (rows < 0) {
     // from about there oneDNN's kernels, blocked for cache, ran as fast (benchmark/README.md): 96 rows on the
     // Intel Xeons measured; on AMD's Zen 4 EPYC they ran 12-19% faster than these tiles already at 52-80 rows
-    rows = !__builtin_cpu_supports("avx512f") ? 0 : __builtin_cpu_is("amd") ? 48 : 96;
+    rows = !use_avx512() ? 0 : __builtin_cpu_is("amd") ? 48 : 96;
     f32_tiles_upto.store(rows, std::memory_order_relaxed);
   }
   return rows;
@@ -233,8 +233,85 @@ void opt::f32_tiles(const float* x, int64_t m, int64_t k, int64_t n, const float
 }
 
 // float32 products of 9 to `rows` rows run f32_tiles (0: never; -1: the CPU's default; below -1: left as it is);
-// returns the setting now in force
+// returns the setting now in force, always 0 where AVX-512 is not used (the tiles' only code)
 extern "C" int64_t opt_f32_tile_rows(int64_t rows) {
-  if (rows >= -1) f32_tiles_upto.store(rows, std::memory_order_relaxed);
+  if (rows >= -1) f32_tiles_upto.store(use_avx512() || rows == -1 ? rows : 0, std::memory_order_relaxed);
   return f32_tile_rows();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Float32 products of more than kSmallRows rows on a CPU without AVX-512 (f32_everywhere), over the same BA16a64b
+// blocks, which packed_desc lays out there itself: oneDNN picks a plain layout for its AVX2 kernels, which ran
+// 8-32 rows at a sixth to a half of the memory's speed, and whose sums for a row changed with the rows beside it
+// (a request's tokens then depended on the load). Here each entry is a sum over k in order, finished with the bias,
+// as small_rows' are: a row's numbers are the same whatever the rows beside it. A block's 64 columns go 16 at a
+// time (a cache line of each k), by groups of at most 6 rows: 12 accumulators in registers, two loads and six
+// broadcasts a k; the 16 columns' K lines are read from memory by the first group and from L2 by the others
+// (against oneDNN's AVX2 kernel: benchmark/README.md, "A CPU without AVX-512").
+namespace {
+
+typedef float v8 __attribute__((vector_size(32)));
+constexpr int kPanelRows = 6;  // rows a group: 12 accumulators of the 16 registers
+
+inline v8 load8(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// R rows by 16 columns of a block (w: the columns' line at k = 0, a k 64 floats apart), into y's first `cols`
+template <int R>
+__attribute__((always_inline)) inline void rows_by_16(const float* x, int64_t k, const float* w, const float* bias,
+                                                      bool relu, float* y, int64_t n, int64_t cols) {
+  v8 acc[R][2] = {};
+  for (int64_t kk = 0; kk < k; ++kk, w += 64) {
+    const v8 w0 = load8(w), w1 = load8(w + 8);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const float b = x[r * k + kk];
+      acc[r][0] += b * w0;
+      acc[r][1] += b * w1;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float out[16];
+    std::memcpy(out, acc[r], sizeof out);
+    for (int64_t j = 0; j < cols; ++j) {
+      const float v = out[j] + (bias ? bias[j] : 0.f);
+      y[r * n + j] = relu && v < 0.f ? 0.f : v;
+    }
+  }
+}
+
+// (the parallel loop in the clones themselves, not in a function they inline: its outlined body then has their
+// target, where a loop inlined from elsewhere ran at a thirtieth of the speed)
+__attribute__((target_clones("arch=x86-64-v3", "default")))
+void panels(const float* x, int64_t m, int64_t k, int64_t n, const float* w, const float* bias, bool relu, float* y) {
+  const int64_t k_padded = (k + 15) / 16 * 16, strips = (n + 15) / 16;
+  const RowGroups groups(m, kPanelRows);
+#pragma omp parallel for schedule(dynamic, 1)  // (dynamic: common.h)
+  for (int64_t s = 0; s < strips; ++s) {
+    const int64_t n0 = s * 16, cols = std::min<int64_t>(16, n - n0);
+    const float* ws = w + (n0 / 64) * k_padded * 64 + n0 % 64;
+    const float* bs = bias ? bias + n0 : nullptr;
+    for (int64_t g = 0; g < groups.count; ++g) {
+      const float* xg = x + groups.first(g) * k;
+      float* yg = y + groups.first(g) * n + n0;
+      switch (groups.rows(g)) {
+        case 1: rows_by_16<1>(xg, k, ws, bs, relu, yg, n, cols); break;
+        case 2: rows_by_16<2>(xg, k, ws, bs, relu, yg, n, cols); break;
+        case 3: rows_by_16<3>(xg, k, ws, bs, relu, yg, n, cols); break;
+        case 4: rows_by_16<4>(xg, k, ws, bs, relu, yg, n, cols); break;
+        case 5: rows_by_16<5>(xg, k, ws, bs, relu, yg, n, cols); break;
+        default: rows_by_16<kPanelRows>(xg, k, ws, bs, relu, yg, n, cols); break;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void opt::f32_panels(const float* x, int64_t m, int64_t k, int64_t n, const float* w, const float* bias, bool relu,
+                     float* y) {
+  panels(x, m, k, n, w, bias, relu, y);
 }

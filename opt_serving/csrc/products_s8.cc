@@ -27,24 +27,24 @@ namespace {
 
 std::atomic<int64_t> s8_vnni_from{-1};
 
-// Each row -> integers with its own symmetric scale (max |x| / 127; 1 for a zero row), plus `shift`, rows `ld`
-// apart, the columns past K set to `shift` (zero). Inlined into each of its callers' CPU clones.
+// Each row -> integers in [-levels, levels] with its own symmetric scale (max |x| / levels; 1 for a zero row), plus
+// `shift`, rows `ld` apart, the columns past K set to `shift` (zero). Inlined into each of its callers' CPU clones.
 template <class T>
 __attribute__((always_inline)) inline void quantize_rows(const float* x, int64_t m, int64_t k, int64_t ld, int shift,
-                                                         T* q, float* scale) {
+                                                         float levels, T* q, float* scale) {
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < m; ++r) {
     const float* xr = x + r * k;
     float top = 0.f;
 #pragma omp simd reduction(max : top)
     for (int64_t i = 0; i < k; ++i) top = std::max(top, std::fabs(xr[i]));
-    const float s = top > 0.f ? top / 127.f : 1.f, inv = 1.f / s;
+    const float s = top > 0.f ? top / levels : 1.f, inv = 1.f / s;
     scale[r] = s;
 #pragma omp simd
     for (int64_t i = 0; i < k; ++i) {
       // rounded to nearest, ties to even (as std::nearbyint, which was a libm call an entry: a sixth of an int8
       // step): adding 1.5 * 2^23 leaves no bits below the units for |v| <= 2^22, so the sum is rounded there
-      const float v = std::min(127.f, std::max(-127.f, xr[i] * inv));
+      const float v = std::min(levels, std::max(-levels, xr[i] * inv));
       q[r * ld + i] = static_cast<T>(static_cast<int>((v + 12582912.f) - 12582912.f) + shift);
     }
     for (int64_t i = k; i < ld; ++i) q[r * ld + i] = static_cast<T>(shift);
@@ -54,15 +54,20 @@ __attribute__((always_inline)) inline void quantize_rows(const float* x, int64_t
 // rows_to_s8's numbers + 128 as uint8 (VPDPBUSD multiplies unsigned bytes), each row k64 long
 __attribute__((target_clones("avx512f", "avx2", "default")))
 void rows_to_u8(const float* x, int64_t m, int64_t k, int64_t k64, uint8_t* q, float* scale) {
-  quantize_rows<uint8_t>(x, m, k, k64, 128, q, scale);
+  quantize_rows<uint8_t>(x, m, k, k64, 128, 127.f, q, scale);
 }
 
 }  // namespace
 
-// int8 rows for oneDNN's int8 products
+// the rows of oneDNN's int8 products (common.h, s8_rows)
 __attribute__((target_clones("avx512f", "avx2", "default")))
 void opt::rows_to_s8(const float* x, int64_t m, int64_t k, int8_t* q, float* scale) {
-  quantize_rows<int8_t>(x, m, k, k, 0, q, scale);
+  quantize_rows<int8_t>(x, m, k, k, 0, 127.f, q, scale);
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void opt::rows_to_u7(const float* x, int64_t m, int64_t k, uint8_t* q, float* scale) {
+  quantize_rows<uint8_t>(x, m, k, k, kU8RowZero, 63.f, q, scale);
 }
 
 // y = y * s_row (+ bias) (relu), in place: what oneDNN's int8 products leave to us

@@ -55,6 +55,8 @@ def _load() -> Optional[ctypes.CDLL]:
     lib.opt_bf16_fma_rows.argtypes = [ctypes.c_int64]
     lib.opt_s8_vnni_rows.restype = ctypes.c_int64
     lib.opt_s8_vnni_rows.argtypes = [ctypes.c_int64]
+    lib.opt_s8_row_levels.restype = ctypes.c_int
+    lib.opt_s8_row_levels.argtypes = []
     lib.opt_f32_tile_rows.restype = ctypes.c_int64
     lib.opt_f32_tile_rows.argtypes = [ctypes.c_int64]
     for fn in (lib.opt_bf16_fma_reads, lib.opt_s8_vnni_reads):

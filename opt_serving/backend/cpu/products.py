@@ -102,6 +102,13 @@ def f32_tile_rows(rows: Optional[int] = None) -> int:
     return int(_lib.lib().opt_f32_tile_rows(-2 if rows is None else max(rows, -1)))
 
 
+def int8_row_levels() -> int:
+    """The levels a side of an int8 product's rows on this CPU: 127 (int8 rows, int32 sums: VNNI or AMX), or 63
+    where oneDNN's int8 products add pairs of products in int16 (AVX2, AVX-512 before VNNI), whose sums 7-bit rows
+    keep from saturating (csrc/common.h, s8_rows)."""
+    return int(_lib.lib().opt_s8_row_levels())
+
+
 def s8_vnni_reads(k: int, n: int) -> bool:
     """Whether our VNNI kernel can read a packed int8 [k, n] weight on this CPU (its layout, AVX512_VNNI)."""
     return bool(_lib.lib().opt_s8_vnni_reads(k, n))
