@@ -87,6 +87,11 @@ def product_gflops(weights: str = "float32", kernel: str = "ours", reps: int = 4
     return 2 * M * K * N / _best_s(run, reps) / 1e9
 
 
+def jax_cpu() -> list:
+    import jax
+    return jax.devices("cpu")[:1]
+
+
 def measure(products: bool = True) -> dict:
     """{"bandwidth_gbs", and with `products` "float32_gflops", "bfloat16_gflops", "xla_float32_gflops"}: the
     bounds of this machine now (products: None where the CPU kernels are not built)."""
@@ -98,8 +103,10 @@ def measure(products: bool = True) -> dict:
             built = _lib.lib() is not None
         except Exception:  # not built, or no oneDNN
             built = False
-        for w in ("float32", "bfloat16"):
-            out[f"{w}_gflops"] = product_gflops(w) if built else None
+        from opt_serving import backend
+        for w in ("float32", "bfloat16"):  # bfloat16: None where the CPU has no native bfloat16 products
+            runs = built and (w == "float32" or backend.bfloat16_products(jax_cpu()))
+            out[f"{w}_gflops"] = product_gflops(w) if runs else None
     return out
 
 

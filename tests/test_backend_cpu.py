@@ -226,6 +226,13 @@ def test_bfloat16_fma_setting_is_kept_until_set_again():
 
 
 @needs_kernels
+@pytest.mark.skipif(head.supported(), reason="this CPU has native bfloat16 products")
+def test_packing_bfloat16_weights_without_bfloat16_products_says_so():
+    with pytest.raises(ValueError, match="no bfloat16 products on this CPU"):
+        products.pack(np.ones((8, 4), np.float32), weights="bfloat16")
+
+
+@needs_kernels
 def test_int8_weights_need_their_scales_and_nothing_else_takes_them():
     w = np.ones((8, 4), np.int8)
     with pytest.raises(ValueError, match="scales"):

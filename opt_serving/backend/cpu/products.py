@@ -37,7 +37,10 @@ def pack(w, transposed: bool = False, device=None, weights: str = "float32") -> 
     if w.ndim != 2:
         raise ValueError(f"pack takes a 2-D weight, got shape {w.shape}")
     k, n = (w.shape[1], w.shape[0]) if transposed else w.shape
-    out = np.empty(lib.opt_onednn_packed_bytes_as(k, n, _TYPE[weights]), np.uint8)
+    size = lib.opt_onednn_packed_bytes_as(k, n, _TYPE[weights])
+    if size < 0:
+        raise ValueError(f"oneDNN has no {weights} products on this CPU (bfloat16 needs AVX512_BF16 or AMX)")
+    out = np.empty(size, np.uint8)
     if lib.opt_onednn_pack_as(w.ctypes.data, k, n, int(transposed), _TYPE[weights], out.ctypes.data) != 0:
         raise RuntimeError(f"oneDNN could not pack a [{k}, {n}] {weights} weight")
     return jax.device_put(out, device or jax.devices("cpu")[0])
