@@ -16,8 +16,13 @@ CXX="${CXX:-g++}"
 
 read -r JAX_INCLUDE PREFIX < <("$PYTHON" -c "import jax, sys; print(jax.ffi.include_dir(), sys.prefix)")
 if [ -f "$PREFIX/include/dnnl.hpp" ] && command -v "$CXX" >/dev/null; then
-  "$CXX" -O3 -fopenmp -std=c++20 -shared -fPIC -w opt_serving/csrc/*.cc -o opt_serving/_cpu_kernels.so \
-    -I"$JAX_INCLUDE" -I"$PREFIX/include" -L"$PREFIX/lib" -ldnnl -Wl,-rpath,"$PREFIX/lib"
+  # one object a file, as many compiled at once as there are cores (in one process they took 80 s on 2 cores)
+  OBJ="$(mktemp -d)"
+  trap 'rm -rf "$OBJ"' EXIT
+  printf '%s\n' opt_serving/csrc/*.cc | xargs -P "$(nproc)" -I{} sh -c \
+    '"$0" -O3 -fopenmp -std=c++20 -fPIC -w -c "$1" -o "$2/$(basename "$1" .cc).o" -I"$3" -I"$4/include"' \
+    "$CXX" {} "$OBJ" "$JAX_INCLUDE" "$PREFIX"
+  "$CXX" -fopenmp -shared "$OBJ"/*.o -o opt_serving/_cpu_kernels.so -L"$PREFIX/lib" -ldnnl -Wl,-rpath,"$PREFIX/lib"
   "$PYTHON" -c "import ctypes; ctypes.CDLL('opt_serving/_cpu_kernels.so').OptOnednnMatmulLowp; print('built opt_serving/_cpu_kernels.so')"
 else
   echo "not building opt_serving/_cpu_kernels.so (no oneDNN headers under $PREFIX/include or no $CXX):" \
