@@ -1,4 +1,4 @@
-#include "common.h"
+#include "avx512.h"
 
 using namespace opt;
 
@@ -82,48 +82,7 @@ static void attend_rows(const float* q, const KV* k, const KV* v, const bool* ma
 // shuffles (one horizontal sum per key was most of the work); the exponentials are vectorised
 // too. From memory at 64 rows x 12 heads x 40 entries it took ~10% less time than the code above
 // (it is memory-bound there); with the cache in L2, 2.7x less.
-#define OPT_AVX512 __attribute__((target("avx512f")))
-
-// 16 vectors -> one vector of their sums (lane i = the sum of v[i]'s lanes)
-OPT_AVX512 static inline __m512 sum16(const __m512* v) {
-  __m512 s[8], u[4];
-  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] for the pair (a, b)
-    s[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)  // per 128-bit lane: one partial sum for each of 4 vectors
-    u[i] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  // add the four 128-bit lanes, vectors 4i..4i+3 landing in lane i
-  const __m512 a01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 a23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(a01, a23, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(a01, a23, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// e^x for x <= 0 (a score minus the row's maximum): Cephes' expf polynomial, scaled by 2^n
-OPT_AVX512 static inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // x - n ln 2, in two parts
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
-
-// 16 cache entries -> float32 lanes
-OPT_AVX512 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-OPT_AVX512 static inline __m512 load16(const uint16_t* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
+using namespace opt::avx512;
 
 template <int NV, typename KV>
 OPT_AVX512 static void attend_rows_avx512(const float* q, const KV* k, const KV* v, const bool* mask,
