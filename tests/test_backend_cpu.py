@@ -69,6 +69,28 @@ def test_packed_product_equals_numpy(m, k, n, f32_kernel):
     assert np.array_equal(products.unpack(packed, k, n), w)  # packing only moves the numbers
 
 
+@needs_kernels
+def test_float32_rows_sum_the_same_whatever_the_rows_beside_them():
+    """Where AVX-512 is not used (a CPU without it; with it, OPT_SERVING_NO_AVX512 in a child) every float32
+    product runs our strips of 16 columns (csrc/products_f32.cc, f32_panels): a row's numbers are the same bits in
+    a product of 1 row or of 70 (one group of rows or several, groups of uneven sizes, a partial last strip, k
+    padded), wherever the row sits, and numpy's within rounding."""
+    if products.f32_tile_rows(-1):  # (0 only without AVX-512) oneDNN's kernels run here: rows sum with their batch
+        probe = ("import sys; sys.path.insert(0, 'tests'); import test_backend_cpu as t; "
+                 "t.test_float32_rows_sum_the_same_whatever_the_rows_beside_them()")
+        run_child(probe, OPT_SERVING_NO_AVX512="1")
+        return
+    rng = np.random.default_rng(7)
+    k, n = 300, 200
+    x, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((70, k), (k, n), (n,)))
+    packed = products.pack(w)
+    product = jax.jit(lambda x, p, b: products.matmul(x, p, n, b, relu=True))
+    full = np.asarray(product(x, packed, b))
+    np.testing.assert_allclose(full, np.maximum(x.astype(np.float64) @ w + b, 0), rtol=1e-5, atol=1e-4)
+    for first, m in ((0, 1), (5, 1), (0, 5), (3, 6), (1, 7), (0, 13), (29, 33)):
+        assert np.array_equal(np.asarray(product(x[first:first + m], packed, b)), full[first:first + m]), (first, m)
+
+
 needs_bf16 = pytest.mark.skipif(not head.supported(), reason="no native bfloat16 products on this CPU")
 
 

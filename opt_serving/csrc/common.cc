@@ -163,7 +163,7 @@ const dnnl::memory::desc& packed_desc(int64_t k, int64_t n, dt in) {
   auto it = descs.find(key);
   if (it == descs.end()) {
     if (in == dt::f32 && f32_everywhere()) {
-      it = descs.emplace(key, dnnl::memory::desc({k, n}, in, tag::BA16a64b)).first;
+      it = descs.emplace(key, dnnl::memory::desc({k, n}, in, tag::BA16a16b)).first;
       return it->second;
     }
     dnnl::memory::desc src({kPackRows, k}, rows_type(in), tag::ab);

@@ -127,8 +127,8 @@ inline bool use_avx512() {
 }
 #endif
 
-// Whether every float32 product runs our kernels (products_f32.cc: small_rows, then f32_panels), over weights
-// packed_desc lays out as they read them (BA16a64b): where AVX-512 is not used (above). There oneDNN's kernels
+// Whether every float32 product runs our kernel (products_f32.cc: f32_panels, any row count), over weights
+// packed_desc lays out as it reads them (BA16a16b strips): where AVX-512 is not used (above). There oneDNN's kernels
 // read a few rows' weights at a fraction of the memory's speed and sum a row differently with the rows beside it.
 inline bool f32_everywhere() {
 #if defined(__x86_64__)

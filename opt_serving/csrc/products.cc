@@ -88,6 +88,11 @@ static ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ffi::Bu
     if (bad.failure() || m == 0) return bad;
     const bool has_bias = bias.element_count() > 0;
     const dnnl::memory::desc& wd = packed_desc(k, n);
+    if (streams_as_strips(wd, k, n)) {
+      f32_panels(x.typed_data(), m, k, n, static_cast<const float*>(packed.untyped_data()),
+                 has_bias ? bias.typed_data() : nullptr, relu, y->typed_data());
+      return ffi::Error::Success();
+    }
     if (m <= kSmallRows && streams_as_rows(wd, k, n)) {
       small_rows(x.typed_data(), m, k, n, static_cast<const float*>(packed.untyped_data()),
                  has_bias ? bias.typed_data() : nullptr, relu, y->typed_data());
@@ -96,11 +101,6 @@ static ffi::Error Matmul(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer packed, ffi::Bu
     if (m <= f32_tile_rows() && streams_as_rows(wd, k, n)) {
       f32_tiles(x.typed_data(), m, k, n, static_cast<const float*>(packed.untyped_data()),
                 has_bias ? bias.typed_data() : nullptr, relu, y->typed_data());
-      return ffi::Error::Success();
-    }
-    if (f32_everywhere() && streams_as_rows(wd, k, n)) {
-      f32_panels(x.typed_data(), m, k, n, static_cast<const float*>(packed.untyped_data()),
-                 has_bias ? bias.typed_data() : nullptr, relu, y->typed_data());
       return ffi::Error::Success();
     }
     dnnl::matmul prim = matmul_for(m, k, n, has_bias, relu);

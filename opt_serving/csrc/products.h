@@ -39,6 +39,7 @@ __attribute__((always_inline)) inline void prefetch_ahead(const void* line) {
 // that layout.
 constexpr int64_t kSmallRows = 8;
 bool streams_as_rows(const dnnl::memory::desc& packed, int64_t k, int64_t n);
+bool streams_as_strips(const dnnl::memory::desc& packed, int64_t k, int64_t n);
 void small_rows(const float* x, int64_t m, int64_t k, int64_t n, const float* w, const float* bias, bool relu,
                 float* y);
 int64_t f32_tile_rows();

@@ -26,7 +26,7 @@ namespace {
 
 // M rows by one block; M is a template argument so the accumulators stay in registers.
 template <int M>
-__attribute__((target_clones("avx512f", "arch=x86-64-v3", "default")))  // (v3: AVX2 with FMA, as f32_panels)
+__attribute__((target_clones("avx512f", "default")))
 void rows_by_block(const float* x, int64_t k, int64_t n, const float* block, int64_t n0, const float* bias,
                    bool relu, float* y) {
   float acc[M][64] = {};
@@ -107,7 +107,7 @@ void four_rows_by_block(bool avx512, const float* x, int64_t k, int64_t n, const
 
 void opt::small_rows(const float* x, int64_t m, int64_t k, int64_t n, const float* w, const float* bias, bool relu,
                      float* y) {
-  const bool avx512 = use_avx512();  // (as f32_panels: OPT_SERVING_NO_AVX512 takes both to the plain loops)
+  const bool avx512 = use_avx512();  // (without: a CPU other than x86's, f32_everywhere's strips elsewhere)
   const int64_t k_padded = (k + 15) / 16 * 16, blocks = (n + 63) / 64;
 #pragma omp parallel for schedule(static)
   for (int64_t nb = 0; nb < blocks; ++nb) {
@@ -240,18 +240,24 @@ extern "C" int64_t opt_f32_tile_rows(int64_t rows) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Float32 products of more than kSmallRows rows on a CPU without AVX-512 (f32_everywhere), over the same BA16a64b
-// blocks, which packed_desc lays out there itself: oneDNN picks a plain layout for its AVX2 kernels, which ran
-// 8-32 rows at a sixth to a half of the memory's speed, and whose sums for a row changed with the rows beside it
-// (a request's tokens then depended on the load). Here each entry is a sum over k in order, finished with the bias,
-// as small_rows' are: a row's numbers are the same whatever the rows beside it. A block's 64 columns go 16 at a
-// time (a cache line of each k), by groups of at most 6 rows: 12 accumulators in registers, two loads and six
-// broadcasts a k; the 16 columns' K lines are read from memory by the first group and from L2 by the others
-// (against oneDNN's AVX2 kernel: benchmark/README.md, "A CPU without AVX-512").
+// Every float32 product on a CPU without AVX-512 (f32_everywhere), over weights packed_desc lays out there itself
+// as strips of 16 columns (BA16a16b: a strip is [K_padded, 16], 64 contiguous bytes a k). oneDNN picks a plain
+// layout for its AVX2 kernels, which ran 8-32 rows at a sixth to a half of the memory's speed, and whose sums for a
+// row changed with the rows beside it (a request's tokens then depended on the load). Here each entry is a sum over
+// k in order, finished with the bias: a row's numbers are the same whatever the rows beside it, 1 row or 64. A
+// strip is one task, its rows in groups of at most 6: 12 accumulators in registers, two loads and six broadcasts a
+// k; the first group reads the strip from memory as one stream (prefetched ahead), the others from L2. The strips
+// replaced BA16a64b blocks read 16 columns at a time, a 64-byte line every 256 bytes, which neither the memory nor
+// the prefetchers served at speed (benchmark/README.md, "A CPU without AVX-512").
+bool opt::streams_as_strips(const dnnl::memory::desc& packed, int64_t k, int64_t n) {
+  return packed == dnnl::memory::desc({k, n}, dt::f32, tag::BA16a16b);
+}
+
 namespace {
 
 typedef float v8 __attribute__((vector_size(32)));
 constexpr int kPanelRows = 6;  // rows a group: 12 accumulators of the 16 registers
+constexpr int64_t kPanelAhead = 32;  // k the first group prefetches its strip ahead (2 KB, into L2)
 
 inline v8 load8(const float* p) {
   v8 v;
@@ -259,12 +265,15 @@ inline v8 load8(const float* p) {
   return v;
 }
 
-// R rows by 16 columns of a block (w: the columns' line at k = 0, a k 64 floats apart), into y's first `cols`
+// R rows by a strip's 16 columns (w: the strip, 16 floats a k), into y's first `cols`; `ahead`: floats of the strip
+// to prefetch ahead (0: none)
 template <int R>
-__attribute__((always_inline)) inline void rows_by_16(const float* x, int64_t k, const float* w, const float* bias,
-                                                      bool relu, float* y, int64_t n, int64_t cols) {
+__attribute__((always_inline)) inline void rows_by_16(const float* x, int64_t k, const float* w, int64_t ahead,
+                                                      const float* bias, bool relu, float* y, int64_t n,
+                                                      int64_t cols) {
   v8 acc[R][2] = {};
-  for (int64_t kk = 0; kk < k; ++kk, w += 64) {
+  for (int64_t kk = 0; kk < k; ++kk, w += 16) {
+    if (ahead) __builtin_prefetch(w + ahead, 0, 2);
     const v8 w0 = load8(w), w1 = load8(w + 8);
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
@@ -292,18 +301,19 @@ void panels(const float* x, int64_t m, int64_t k, int64_t n, const float* w, con
 #pragma omp parallel for schedule(dynamic, 1)  // (dynamic: common.h)
   for (int64_t s = 0; s < strips; ++s) {
     const int64_t n0 = s * 16, cols = std::min<int64_t>(16, n - n0);
-    const float* ws = w + (n0 / 64) * k_padded * 64 + n0 % 64;
+    const float* ws = w + s * k_padded * 16;
     const float* bs = bias ? bias + n0 : nullptr;
     for (int64_t g = 0; g < groups.count; ++g) {
       const float* xg = x + groups.first(g) * k;
       float* yg = y + groups.first(g) * n + n0;
+      const int64_t ahead = g == 0 ? kPanelAhead * 16 : 0;  // (the others read the strip from L2)
       switch (groups.rows(g)) {
-        case 1: rows_by_16<1>(xg, k, ws, bs, relu, yg, n, cols); break;
-        case 2: rows_by_16<2>(xg, k, ws, bs, relu, yg, n, cols); break;
-        case 3: rows_by_16<3>(xg, k, ws, bs, relu, yg, n, cols); break;
-        case 4: rows_by_16<4>(xg, k, ws, bs, relu, yg, n, cols); break;
-        case 5: rows_by_16<5>(xg, k, ws, bs, relu, yg, n, cols); break;
-        default: rows_by_16<kPanelRows>(xg, k, ws, bs, relu, yg, n, cols); break;
+        case 1: rows_by_16<1>(xg, k, ws, ahead, bs, relu, yg, n, cols); break;
+        case 2: rows_by_16<2>(xg, k, ws, ahead, bs, relu, yg, n, cols); break;
+        case 3: rows_by_16<3>(xg, k, ws, ahead, bs, relu, yg, n, cols); break;
+        case 4: rows_by_16<4>(xg, k, ws, ahead, bs, relu, yg, n, cols); break;
+        case 5: rows_by_16<5>(xg, k, ws, ahead, bs, relu, yg, n, cols); break;
+        default: rows_by_16<kPanelRows>(xg, k, ws, ahead, bs, relu, yg, n, cols); break;
       }
     }
   }

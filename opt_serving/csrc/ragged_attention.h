@@ -2,6 +2,8 @@
 // (ragged_attention_avx512.cc), the vector loops built for AVX2 (ragged_attention_loops.cc), the portable one.
 #pragma once
 
+#include <type_traits>
+
 #include "common.h"
 
 namespace opt::ragged {

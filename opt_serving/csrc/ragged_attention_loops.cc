@@ -58,9 +58,14 @@ __attribute__((always_inline)) inline void tile_loops_body(const Rows<KV>& r, co
     const int cnt = static_cast<int>(std::min<int64_t>(kBlock, last - e0));
     const KV* kb = r.keys(it.row, h, e0);
     const KV* vb = r.values(it.row, h, e0);
-    for (int i = 0; i < cnt; ++i) {
+    const float* vals = vf[0];  // [cnt, D]: float32 values as they are, bfloat16 ones widened into vf
+    if constexpr (std::is_same_v<KV, float>) {
+      vals = vb;
+    } else {
+      for (int i = 0; i < cnt; ++i) {
 #pragma omp simd
-      for (int c = 0; c < D; ++c) vf[i][c] = kv_float(vb[i * D + c]);
+        for (int c = 0; c < D; ++c) vf[i][c] = kv_float(vb[i * D + c]);
+      }
     }
     const int64_t j0 = std::max<int64_t>(0, e0 + 1 - it.end0);  // the first query with keys in this block
     if (few) {
@@ -106,7 +111,7 @@ __attribute__((always_inline)) inline void tile_loops_body(const Rows<KV>& r, co
         for (int c = 0; c < 8; ++c) a[c] = load8(acc[j] + c0 + 8 * c) * scale;
         for (int i = 0; i < n; ++i) {
           const float w = pr[i];
-          for (int c = 0; c < 8; ++c) a[c] += w * load8(vf[i] + c0 + 8 * c);
+          for (int c = 0; c < 8; ++c) a[c] += w * load8(vals + i * D + c0 + 8 * c);
         }
         for (int c = 0; c < 8; ++c) store8(acc[j] + c0 + 8 * c, a[c]);
       }
@@ -122,7 +127,7 @@ __attribute__((always_inline)) inline void tile_loops_body(const Rows<KV>& r, co
 
 // one clone set per head size and cache type (target_clones does not take templates)
 #define OPT_TILE_LOOPS(NAME, D, KV)                                                                  \
-  __attribute__((target_clones("avx2", "default"))) void NAME(const Rows<KV>& r, const float* q, \
+  __attribute__((target_clones("arch=x86-64-v3", "default"))) void NAME(const Rows<KV>& r, const float* q, \
                                                                const Item& it, int64_t h, float* out) { \
     tile_loops_body<D, KV>(r, q, it, h, out);                                                        \
   }
