@@ -1,5 +1,6 @@
 // The ragged step's attention (ragged_attention.cc) and the tiles it runs: the AVX-512 ones
-// (ragged_attention_avx512.cc), the vector loops built for AVX2 (ragged_attention_loops.cc), the portable one.
+// (ragged_attention_avx512.cc), the vector loops built for AVX2 with FMA (ragged_attention_loops.cc), the portable
+// one.
 #pragma once
 
 #include <type_traits>

@@ -22,11 +22,13 @@ inline float exp_nonpositive_1(float x) {
   return p * two_n;
 }
 
-// The blocked algorithm of the AVX-512 tiles below in GCC's vector types of 8 floats, built for AVX2 and the
-// baseline (target_clones): what runs where AVX-512 is not. A tile of more than kFew queries takes each key block
-// transposed (kt[c]: dimension c of its 16 keys) and builds 4 queries' 16 scores at a time by broadcast
-// multiply-adds; a few queries take each key's score as a dot product. Each query keeps a running softmax over the
-// blocks, as the AVX-512 code does, its output in registers (64 dimensions at a time) while it weighs a block's values.
+// The blocked algorithm of the AVX-512 tiles below in GCC's vector types of 8 floats, built for x86-64-v3 (AVX2 with
+// FMA; a plain "avx2" target has none, and its separate multiplies and adds ran prompts slower: benchmark/README.md,
+// "A CPU without AVX-512") and the baseline (target_clones): what runs where AVX-512 is not. A tile of more than kFew
+// queries takes each key block transposed (kt[c]: dimension c of its 16 keys) and builds 4 queries' 16 scores at a time
+// by broadcast multiply-adds; a few queries take each key's score as a dot product. Each query keeps a running softmax
+// over the blocks, as the AVX-512 code does, its output in registers (64 dimensions at a time) while it weighs a
+// block's values.
 typedef float v8 __attribute__((vector_size(32)));
 
 inline v8 load8(const float* p) {
