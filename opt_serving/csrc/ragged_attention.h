@@ -3,8 +3,6 @@
 // one.
 #pragma once
 
-#include <type_traits>
-
 #include "common.h"
 
 namespace opt::ragged {

@@ -1,3 +1,5 @@
+#include <type_traits>
+
 #include "ragged_attention.h"
 
 namespace opt::ragged {
