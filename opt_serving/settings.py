@@ -9,10 +9,13 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Mapping, MutableMapping, Optional
 
 PREFIX = "OPT_SERVING_"
 OFF = ("0", "off", "false", "none")  # OPT_SERVING_COMPILE_CACHE's values that turn the cache off
+SPIN = "GOMP_SPINCOUNT"  # libgomp's: how long an idle worker of the kernels' team spins before it sleeps
+KERNEL_SPIN = "30000"  # ~0.3 ms: through the gaps between a step's kernel calls, not through the host's turn
+spin_in_time = True  # False: a libgomp had loaded before openmp_defaults set KERNEL_SPIN (it kept its own)
 
 
 def _rows(env: Mapping[str, str], name: str) -> Optional[int]:
@@ -91,3 +94,26 @@ class Settings:
         if self.cpu_threads:
             return self.cpu_threads
         return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def openmp_defaults(env: MutableMapping[str, str] = os.environ) -> bool:
+    """Set the kernels' libgomp spin (`KERNEL_SPIN`) unless the environment has one; False where that comes
+    too late: a libgomp is already loaded in this process, and libgomp reads its variables once, when it loads.
+    opt_serving's first import calls it, since torch brings its own libgomp under the same name (the kernels
+    then use that one) and transformers imports torch with any tokenizer. With libgomp's own default (300000
+    rounds) the team's worker, pinned to its CPU, spun through the host's turn between two decode steps and
+    held that CPU from the engine's and the HTTP threads while the other CPU sat idle."""
+    global spin_in_time
+    if SPIN not in env:  # (else the user's own, in the environment a libgomp read or will read)
+        env[SPIN] = KERNEL_SPIN
+        spin_in_time = not libgomp_loaded()
+    return spin_in_time
+
+
+def libgomp_loaded() -> bool:
+    """Whether this process has a libgomp mapped (Linux; False where /proc cannot say)."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            return any("libgomp" in line for line in maps)
+    except OSError:
+        return False

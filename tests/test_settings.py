@@ -1,7 +1,12 @@
 """settings.Settings: every OPT_SERVING_* switch read in one place, with docs/operating.md's names and defaults."""
 import ast
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from opt_serving.settings import Settings
 
@@ -83,3 +88,38 @@ def test_no_module_reads_a_switch_but_settings():
         if found:
             readers[str(path.relative_to(ROOT))] = found
     assert readers == {}
+
+
+_SPIN_CHILD = """
+import logging, os, sys
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
+if sys.argv[1] == "torch first":
+    import torch
+import opt_serving
+import torch
+from opt_serving.backend.cpu import _lib
+from opt_serving.settings import libgomp_loaded, spin_in_time
+print("spin", os.environ.get("GOMP_SPINCOUNT"), spin_in_time, libgomp_loaded())
+_lib.load()
+"""
+
+
+def _spin_child(order: str, **env: str) -> str:
+    child_env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"} | env
+    out = subprocess.run([sys.executable, "-c", _SPIN_CHILD, order], env=child_env, capture_output=True,
+                         text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_the_kernels_spin_is_set_before_torch_loads_its_libgomp():
+    pytest.importorskip("torch")
+    # opt_serving first: the setting is in the environment before torch's libgomp reads it
+    out = _spin_child("opt_serving first")
+    assert "spin 30000 True True" in out and "GOMP_SPINCOUNT" not in out.split("spin", 1)[1].split("\n", 1)[1]
+    # torch first: its libgomp read no setting; loading the kernels says so, naming the variable
+    out = _spin_child("torch first")
+    assert "spin 30000 False True" in out and "start Python with GOMP_SPINCOUNT=30000" in out
+    # the user's own setting is kept, whatever loaded first
+    out = _spin_child("torch first", GOMP_SPINCOUNT="5000")
+    assert "spin 5000 True True" in out and "start Python with" not in out

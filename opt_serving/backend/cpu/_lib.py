@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
+import logging
 from pathlib import Path
 from typing import Optional
 
 import jax
 
-from opt_serving.settings import Settings
+from opt_serving import settings as switches
+from opt_serving.settings import KERNEL_SPIN, SPIN, Settings
+
+log = logging.getLogger(__name__)
 
 LIBRARY = Path(__file__).resolve().parents[2] / "_cpu_kernels.so"
 MATMUL, ARGMAX, ATTENTION, GREEDY_HEAD = "opt_onednn_matmul", "opt_argmax", "opt_decode_attention", "opt_greedy_head"
@@ -22,11 +25,12 @@ RAGGED_ATTENTION, LAYER_NORM = "opt_ragged_attention", "opt_layer_norm"
 def _load() -> Optional[ctypes.CDLL]:
     if not LIBRARY.exists():
         return None
-    # libgomp reads this once, when it is loaded (with the extension, just below): how long the kernels' team
-    # worker spins for the next parallel region before it sleeps. Its default (300000 rounds, ~3 ms) kept it
-    # spinning through XLA's own multithreaded ops between two products and slowed large batches; at 0 every
-    # region paid a wake-up. A setting of the user's is kept.
-    os.environ.setdefault("GOMP_SPINCOUNT", "30000")
+    # the team worker's spin (settings.openmp_defaults), set at opt_serving's import; a libgomp loaded before
+    # that (torch imported first) kept its own default, which the user is told of
+    if not switches.spin_in_time:
+        log.warning("a libgomp was loaded before opt_serving was imported (torch imported first?): the CPU "
+                    "kernels' threads spin with libgomp's default, which slows serving; import opt_serving first "
+                    "or start Python with %s=%s", SPIN, KERNEL_SPIN)
     try:
         lib = ctypes.CDLL(str(LIBRARY))
     except OSError:  # built against a oneDNN that is gone: the plain XLA path still works
