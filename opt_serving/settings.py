@@ -96,18 +96,17 @@ class Settings:
         return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def openmp_defaults(env: MutableMapping[str, str] = os.environ) -> bool:
-    """Set the kernels' libgomp spin (`KERNEL_SPIN`) unless the environment has one; False where that comes
-    too late: a libgomp is already loaded in this process, and libgomp reads its variables once, when it loads.
-    opt_serving's first import calls it, since torch brings its own libgomp under the same name (the kernels
-    then use that one) and transformers imports torch with any tokenizer. With libgomp's own default (300000
-    rounds) the team's worker, pinned to its CPU, spun through the host's turn between two decode steps and
-    held that CPU from the engine's and the HTTP threads while the other CPU sat idle."""
+def openmp_defaults(env: MutableMapping[str, str] = os.environ) -> None:
+    """Set the kernels' libgomp spin (`KERNEL_SPIN`) unless the environment has one; `spin_in_time` turns False
+    where that comes too late: a libgomp is already loaded in this process, and libgomp reads its variables once,
+    when it loads. opt_serving's first import calls it, since torch brings its own libgomp under the same name
+    (the kernels then use that one) and transformers imports torch with any tokenizer. With libgomp's own
+    default (300000 rounds) the team's worker, pinned to its CPU, spun through the host's turn between two
+    decode steps and held that CPU from the engine's and the HTTP threads while the other CPU sat idle."""
     global spin_in_time
     if SPIN not in env:  # (else the user's own, in the environment a libgomp read or will read)
         env[SPIN] = KERNEL_SPIN
         spin_in_time = not libgomp_loaded()
-    return spin_in_time
 
 
 def libgomp_loaded() -> bool:
