@@ -566,9 +566,9 @@ def test_ragged_attention_reads_each_querys_own_row_up_to_its_end(d, cache, port
     ptab = rng.integers(0, p, (b, t // bs)).astype(np.int32)
     plen = np.array([0, 32, 0, 48, 16], np.int32)
     # decode rows 0-4, a part of row 2 at entries 10..49 (more than a tile of 32), one of row 3 after its
-    # prefix (entries 48..59), padding
-    rows = np.array([0, 1, 2, 3, 4] + [2] * 40 + [3] * 12 + [b, b], np.int32)
-    ends = np.array([7, 40, 10, 48, 1] + list(range(11, 51)) + list(range(49, 61)) + [0, 0], np.int32)
+    # prefix (entries 48..60: 13 queries, the vector loops' last score pass of 4 reads 3 past them), padding
+    rows = np.array([0, 1, 2, 3, 4] + [2] * 40 + [3] * 13 + [b, b], np.int32)
+    ends = np.array([7, 40, 10, 48, 1] + list(range(11, 51)) + list(range(49, 62)) + [0, 0], np.int32)
     q = (0.3 * rng.standard_normal((len(rows), h, d))).astype(np.float32)
     want = ragged_reference(q, k, v, rows, ends, pk, pv, ptab, plen)
     longest = np.zeros(b, int)
