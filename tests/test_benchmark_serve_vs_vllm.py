@@ -35,6 +35,16 @@ def test_the_bound_is_the_longer_of_the_steps_flops_at_the_peak_and_their_bytes_
     assert any(f"in series: {serial_ms:.1f} ms" in line and f"ours {100 / serial_ms:.2f}x" in line for line in lines)
 
 
+def test_the_float32_peak_is_the_faster_of_our_product_and_xlas_dot():
+    before, after = metrics(0, 0.0, 0, 0, 0), metrics(100, 10.0, 3200, 0, 100_000)
+    slower_ours = {"float32_gflops": 100.0, "xla_float32_gflops": 300.0, "bandwidth_gbs": 25.0}
+    assert svv.peak_gflops(slower_ours, "float32") == 300.0
+    assert svv.headroom(before, after, slower_ours, "float32") == pytest.approx(
+        svv.headroom(before, after, {"float32_gflops": 300.0, "bandwidth_gbs": 25.0}, "float32"))
+    assert svv.peak_gflops({"float32_gflops": 100.0, "xla_float32_gflops": 300.0, "bfloat16_gflops": 200.0,
+                            "bandwidth_gbs": 25.0}, "bfloat16") == 200.0
+
+
 def test_no_engine_figures_leave_no_headroom():
     assert math.isnan(svv.headroom({}, {}, {"bandwidth_gbs": 25.0}, "float32"))
     assert svv.where_time_goes({}, {}, {"bandwidth_gbs": 25.0}, "float32") == ["  (no engine figures in /metrics)"]
