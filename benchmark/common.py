@@ -53,10 +53,6 @@ def summarize(values) -> dict:
 def machine_description() -> str:
     """e.g. 'Linux x86_64, 2 CPU cores' plus accelerators when JAX or torch see any."""
     desc = f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores"
-    try:  # opt_serving's OpenMP settings first: torch's libgomp, which our kernels then share, reads them once
-        import opt_serving  # noqa: F401
-    except ImportError:  # (a peer-only script where opt_serving is not)
-        pass
     try:
         import torch
         if torch.cuda.is_available():

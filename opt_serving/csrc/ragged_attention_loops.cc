@@ -51,7 +51,7 @@ __attribute__((always_inline)) inline void tile_loops_body(const Rows<KV>& r, co
   float best[kTile], total[kTile];
   // the tile's queries, then zeros up to the last group of kQ a score pass may read: only those rows, since filling
   // all kTile + kQ of them was most of a one-query decode tile's time over a short context
-  const int64_t filled = few ? it.count : std::min<int64_t>(kTile + kQ, it.count + kQ - 1);
+  const int64_t filled = few ? it.count : it.count + kQ - 1;  // (count <= kTile: within qt)
   for (int64_t j = 0; j < filled; ++j) {
     const float* src = q + (it.first + j) * hs + h * D;
     for (int c = 0; c < D; ++c) qt[j][c] = j < it.count ? src[c] : 0.f;
