@@ -212,7 +212,12 @@ def _draw_block_fn(rows: int, blocks: int, dtype: str):
         bs = b0 + jnp.arange(blocks, dtype=jnp.uint32)
         x = jax.vmap(lambda r: jax.vmap(lambda b: block(r, b))(bs))(rs)  # [rows, blocks, COLUMN_BLOCK]
         return (x.reshape(rows, blocks * COLUMN_BLOCK) * std).astype(dtype)
-    return jax.jit(draw)
+    return jax.jit(draw, compiler_options=_DRAW_COMPILE)
+
+
+# A draw computes much for one small program: it is compiled at XLA's full optimization whatever XLA_FLAGS ask of
+# other programs (the test suite compiles the rest at XLA's cheapest, where a model's draws ran several times slower)
+_DRAW_COMPILE = {"xla_backend_optimization_level": 3, "xla_llvm_disable_expensive_passes": False}
 
 
 def _transposed(host) -> bool:
