@@ -201,6 +201,11 @@ class Drawn:
         return out
 
 
+# A draw computes much for one small program: it is compiled at XLA's full optimization whatever XLA_FLAGS ask of
+# other programs (the test suite compiles the rest at XLA's cheapest, where a model's draws ran several times slower)
+_DRAW_COMPILE = {"xla_backend_optimization_level": 3, "xla_llvm_disable_expensive_passes": False}
+
+
 @functools.lru_cache(maxsize=64)
 def _draw_block_fn(rows: int, blocks: int, dtype: str):
     """A jitted draw of `rows` rows from row r0, `blocks` column blocks from block b0 (see COLUMN_BLOCK):
@@ -213,11 +218,6 @@ def _draw_block_fn(rows: int, blocks: int, dtype: str):
         x = jax.vmap(lambda r: jax.vmap(lambda b: block(r, b))(bs))(rs)  # [rows, blocks, COLUMN_BLOCK]
         return (x.reshape(rows, blocks * COLUMN_BLOCK) * std).astype(dtype)
     return jax.jit(draw, compiler_options=_DRAW_COMPILE)
-
-
-# A draw computes much for one small program: it is compiled at XLA's full optimization whatever XLA_FLAGS ask of
-# other programs (the test suite compiles the rest at XLA's cheapest, where a model's draws ran several times slower)
-_DRAW_COMPILE = {"xla_backend_optimization_level": 3, "xla_llvm_disable_expensive_passes": False}
 
 
 def _transposed(host) -> bool:
