@@ -67,6 +67,50 @@ def test_adaptive_schedule_keeps_the_tokens(models):
         np.testing.assert_array_equal(one.generate(PROMPT, max_new_tokens=30, assistant_model=draft), want)
 
 
+def test_rounds_that_draft_nothing_run_in_one_loop_and_keep_the_tokens(models, monkeypatch):
+    """Drafts that miss turn drafting off; the greedy rounds until the next probe run as one compiled loop
+    (StageSlots.seq_continue), ending at EOS (held back by min_new_tokens) where plain generate() ends."""
+    one, _, drafts = models
+    stage = one.stages.stages[0]
+    calls = []
+    real = stage.seq_continue
+    monkeypatch.setattr(stage, "seq_continue", lambda *a: calls.append(a[3]) or real(*a))
+    plain = one.generate(PROMPT, max_new_tokens=40)
+    eos = int(plain[0, PROMPT.shape[1] + 30])  # reached in the 31st step, long after drafting stopped
+    early = [i for i in range(30) if plain[0, PROMPT.shape[1] + i] == eos]  # an earlier EOS min_new_tokens holds back
+    assert early
+    for kw in (dict(), dict(eos_token_id=eos), dict(eos_token_id=eos, min_new_tokens=early[-1] + 2)):
+        calls.clear()
+        want = one.generate(PROMPT, max_new_tokens=40, **kw)
+        got = one.generate(PROMPT, max_new_tokens=40, assistant_model=drafts["another model"], **kw)
+        np.testing.assert_array_equal(got, want)
+        st = one.last_speculation
+        assert st.drafted > 0 and st.plain_rounds > len(calls) > 0  # drafting, then several plain rounds a call
+
+
+def test_a_stretch_of_plain_rounds_keeps_the_probe_schedule():
+    """Rounds run together (plain_stretch, skip) probe where rounds run one by one probe."""
+    from opt_serving.runner.speculative import KChooser
+    one_by_one, together = KChooser(4), KChooser(4)
+    ks = []
+    for _ in range(200):
+        k = one_by_one.next_k()
+        ks.append(k)
+        one_by_one.observe(k, 0, t_draft=k * 0.02, t_check=0.2)
+    got = []
+    while len(got) < 200:
+        k = together.next_k()
+        if k:
+            got.append(k)
+            together.observe(k, 0, t_draft=k * 0.02, t_check=0.2)
+            continue
+        n = together.plain_stretch()
+        got += [0] * n
+        together.skip(n - 1)
+        together.observe(0, 0, t_draft=0.0, t_check=0.2)
+    assert got[:200] == ks and max(len(r) for r in "".join(map(str, ks)).split("1") if r) > 8
+
+
 @pytest.mark.parametrize("lookup", [False, True])
 def test_rejection_rule_draws_from_the_targets_distribution(lookup):
     """Over a vocabulary of 6, drafts drawn from q (or a fixed token: a lookup's point mass): the first token

@@ -65,13 +65,14 @@ class ModelSpeculation(NgramSpeculation):
 
     def warm(self) -> None:
         """Compile the draft model's calls: each chunk width over a row's cache, as a new row's first call (a cache
-        just made, not yet placed on the device: a program of its own) and as any later one."""
+        just made, not yet placed on the device: a program of its own) and as any later one; the widest also
+        without the head."""
         tokens = np.full(WIDTHS[-1], self.draft.config.bos_token_id, np.int32)
-        for w in WIDTHS:
+        for w, head in [(w, True) for w in WIDTHS] + [(WIDTHS[-1], False)]:  # (a long prompt's chunks: no head)
             key = self.draft._open(1, self.cache_len)
             try:
-                self._extend(key, tokens[:w], 0)
-                self._extend(key, tokens[:w], w)
+                self._extend(key, tokens[:w], 0, head)
+                self._extend(key, tokens[:w], w, head)
             finally:
                 self.draft._close([key])
 
@@ -107,8 +108,8 @@ class ModelSpeculation(NgramSpeculation):
         fed = self.fed[slot, :min(self.done[slot], len(h) - 1)]
         parted = np.flatnonzero(fed != h[:len(fed)])
         done = int(parted[0]) if len(parted) else len(fed)  # (the last token is always fed: its output drafts)
-        while len(h) - done > WIDTHS[-1]:
-            self._feed(slot, key, h[done:done + WIDTHS[-1]], done)
+        while len(h) - done > WIDTHS[-1]:  # (no draft chosen from these chunks: no head run)
+            self._feed(slot, key, h[done:done + WIDTHS[-1]], done, head=False)
             done += WIDTHS[-1]
         token = self._feed(slot, key, h[done:], done)
         drafts = [token]
@@ -116,22 +117,24 @@ class ModelSpeculation(NgramSpeculation):
             drafts.append(self._feed(slot, key, np.asarray(drafts[-1:], np.int32), len(h) + i - 1))
         return drafts
 
-    def _feed(self, slot: int, key, tokens: np.ndarray, at: int) -> int:
-        """The row's cache takes `tokens` at entries at.. -> the draft's choice after the last of them."""
-        out = self._extend(key, tokens, at)
+    def _feed(self, slot: int, key, tokens: np.ndarray, at: int, head: bool = True) -> Optional[int]:
+        """The row's cache takes `tokens` at entries at.. -> the draft's choice after the last of them (`head`
+        False: none)."""
+        out = self._extend(key, tokens, at, head)
         self.fed[slot, at:at + len(tokens)] = tokens
         self.done[slot] = at + len(tokens)
         return out
 
-    def _extend(self, key, tokens: np.ndarray, at: int) -> int:
+    def _extend(self, key, tokens: np.ndarray, at: int, head: bool = True) -> Optional[int]:
         t0 = time.perf_counter()
         width = next(w for w in WIDTHS if w >= len(tokens))
         x = np.zeros((1, width), np.int32)
         x[0, :len(tokens)] = tokens
         mask = (np.arange(width) < len(tokens)).astype(np.int32)[None]
         exclude = np.full((1, width), -1, np.int32)  # (greedy: the screened head's argmax, no logits made)
-        out = self.draft.stages.get(self.draft._chain("extend", key, x, np.array([at], np.int32), mask, exclude))
+        out = self.draft.stages.get(self.draft._chain("extend", key, x, np.array([at], np.int32), mask, exclude,
+                                                      head))
         if width <= 2:  # a round's calls (a prompt's chunks, once a row, are not what each draft costs)
             per = time.perf_counter() - t0
             self.t_call = per if self.t_call is None else (1 - EMA) * self.t_call + EMA * min(per, 4 * self.t_call)
-        return int(out[0, len(tokens) - 1])
+        return None if out is None else int(out[0, len(tokens) - 1])

@@ -1,6 +1,7 @@
 """Speculative decoding for generate(), on every plan: a cheap proposer drafts k tokens, the target checks them
 all in one pass over its stages (`seq_extend`), and the accepted drafts plus one token of the target's own are
-kept; the caches are cut back past them (`seq_truncate`). At batch 1 a step reads every weight of the target
+kept; each model's next call writes from its first token not kept on, dropping the refused drafts' cache entries
+past it (steps.extend_step). At batch 1 a step reads every weight of the target
 once whether it checks one token or five, so each accepted draft is a token for (almost) nothing.
 
 Proposers:
@@ -35,10 +36,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from opt_serving.backend import sampling
+from opt_serving.model import kv_cache
 from opt_serving.runner.types import acceptance_length
 
 PROBE_EVERY = 8  # rounds from one probe to the next while speculation does not pay
 PROBE_MAX = 64  # ... doubled after each failed probe, up to this many
+PLAIN_CAP = PROBE_MAX  # greedy rounds that draft nothing run together, up to this many in one call
 EMA = 0.3  # weight of the newest round in the running acceptance rate and timings
 CATCH_UP = 8  # a draft behind by more than 2 tokens (after plain rounds) is fed them this many at a time
 
@@ -85,6 +88,15 @@ class KChooser:
                 self._plain, self._probing = 0, True
                 return 1
         return best
+
+    def plain_stretch(self) -> int:
+        """After next_k() gave 0: how many rounds in a row draft nothing before the next probe, this one included
+        (none of them learns more than their time: they may run as one; `skip` the others)."""
+        return max(1, self._every - self._plain) if self.adaptive else 1
+
+    def skip(self, rounds: int) -> None:
+        """`rounds` more rounds that drafted nothing, run with the one next_k() gave 0 for."""
+        self._plain += rounds
 
     @property
     def rate(self) -> float:
@@ -171,10 +183,10 @@ class ModelDrafter:
         """k tokens, each the draft's choice as `accept` makes it -> (tokens, q [k, V]: their distributions; None
         for greedy drafts)."""
         pending = history[self.done:]
-        while len(pending) > CATCH_UP:  # behind by plain rounds: fed a chunk at a time, nothing chosen from them
+        while len(pending) > CATCH_UP:  # behind by plain rounds: fed a chunk at a time, no head run on them
             self.gen.stages.get(self.gen._chain("extend", self.key, np.asarray([pending[:CATCH_UP]], np.int32),
                                                 np.array([self.done], np.int32), np.ones((1, CATCH_UP), np.int32),
-                                                np.full((1, CATCH_UP), -1, np.int32) if accept.greedy else None))
+                                                None, False))
             pending, self.done = pending[CATCH_UP:], self.done + CATCH_UP
         width = 1 if len(pending) == 1 else 2 if len(pending) == 2 else CATCH_UP  # few compiled widths
         x = np.zeros((1, width), np.int32)
@@ -199,10 +211,9 @@ class ModelDrafter:
         return tokens, (None if accept.greedy else np.stack(qs))
 
     def accepted(self, history: list[int]) -> None:
-        """The sequence after a round: keep the cache entries that match it (all but its newest token)."""
+        """The sequence after a round: the cache entries that match it (all but its newest token) are the ones kept;
+        the next call writes from there on."""
         self.done = min(self.done, len(history) - 1)
-        for i in range(self.gen.stages.n):
-            self.gen.stages.call(i, "seq_truncate", self.key, np.array([self.done], np.int32))
 
     def close(self) -> None:
         if self.key is not None:
@@ -289,7 +300,9 @@ def generate(target, drafter, ids: np.ndarray, max_new: int, settings: dict, eos
     stages) with `drafter`'s proposals -> (the sequence [S + new], stats). Stops after EOS (kept, as generate()
     keeps it)."""
     s = len(ids)
-    max_len = s + max_new + k_max + CATCH_UP  # a check or a catch-up may write past the last kept token
+    # a check or a catch-up may write past the last kept token; a power of two: lengths near each other share
+    # their compiled calls
+    max_len = kv_cache.bucket_length(s + max_new + k_max + CATCH_UP, 1 << 30)
     accept = Acceptance(settings, eos, s, seed)
     chooser, stats = KChooser(k_max, adaptive), SpeculationStats()
     key = target._open(1, max_len)
@@ -304,6 +317,12 @@ def generate(target, drafter, ids: np.ndarray, max_new: int, settings: dict, eos
         drafter.start(np.asarray(ids, np.int32), max_len)
         while len(history) - s < max_new and (len(history) == s or history[-1] != eos):
             k = min(chooser.next_k(), max_new - (len(history) - s))
+            if k == 0 and accept.greedy and target.stages.n == 1:  # rounds with no drafts: one compiled loop
+                history += _plain_stretch(target, key, history, min(chooser.plain_stretch(), PLAIN_CAP,
+                                                                    max_new - (len(history) - s)),
+                                          eos, accept, chooser, stats)
+                drafter.accepted(history)
+                continue
             t0 = time.perf_counter()
             drafts, q = drafter.propose(history, k, accept) if k > 0 else ([], None)
             t1 = time.perf_counter()
@@ -327,10 +346,23 @@ def generate(target, drafter, ids: np.ndarray, max_new: int, settings: dict, eos
             if eos in new:
                 new = new[:new.index(eos) + 1]
             history += new[:max_new - (len(history) - s)]
-            for i in range(target.stages.n):  # the check wrote every draft: keep the accepted ones
-                target.stages.call(i, "seq_truncate", key, np.array([len(history) - 1], np.int32))
-            drafter.accepted(history)
+            drafter.accepted(history)  # (the next check writes from history's last token on: refused drafts go)
     finally:
         target._close([key])
         drafter.close()
     return np.asarray(history, np.int32), stats
+
+
+def _plain_stretch(target, key, history: list[int], n: int, eos: int, accept: Acceptance, chooser: KChooser,
+                   stats: SpeculationStats) -> list[int]:
+    """Up to n greedy tokens after `history` in one compiled loop on the target's one stage (stopping after EOS),
+    counted as that many rounds that drafted nothing -> the tokens."""
+    t0 = time.perf_counter()
+    start = len(history) - 1  # the newest token's entry; the token chosen at step i takes position start + 1 + i
+    new = target.stages.get(target.stages.call(0, "seq_continue", key, history[-1], start, n, eos,
+                                               accept.held(start + 1 + np.arange(PLAIN_CAP)), PLAIN_CAP)).tolist()
+    chooser.skip(len(new) - 1)
+    chooser.observe(0, 0, 0.0, (time.perf_counter() - t0) / len(new))
+    stats.rounds += len(new)
+    stats.plain_rounds += len(new)
+    return new

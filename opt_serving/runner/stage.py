@@ -38,7 +38,8 @@ from opt_serving.runner.prefix import BLOCK_SIZE as PREFIX_BLOCK
 from opt_serving.runner.programs import Programs
 from opt_serving.runner.sampler import Sampler
 from opt_serving.runner.stage_steps import StepsInOneCall
-from opt_serving.runner.stage_programs import seq_extend_fn, seq_prefill_greedy_fn, stage_programs, truncate
+from opt_serving.runner.stage_programs import seq_continue_fn, seq_extend_fn, seq_prefill_greedy_fn
+from opt_serving.runner.stage_programs import stage_programs
 from opt_serving.runner.types import DecodeStep, SlotSettings
 
 
@@ -363,22 +364,32 @@ class StageSlots(StepsInOneCall):
         self.seqs.pop(key, None)
 
     # ---- speculative decoding (runner/speculative.py): a row's drafted tokens checked in one pass, cut back ----
-    def seq_extend(self, key, x, start, chunk_mask, exclude=None):
+    def seq_extend(self, key, x, start, chunk_mask, exclude=None, head: bool = True):
         """Tokens x [B, C] (the previous stage's hidden states [B, C, D] on a stage that is not first) at entries
-        (= positions: unpadded rows) start..start+C-1 of each row, after its valid entries; `chunk_mask` [B, C]
-        marks the real ones (a right-padded chunk) -> hidden states [B, C, D], or on the last stage logits
-        [B, C, V] (steps.extend_step); with `exclude` [B, C] (int32, -1 none; greedy rows) the last stage's argmax
-        tokens [B, C] instead, each leaving out its excluded token (the screened head: no logits made)."""
+        (= positions: unpadded rows) start..start+C-1 of each row, after its valid entries before `start` (any
+        after it, drafts a check refused, are dropped: steps.extend_step); `chunk_mask` [B, C] marks the real ones
+        (a right-padded chunk) -> hidden states [B, C, D], or on the last stage logits [B, C, V]; with `exclude`
+        [B, C] (int32, -1 none; greedy rows) the last stage's argmax tokens [B, C] instead, each leaving out its
+        excluded token (the screened head: no logits made). `head` False: only fed, the last stage returns None."""
         greedy = exclude is not None
-        fn = seq_extend_fn(self.cfg, self.spec, self.backend, greedy)
+        fn = seq_extend_fn(self.cfg, self.spec, self.backend, greedy, head or not self.spec.last)
         ex = np.asarray(exclude if greedy else np.zeros((0, 0)), np.int32)
         out, self.seqs[key] = fn(self.params, self.seqs[key], x, np.asarray(start, np.int32),
                                  np.asarray(chunk_mask, np.int32), ex, self.lora.generating(chunk_mask.shape[0]))
-        return np.asarray(out) if self.spec.last else out
+        if not self.spec.last:
+            return out
+        return np.asarray(out) if head else None
 
-    def seq_truncate(self, key, length) -> None:
-        """Only each row's first length[b] entries stay valid (drafted tokens the target did not accept)."""
-        self.seqs[key] = truncate(self.seqs[key], np.asarray(length, np.int32))
+    def seq_continue(self, key, token: int, start: int, n: int, eos: int, held, cap: int) -> np.ndarray:
+        """Greedy tokens after `token` (at entry `start`), up to n <= cap, stopping after `eos`, in one compiled
+        loop (stage_programs.seq_continue_fn; a stage that is the whole model) -> the tokens [<= n]."""
+        if not (self.spec.first and self.spec.last):
+            raise ValueError("seq_continue runs on a stage that is the whole model")
+        fn = seq_continue_fn(self.cfg, self.spec, self.backend, cap)
+        out, count, self.seqs[key] = fn(self.params, self.seqs[key], np.array([token], np.int32), np.int32(start),
+                                        np.int32(n), np.int32(eos), np.asarray(held, np.int32),
+                                        self.lora.generating(1))
+        return np.asarray(out)[:int(count)]
 
     # ---- a whole generate() as one compiled loop, on a stage that is the whole model ----
     def seq_generate(self, ids, mask, settings, max_new: int, new_bucket: int, pad: int, output_scores: bool):

@@ -206,14 +206,15 @@ def _take(tree, rows):
 
 
 @functools.lru_cache(maxsize=None)
-def seq_extend_fn(cfg, stage, backend, greedy: bool):
+def seq_extend_fn(cfg, stage, backend, greedy: bool, head: bool = True):
     """A speculative check's pass (StageSlots.seq_extend): drafted tokens [B, C] after each row's cache, each
     query's attention as its own decode step's (steps.extend_step per_query) -> the greedy tokens [B, C] on the last
-    stage (screened head), else its hidden states or logits."""
+    stage (screened head), else its hidden states or logits. `head` False: the last stage's hidden states, no head
+    run (tokens only fed to the cache: a head reads as many weights as the draft's layers do)."""
     def extend(params, cache, x, start, chunk_mask, exclude):
-        out, cache = steps.extend_step(cfg, params, cache, x, start, chunk_mask, return_hidden=greedy, stage=stage,
-                                       backend=backend, per_query=True)
-        if greedy and stage.last:  # [B, C, D] -> the tokens [B, C]
+        out, cache = steps.extend_step(cfg, params, cache, x, start, chunk_mask, return_hidden=greedy or not head,
+                                       stage=stage, backend=backend, per_query=True)
+        if greedy and head and stage.last:  # [B, C, D] -> the tokens [B, C]
             b, c = chunk_mask.shape
             out = opt.lm_argmax(params, out.reshape(b * c, -1), exclude.reshape(-1), backend=backend).reshape(b, c)
         return out, cache
@@ -230,8 +231,27 @@ def seq_prefill_greedy_fn(cfg, stage, backend):
     return jax.jit(with_lora(prefill), donate_argnums=(1,))
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def truncate(cache, length):
-    """A whole-sequence cache cut back to `length` [B] entries a row (rejected drafts' entries dropped)."""
-    entries = jnp.arange(cache["mask"].shape[1])[None]  # [1, max_len]
-    return dict(cache, mask=cache["mask"] & (entries < length[:, None]))
+@functools.lru_cache(maxsize=None)
+def seq_continue_fn(cfg, stage, backend, cap: int):
+    """Greedy decoding continued in one compiled loop, on a stage that is the whole model (StageSlots.seq_continue:
+    a speculative run's rounds that draft nothing, which called one token at a time would each cost a round trip
+    to the host): the newest token [1] goes in at entry `start` (entries from there on dropped: drafts a check
+    refused), then up to `n` <= cap tokens are chosen, each as generate()'s decode steps choose it (step i leaves
+    out `held` [cap][i]: EOS held back by min_new_tokens; -1 none), stopping after `eos` -> (tokens [cap], how
+    many were chosen, cache)."""
+    def run(params, cache, token, start, n, eos, held):
+        entries = jnp.arange(cache["mask"].shape[1])[None]  # [1, max_len]
+        cache = dict(cache, mask=cache["mask"] & (entries < start))
+
+        def body(c):
+            i, tok, cache, out = c
+            h, cache = steps.decode_step(cfg, params, cache, tok, (start + i)[None], start + i,
+                                         read_len=start + i + 1, return_hidden=True, stage=stage, backend=backend)
+            tok = opt.lm_argmax(params, h, held[i][None], backend=backend)  # [1]
+            return i + 1, tok, cache, out.at[i].set(tok[0])
+
+        def going(c):
+            return (c[0] < n) & (c[1][0] != eos)
+        i, _, cache, out = jax.lax.while_loop(going, body, (jnp.int32(0), token, cache, jnp.zeros(cap, jnp.int32)))
+        return out, i, cache
+    return jax.jit(with_lora(run), donate_argnums=(1,))

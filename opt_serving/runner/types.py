@@ -248,8 +248,8 @@ STAGE_CALLS = {"prefill": True, "prefill_chunk": True, "decode": True, "decode_s
                "set_lora": False, "lora_layout": False,  # LoRA adapters (runner/lora.py)
                # whole-sequence caches: generate() over a pipeline (runner/generate.py)
                "seq_open": False, "seq_prefill": True, "seq_decode": True, "seq_reorder": False, "seq_close": False,
-               # speculative decoding's check of drafted tokens and cut back (runner/speculative.py)
-               "seq_extend": True, "seq_truncate": False,
+               # speculative decoding's check of drafted tokens (runner/speculative.py)
+               "seq_extend": True, "seq_continue": True,
                # a whole generate() in one compiled loop, on a stage that is the whole model (never an actor's)
                "seq_generate": True, "seq_beam_search": True}
 
