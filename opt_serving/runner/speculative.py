@@ -184,18 +184,14 @@ class ModelDrafter:
         for greedy drafts)."""
         pending = history[self.done:]
         while len(pending) > CATCH_UP:  # behind by plain rounds: fed a chunk at a time, no head run on them
-            self._feed(pending[:CATCH_UP])
-            pending = pending[CATCH_UP:]
-        if accept.greedy and self.gen.stages.n == 1:  # the drafts chosen in one compiled loop on the draft's stage
-            if len(pending) > 1:
-                self._feed(pending[:-1])
-            start = len(history) - 1  # the newest token's entry; draft i takes position start + 1 + i
-            tokens = self.gen.stages.get(self.gen.stages.call(
-                0, "seq_continue", self.key, pending[-1], start, k, -1, accept.held(start + 1 + np.arange(PLAIN_CAP)),
-                PLAIN_CAP)).tolist()
-            self.done = len(history) + k - 1  # the last draft was never fed
-            return tokens, None
-        x, mask = _chunk(pending)
+            self.gen.stages.get(self.gen._chain("extend", self.key, np.asarray([pending[:CATCH_UP]], np.int32),
+                                                np.array([self.done], np.int32), np.ones((1, CATCH_UP), np.int32),
+                                                None, False))
+            pending, self.done = pending[CATCH_UP:], self.done + CATCH_UP
+        width = 1 if len(pending) == 1 else 2 if len(pending) == 2 else CATCH_UP  # few compiled widths
+        x = np.zeros((1, width), np.int32)
+        x[0, :len(pending)] = pending
+        mask = (np.arange(width) < len(pending)).astype(np.int32)[None]
         tokens, qs, pos = [], [], len(history)  # draft i takes position pos + i
         for i in range(k):
             start = self.done if i == 0 else pos + i - 1
@@ -213,13 +209,6 @@ class ModelDrafter:
             x, mask = np.array([[tok]], np.int32), np.ones((1, 1), np.int32)
         self.done = len(history) + k - 1  # the last draft was never fed
         return tokens, (None if accept.greedy else np.stack(qs))
-
-    def _feed(self, tokens: list[int]) -> None:
-        """`tokens` into the cache after its `done` entries, no head run (no draft chosen from them)."""
-        x, mask = _chunk(tokens)
-        self.gen.stages.get(self.gen._chain("extend", self.key, x, np.array([self.done], np.int32), mask, None,
-                                            False))
-        self.done += len(tokens)
 
     def accepted(self, history: list[int]) -> None:
         """The sequence after a round: the cache entries that match it (all but its newest token) are the ones kept;
@@ -291,15 +280,6 @@ class Acceptance:
             return kept + [int(self.rng.choice(len(pick), p=pick))]
         last = p[len(drafts)]
         return kept + [int(self.rng.choice(len(last), p=last / last.sum()))]
-
-
-def _chunk(tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """Up to CATCH_UP tokens as a call's right-padded chunk [1, C] and its mask [1, C], C one of a few widths (each
-    a compile of the draft)."""
-    width = 1 if len(tokens) == 1 else 2 if len(tokens) == 2 else CATCH_UP
-    x = np.zeros((1, width), np.int32)
-    x[0, :len(tokens)] = tokens
-    return x, (np.arange(width) < len(tokens)).astype(np.int32)[None]
 
 
 def _point(token: int, v: int) -> np.ndarray:
