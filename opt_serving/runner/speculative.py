@@ -1,8 +1,8 @@
 """Speculative decoding for generate(), on every plan: a cheap proposer drafts k tokens, the target checks them
 all in one pass over its stages (`seq_extend`), and the accepted drafts plus one token of the target's own are
 kept; each model's next call writes from its first token not kept on, dropping the refused drafts' cache entries
-past it (steps.extend_step). At batch 1 a step reads every weight of the target
-once whether it checks one token or five, so each accepted draft is a token for (almost) nothing.
+past it (steps.extend_step). At batch 1 a step reads every weight of the target once whether it checks one token or
+five, so each accepted draft is a token for (almost) nothing.
 
 Proposers:
 - `ModelDrafter`: a small OPT sharing the tokenizer (transformers' `assistant_model`), e.g. OPT-125m for
@@ -320,7 +320,7 @@ def generate(target, drafter, ids: np.ndarray, max_new: int, settings: dict, eos
             if k == 0 and accept.greedy and target.stages.n == 1:  # rounds with no drafts: one compiled loop
                 history += _plain_stretch(target, key, history, min(chooser.plain_stretch(), PLAIN_CAP,
                                                                     max_new - (len(history) - s)),
-                                          eos, accept, chooser, stats)
+                                          accept, chooser, stats)
                 drafter.accepted(history)
                 continue
             t0 = time.perf_counter()
@@ -353,13 +353,13 @@ def generate(target, drafter, ids: np.ndarray, max_new: int, settings: dict, eos
     return np.asarray(history, np.int32), stats
 
 
-def _plain_stretch(target, key, history: list[int], n: int, eos: int, accept: Acceptance, chooser: KChooser,
+def _plain_stretch(target, key, history: list[int], n: int, accept: Acceptance, chooser: KChooser,
                    stats: SpeculationStats) -> list[int]:
     """Up to n greedy tokens after `history` in one compiled loop on the target's one stage (stopping after EOS),
     counted as that many rounds that drafted nothing -> the tokens."""
     t0 = time.perf_counter()
     start = len(history) - 1  # the newest token's entry; the token chosen at step i takes position start + 1 + i
-    new = target.stages.get(target.stages.call(0, "seq_continue", key, history[-1], start, n, eos,
+    new = target.stages.get(target.stages.call(0, "seq_continue", key, history[-1], start, n, accept.eos,
                                                accept.held(start + 1 + np.arange(PLAIN_CAP)), PLAIN_CAP)).tolist()
     chooser.skip(len(new) - 1)
     chooser.observe(0, 0, 0.0, (time.perf_counter() - t0) / len(new))

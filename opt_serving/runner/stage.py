@@ -363,7 +363,7 @@ class StageSlots(StepsInOneCall):
     def seq_close(self, key) -> None:
         self.seqs.pop(key, None)
 
-    # ---- speculative decoding (runner/speculative.py): a row's drafted tokens checked in one pass, cut back ----
+    # ---- speculative decoding (runner/speculative.py): a row's drafted tokens checked in one pass ----
     def seq_extend(self, key, x, start, chunk_mask, exclude=None, head: bool = True):
         """Tokens x [B, C] (the previous stage's hidden states [B, C, D] on a stage that is not first) at entries
         (= positions: unpadded rows) start..start+C-1 of each row, after its valid entries before `start` (any
