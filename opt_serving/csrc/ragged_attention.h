@@ -53,6 +53,30 @@ inline float kv_float(uint16_t x) {
   return f;
 }
 
+// A running row's query reads its head's entries once, in short runs (a few 4 KB pages) that the hardware's
+// prefetcher starts over on each page, so the tiles of a few queries ask for the block kAhead blocks on by hand:
+// key i's k and v as they compute key i of this block (the addresses through keys()/values(): a prefix's pool
+// blocks are not contiguous). A prompt's tile does enough arithmetic on each block to gain nothing from it.
+constexpr int64_t kAhead = 2;
+
+template <typename KV>
+__attribute__((always_inline)) inline void prefetch_ahead(const Rows<KV>& r, int64_t row, int64_t h, int64_t e0, int i,
+                                                          int64_t end) {
+  const int64_t ahead = e0 + kAhead * kBlock;
+  if (ahead + i >= end) return;
+  const char* k = reinterpret_cast<const char*>(r.keys(row, h, ahead) + i * r.d);
+  const char* v = reinterpret_cast<const char*>(r.values(row, h, ahead) + i * r.d);
+  for (int64_t b = 0; b < r.d * static_cast<int64_t>(sizeof(KV)); b += 64) {
+#if defined(__x86_64__)
+    _mm_prefetch(k + b, _MM_HINT_T0);
+    _mm_prefetch(v + b, _MM_HINT_T0);
+#else
+    __builtin_prefetch(k + b, 0, 3);
+    __builtin_prefetch(v + b, 0, 3);
+#endif
+  }
+}
+
 // One tile's queries for head h (q [N, H, D] -> out [N, H, D]), or false where the code does not take head size
 // r.d: the AVX-512 tiles (64 and 128; the CPU's AVX-512 is the caller's to check) and the vector loops (64, 128).
 bool tile_avx512(const Rows<float>& r, const float* q, const Item& it, int64_t h, float* out);
