@@ -53,8 +53,8 @@ inline float kv_float(uint16_t x) {
   return f;
 }
 
-// A running row's query reads its head's entries once, in short runs (a few 4 KB pages) that the hardware's
-// prefetcher starts over on each page, so the tiles of a few queries ask for the block kAhead blocks on by hand:
+// A running row's query reads its head's entries once, in short runs (a few 4 KB pages a row and head) that the
+// hardware's prefetcher alone followed poorly, so the tiles of a few queries ask for the block kAhead blocks on:
 // key i's k and v as they compute key i of this block (the addresses through keys()/values(): a prefix's pool
 // blocks are not contiguous). A prompt's tile does enough arithmetic on each block to gain nothing from it.
 constexpr int64_t kAhead = 2;
