@@ -37,15 +37,17 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     from benchmark.machine_bounds import read_bandwidth_gbs
     from opt_serving.backend.cpu.attention import ragged_attention
+    from opt_serving.model.kv_cache import BF16_BITS, to_cache
 
     rng = np.random.default_rng(0)
     b, h, t, d = 32, 12, 1024, 64  # OPT-125m's heads, 32 slots of 1024 entries
     if a.rows >= b or a.chunk_from + a.chunk > t:
         ap.error(f"at most {b - 1} rows and {t} entries a row")
 
-    def cache():  # [B, H, T, D], bfloat16 kept as its bits (model/kv_cache.py)
-        x = rng.standard_normal((b, h, t, d)).astype(np.float32)
-        return jnp.asarray((x.view(np.uint32) >> 16).astype(np.uint16) if a.cache == "bfloat16" else x)
+    dtype = BF16_BITS if a.cache == "bfloat16" else jnp.float32  # bfloat16 kept as its bits, as the engine's cache
+
+    def cache():  # [B, H, T, D]
+        return to_cache(jnp.asarray(rng.standard_normal((b, h, t, d)).astype(np.float32)), dtype)
 
     ks, vs = [cache() for _ in range(a.layers)], [cache() for _ in range(a.layers)]
     pool = jnp.zeros((h, 0, 16, d), ks[0].dtype)  # no prefix pool

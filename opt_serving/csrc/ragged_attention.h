@@ -60,8 +60,8 @@ inline float kv_float(uint16_t x) {
 constexpr int64_t kAhead = 2;
 
 template <typename KV>
-__attribute__((always_inline)) inline void prefetch_ahead(const Rows<KV>& r, int64_t row, int64_t h, int64_t e0, int i,
-                                                          int64_t end) {
+__attribute__((always_inline)) inline void prefetch_run_ahead(const Rows<KV>& r, int64_t row, int64_t h,
+                                                              int64_t e0, int i, int64_t end) {
   const int64_t ahead = e0 + kAhead * kBlock;
   if (ahead + i >= end) return;
   const char* k = reinterpret_cast<const char*>(r.keys(row, h, ahead) + i * r.d);

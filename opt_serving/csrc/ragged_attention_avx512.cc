@@ -32,7 +32,7 @@ OPT_AVX512 void tile_few_avx512(const Rows<KV>& r, const float* q, const Item& i
       __m512 part[kBlock];
       for (int i = 0; i < kBlock; ++i) {
         part[i] = _mm512_setzero_ps();
-        prefetch_ahead(r, it.row, h, e0, i, n_all);
+        if (j == 0) prefetch_run_ahead(r, it.row, h, e0, i, n_all);  // (a second query finds the run in cache)
         if (i >= n) continue;
         for (int c = 0; c < NV; ++c) part[i] = _mm512_fmadd_ps(qv[c], load16(kb + i * d + 16 * c), part[i]);
       }

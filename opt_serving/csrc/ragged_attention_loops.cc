@@ -76,7 +76,7 @@ __attribute__((always_inline)) inline void tile_loops_body(const Rows<KV>& r, co
     }
     const int64_t j0 = std::max<int64_t>(0, e0 + 1 - it.end0);  // the first query with keys in this block
     if (few) {
-      for (int i = 0; i < kBlock; ++i) prefetch_ahead(r, it.row, h, e0, i, last);
+      for (int i = 0; i < kBlock; ++i) prefetch_run_ahead(r, it.row, h, e0, i, last);
       for (int64_t j = j0; j < it.count; ++j) {
         for (int i = 0; i < cnt; ++i) {
           float dot = 0.f;
