@@ -38,7 +38,7 @@ inline v8 load8_kv(const uint16_t* p) {
 inline v8 exp_nonpositive_8(v8 x) {
   const v8 lo = v8{} - 87.3365f;
   x = x < lo ? lo : x;
-  const v8 n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest (common.h's trick)
+  const v8 n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest: 1.5 * 2^23 drops the fraction
   v8 r = x - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
   v8 p = v8{} + 1.9875691500e-4f;
