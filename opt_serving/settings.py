@@ -51,8 +51,10 @@ class Settings:
                  holds one CPU of the process's)
     avx512       OPT_SERVING_NO_AVX512 (any value): the portable code of the decode attention and of the
                  screened head's passes over the vocabulary
+    amx          OPT_SERVING_NO_AMX (any value): a prompt's attention over a bfloat16 cache on the AVX-512 tiles
+                 where the CPU has AMX (csrc/ragged_attention_amx.cc)
 
-    The last two are read by the C++ extension itself too (csrc/common.cc's pin_team and common.h's use_avx512,
+    The last three are read by the C++ extension itself too (csrc/common.cc's pin_team and common.h's use_avx512,
     once, when the kernels first run), from the same variables: these fields say what it will read.
     """
     kernels: bool = True
@@ -68,6 +70,7 @@ class Settings:
     api_keys: tuple[str, ...] = ()
     pin_threads: bool = True
     avx512: bool = True
+    amx: bool = True
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> "Settings":
@@ -85,7 +88,8 @@ class Settings:
                    cache_dir=Path(env[PREFIX + "CACHE"]) if env.get(PREFIX + "CACHE") else None,
                    api_keys=tuple(k for k in env.get(PREFIX + "API_KEYS", "").split(",") if k),
                    pin_threads=env.get(PREFIX + "PIN_THREADS") != "0",
-                   avx512=PREFIX + "NO_AVX512" not in env)
+                   avx512=PREFIX + "NO_AVX512" not in env,
+                   amx=PREFIX + "NO_AMX" not in env)
 
     def threads(self) -> int:
         """The kernels' threads: `cpu_threads`, else every CPU this process may run on, as XLA's own pool

@@ -546,17 +546,20 @@ def ragged_reference(q, k, v, rows, ends, pool_k, pool_v, ptab, plen):
 @needs_kernels
 @pytest.mark.parametrize("cache", ["float32", "bits"])
 @pytest.mark.parametrize("d", [8, 64, 128])
-@pytest.mark.parametrize("portable", [False, True])
-def test_ragged_attention_reads_each_querys_own_row_up_to_its_end(d, cache, portable):
+@pytest.mark.parametrize("code", ["native", "no_amx", "portable"])
+def test_ragged_attention_reads_each_querys_own_row_up_to_its_end(d, cache, code):
     """Decode rows (one query each), a prompt's part continuing its row (queries reading one entry more each:
     causal), a part after a cached prefix read from the pool, and padding, against numpy; entries past each
     query's end and the row entries a pool prefix stands for are NaN (never read). head_dim 64 and 128 take the
-    AVX-512 code where the CPU has it, else (and with OPT_SERVING_NO_AVX512, in a child) the vector loops built
-    for AVX2; other sizes the portable code."""
-    if portable:
+    AVX-512 code where the CPU has it (a prompt's part over a bfloat16 cache: the AMX tiles where it has those, and
+    with OPT_SERVING_NO_AMX in a child the AVX-512 ones), else (and with OPT_SERVING_NO_AVX512, in a child) the
+    vector loops built for AVX2; other sizes the portable code."""
+    if code != "native":
+        if code == "no_amx" and not _lib.lib().opt_ragged_amx():
+            pytest.skip("this CPU's ragged attention has no AMX tiles: native runs the AVX-512 ones")
         probe = ("import sys; sys.path.insert(0, 'tests'); import test_backend_cpu as t; "
-                 f"t.test_ragged_attention_reads_each_querys_own_row_up_to_its_end({d}, {cache!r}, False)")
-        run_child(probe, OPT_SERVING_NO_AVX512="1")
+                 f"t.test_ragged_attention_reads_each_querys_own_row_up_to_its_end({d}, {cache!r}, 'native')")
+        run_child(probe, **({"OPT_SERVING_NO_AMX": "1"} if code == "no_amx" else {"OPT_SERVING_NO_AVX512": "1"}))
         return
     rng = np.random.default_rng(d)
     b, h, t, p, bs = 5, 3, 96, 10, 16

@@ -31,12 +31,13 @@ def test_settings_come_from_the_environment(monkeypatch):
 def test_the_switches_read_outside_the_backend():
     defaults = Settings.from_env({})
     assert (defaults.keep_heap, defaults.compile_cache, defaults.cache_dir, defaults.api_keys) == (True, "", None, ())
-    assert (defaults.pin_threads, defaults.avx512) == (True, True)
+    assert (defaults.pin_threads, defaults.avx512, defaults.amx) == (True, True, True)
     s = Settings.from_env({"OPT_SERVING_KEEP_HEAP": "0", "OPT_SERVING_COMPILE_CACHE": " /tmp/xla ",
                            "OPT_SERVING_CACHE": "/tmp/c", "OPT_SERVING_API_KEYS": "a,,b",
-                           "OPT_SERVING_PIN_THREADS": "0", "OPT_SERVING_NO_AVX512": ""})
+                           "OPT_SERVING_PIN_THREADS": "0", "OPT_SERVING_NO_AVX512": "",
+                           "OPT_SERVING_NO_AMX": ""})
     assert (s.keep_heap, s.compile_cache, s.cache_dir, s.api_keys) == (False, "/tmp/xla", Path("/tmp/c"), ("a", "b"))
-    assert (s.pin_threads, s.avx512) == (False, False)  # NO_AVX512: any value, as the C++ reads it
+    assert (s.pin_threads, s.avx512, s.amx) == (False, False, False)  # NO_AVX512, NO_AMX: any value (the C++)
     for off in ("0", "off", "OFF", "false", "none"):
         assert Settings.from_env({"OPT_SERVING_COMPILE_CACHE": off}).compile_cache is None
 
@@ -56,7 +57,7 @@ def _variables() -> set[str]:
 
 def test_every_switch_is_a_field_and_in_the_docs():
     variables = _variables()
-    assert len(variables) == len(Settings.__dataclass_fields__) == 13
+    assert len(variables) == len(Settings.__dataclass_fields__) == 14
     page = (ROOT / "docs" / "operating.md").read_text()
     table = page[page.index("## Environment switches"):]
     table = table[:table.index("\n## ")] if "\n## " in table else table

@@ -42,6 +42,33 @@ OPT_AVX512 inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// 16 rows of 16 floats (or any 32-bit lanes) -> their transpose (r[i] lane j -> r[j] lane i)
+OPT_AVX512 inline void transpose16(__m512* r) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    u[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {  // 128-bit lanes: rows i, 4 + i, 8 + i, 12 + i
+    t[i] = _mm512_shuffle_f32x4(u[i], u[4 + i], _MM_SHUFFLE(2, 0, 2, 0));
+    t[4 + i] = _mm512_shuffle_f32x4(u[i], u[4 + i], _MM_SHUFFLE(3, 1, 3, 1));
+    t[8 + i] = _mm512_shuffle_f32x4(u[8 + i], u[12 + i], _MM_SHUFFLE(2, 0, 2, 0));
+    t[12 + i] = _mm512_shuffle_f32x4(u[8 + i], u[12 + i], _MM_SHUFFLE(3, 1, 3, 1));
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], _MM_SHUFFLE(2, 0, 2, 0));
+    r[4 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], _MM_SHUFFLE(2, 0, 2, 0));
+    r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], _MM_SHUFFLE(3, 1, 3, 1));
+    r[12 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+
 // 16 cache entries -> float32 lanes
 OPT_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 OPT_AVX512 inline __m512 load16(const uint16_t* p) {

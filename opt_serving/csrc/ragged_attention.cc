@@ -62,6 +62,7 @@ void attend_ragged(const Rows<KV>& r, const float* q, const std::vector<Item>& i
 #else
   const bool avx512 = false;
 #endif
+  const bool amx = use_amx();
   const int64_t work = static_cast<int64_t>(items.size()) * h_count;
 #pragma omp parallel for schedule(dynamic, 1)  // (dynamic: common.h; tiles later in a run have more keys)
   for (int64_t w = 0; w < work; ++w) {
@@ -69,6 +70,7 @@ void attend_ragged(const Rows<KV>& r, const float* q, const std::vector<Item>& i
     // few hundred KB) from cache, where row-major order cycled every head's blocks through it between two rows
     const Item& it = items[w % items.size()];
     const int64_t h = w / static_cast<int64_t>(items.size());
+    if (amx && tile_amx(r, q, it, h, out)) continue;
     if (avx512 && tile_avx512(r, q, it, h, out)) continue;
     if (!tile_loops(r, q, it, h, out)) tile_portable(r, q, it, h, out);
   }

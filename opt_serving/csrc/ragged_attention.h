@@ -1,6 +1,6 @@
-// The ragged step's attention (ragged_attention.cc) and the tiles it runs: the AVX-512 ones
-// (ragged_attention_avx512.cc), the vector loops built for AVX2 with FMA (ragged_attention_loops.cc), the portable
-// one.
+// The ragged step's attention (ragged_attention.cc) and the tiles it runs: a prompt's on AMX for a bfloat16 cache
+// (ragged_attention_amx.cc), the AVX-512 ones (ragged_attention_avx512.cc), the vector loops built for AVX2 with FMA
+// (ragged_attention_loops.cc), the portable one.
 #pragma once
 
 #include "common.h"
@@ -83,5 +83,12 @@ bool tile_avx512(const Rows<float>& r, const float* q, const Item& it, int64_t h
 bool tile_avx512(const Rows<uint16_t>& r, const float* q, const Item& it, int64_t h, float* out);
 bool tile_loops(const Rows<float>& r, const float* q, const Item& it, int64_t h, float* out);
 bool tile_loops(const Rows<uint16_t>& r, const float* q, const Item& it, int64_t h, float* out);
+
+// A prompt's tile (more than kFew queries) on AMX, for a bfloat16 cache and head size 64 or 128, or false. The
+// caller checks use_amx(): the CPU has AMX with bfloat16, Linux lets this process use it, and neither
+// OPT_SERVING_NO_AMX nor OPT_SERVING_NO_AVX512 is set. Read once.
+bool use_amx();
+bool tile_amx(const Rows<uint16_t>& r, const float* q, const Item& it, int64_t h, float* out);
+inline bool tile_amx(const Rows<float>&, const float*, const Item&, int64_t, float*) { return false; }
 
 }  // namespace opt::ragged

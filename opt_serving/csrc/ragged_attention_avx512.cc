@@ -59,33 +59,6 @@ OPT_AVX512 void tile_few_avx512(const Rows<KV>& r, const float* q, const Item& i
   }
 }
 
-// 16 rows of 16 floats -> their transpose (r[i] lane j -> r[j] lane i)
-OPT_AVX512 inline void transpose16(__m512* r) {
-  __m512 t[16], u[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    u[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-    u[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-    u[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-    u[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-  }
-  for (int i = 0; i < 4; ++i) {  // 128-bit lanes: rows i, 4 + i, 8 + i, 12 + i
-    t[i] = _mm512_shuffle_f32x4(u[i], u[4 + i], _MM_SHUFFLE(2, 0, 2, 0));
-    t[4 + i] = _mm512_shuffle_f32x4(u[i], u[4 + i], _MM_SHUFFLE(3, 1, 3, 1));
-    t[8 + i] = _mm512_shuffle_f32x4(u[8 + i], u[12 + i], _MM_SHUFFLE(2, 0, 2, 0));
-    t[12 + i] = _mm512_shuffle_f32x4(u[8 + i], u[12 + i], _MM_SHUFFLE(3, 1, 3, 1));
-  }
-  for (int i = 0; i < 4; ++i) {
-    r[i] = _mm512_shuffle_f32x4(t[i], t[8 + i], _MM_SHUFFLE(2, 0, 2, 0));
-    r[4 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], _MM_SHUFFLE(2, 0, 2, 0));
-    r[8 + i] = _mm512_shuffle_f32x4(t[i], t[8 + i], _MM_SHUFFLE(3, 1, 3, 1));
-    r[12 + i] = _mm512_shuffle_f32x4(t[4 + i], t[12 + i], _MM_SHUFFLE(3, 1, 3, 1));
-  }
-}
-
 // One tile's queries for head h, head_dim 16 * NV. Each key block is transposed once (kt[c]: dimension c of its
 // 16 keys), so a query's 16 scores are one vector built by d broadcast FMAs, 8 queries at a time (8 chains keep
 // both FMA units busy); the probabilities then weigh the block's values, 4 (or 2) queries at a time, their
