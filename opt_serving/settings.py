@@ -54,8 +54,9 @@ class Settings:
     amx          OPT_SERVING_NO_AMX (any value): a prompt's attention over a bfloat16 cache on the AVX-512 tiles
                  where the CPU has AMX (csrc/ragged_attention_amx.cc)
 
-    The last three are read by the C++ extension itself too (csrc/common.cc's pin_team and common.h's use_avx512,
-    once, when the kernels first run), from the same variables: these fields say what it will read.
+    The last three are read by the C++ extension itself too (csrc/common.cc's pin_team, common.h's use_avx512 and
+    ragged_attention_amx.cc's use_amx, once, when the kernels first run), from the same variables: these fields say
+    what it will read.
     """
     kernels: bool = True
     bf16_screen: bool = True

@@ -53,8 +53,7 @@ SCENARIOS = {
                       "--output-len", "32", "--ignore-eos"],
 }
 SEQS, POSITIONS = 32, 1024
-OURS_FLAGS = {"ours": [], "ours-no-prefix": ["--no-prefix-caching"], "ours-whole": ["--prefill-chunk", "0"],
-              "ours-chunk1024": ["--prefill-chunk", "1024"], "ours-chunk2048": ["--prefill-chunk", "2048"]}
+OURS_FLAGS = {"ours": [], "ours-no-prefix": ["--no-prefix-caching"], "ours-whole": ["--prefill-chunk", "0"]}
 TCMALLOC = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4", "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4",
             "/usr/lib64/libtcmalloc_minimal.so.4")
 

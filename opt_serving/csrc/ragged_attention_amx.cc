@@ -134,6 +134,8 @@ OPT_AMX void tile_amx_d(const Rows<uint16_t>& r, const float* q, const Item& it,
     }
     const int64_t j0 = std::max<int64_t>(0, e0 + 1 - it.end0);  // the first query with keys in this block
     for (int sub = static_cast<int>(j0 / 16); sub < subs; ++sub) {
+      // this query tile's queries with keys in the block: [j_lo, j_hi)
+      const int64_t j_lo = std::max<int64_t>(16 * sub, j0), j_hi = std::min<int64_t>(16 * sub + 16, it.count);
       // scores: tiles 0 and 1 (the two halves of the keys), 4 the queries, 5 and 6 the keys
       _tile_zero(0);
       _tile_zero(1);
@@ -148,7 +150,7 @@ OPT_AMX void tile_amx_d(const Rows<uint16_t>& r, const float* q, const Item& it,
       }
       _tile_stored(0, s[16 * sub], kKeys * 4);
       _tile_stored(1, s[16 * sub] + 16, kKeys * 4);
-      for (int64_t j = std::max<int64_t>(16 * sub, j0); j < std::min<int64_t>(16 * sub + 16, it.count); ++j) {
+      for (int64_t j = j_lo; j < j_hi; ++j) {
         const int64_t n = std::min<int64_t>(kKeys, it.end0 + j - e0);  // its keys in the block (at least 1)
         const __mmask16 m0 = n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
         const __mmask16 m1 = n >= 32 ? 0xFFFF : n > 16 ? static_cast<__mmask16>((1u << (n - 16)) - 1) : 0;
@@ -188,7 +190,7 @@ OPT_AMX void tile_amx_d(const Rows<uint16_t>& r, const float* q, const Item& it,
         _tile_stored(1, ob[0] + 16, 256);
         _tile_stored(2, ob[0] + 32, 256);
         _tile_stored(3, ob[0] + 48, 256);
-        for (int64_t j = std::max<int64_t>(16 * sub, j0); j < std::min<int64_t>(16 * sub + 16, it.count); ++j) {
+        for (int64_t j = j_lo; j < j_hi; ++j) {
           const __m512 sv = _mm512_set1_ps(scale[j]);
           for (int t = 0; t < 4; ++t) {
             float* a = acc[j] + 64 * pass + 16 * t;
